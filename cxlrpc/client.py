@@ -1,0 +1,351 @@
+"""Clients: the asyncio :class:`Client` (primary) and the blocking :class:`SyncClient`.
+
+Both claim a slot in the server's region, push request frames into the shared MPSC ring,
+and read replies from their own SPSC ring.  A monitor thread beats the slot's heartbeat
+and watches the server's, so a dead server surfaces as ``Unavailable`` within
+``server_timeout`` instead of a hang.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from typing import Any
+
+from . import frame as fr
+from .channel import KIND_RPC, ClientChannel
+from .doorbell import WaitStrategy, resolve
+from .errors import (Cancelled, DeadlineExceeded, InvalidArgument, ResourceExhausted, RpcError,
+                     Unavailable, error_for)
+from .region import Region, RegionError
+
+_BEAT_INTERVAL = 0.1
+
+
+def _attach(url: str) -> ClientChannel:
+    try:
+        region = Region.open(url, kind=KIND_RPC)
+    except FileNotFoundError as exc:
+        raise Unavailable(f"no server at {url}") from exc
+    except RegionError as exc:
+        raise Unavailable(f"cannot use {url}: {exc}") from exc
+    try:
+        return ClientChannel(region)
+    except ConnectionRefusedError as exc:
+        region.close()
+        raise Unavailable(str(exc)) from exc
+    except BlockingIOError as exc:
+        region.close()
+        raise ResourceExhausted(str(exc)) from exc
+    except BaseException:
+        region.close()
+        raise
+
+
+class _Base:
+    """What both clients share: the channel, request encoding, the monitor thread."""
+
+    def __init__(self, url: str, doorbell: WaitStrategy | str | None, server_timeout: float) -> None:
+        self.url = url
+        self.strategy = resolve(doorbell)
+        self.server_timeout = server_timeout
+        self._chan: ClientChannel | None = None
+        self._ids = itertools.count(1)
+        self._methods: dict[str, bytes] = {}
+        self._gone: str | None = None
+        self._stop = threading.Event()
+        self._monitor: threading.Thread | None = None
+
+    def _open(self) -> None:
+        self._chan = _attach(self.url)
+        self._monitor = threading.Thread(target=self._watch, name="cxlrpc-client-monitor", daemon=True)
+        self._monitor.start()
+
+    def _shutdown(self) -> None:
+        self._stop.set()
+        if self._monitor is not None and self._monitor is not threading.current_thread():
+            self._monitor.join()
+        if self._chan is not None:
+            self._chan.detach()
+            self._chan.region.close()
+            self._chan = None
+
+    def _watch(self) -> None:
+        chan = self._chan
+        while not self._stop.wait(_BEAT_INTERVAL):
+            chan.beat()
+            if self._gone is None:
+                reason = chan.server_gone(self.server_timeout)
+                if reason is not None:
+                    self._gone = reason
+                    self._on_gone()
+
+    def _on_gone(self) -> None:
+        """Called from the monitor thread once the server is judged gone."""
+
+    def _frame(self, kind: int, call_id: int, method: str, arg: Any, timeout: float) -> tuple:
+        mb = self._methods.get(method)
+        if mb is None:
+            mb = fr.method_bytes(method)
+            if len(self._methods) < 4096:
+                self._methods[method] = mb
+        flags, body = fr.encode_body(arg) if kind == fr.REQUEST else (fr.RAW, b"")
+        chan = self._chan
+        head = fr.header(kind, flags, 0, chan.slot, chan.gen, call_id, timeout, mb)
+        size = len(head) + len(mb) + len(body)
+        if size > chan.requests.max_payload:
+            raise ResourceExhausted(
+                f"request of {len(body)} bytes exceeds the request ring's limit {chan.requests.max_payload}")
+        return head, mb, body
+
+    def _decode_reply(self, f: fr.Frame, response_type: Any) -> Any:
+        if f.kind == fr.ERROR:
+            raise error_for(f.status, f.body.decode(errors="replace"))
+        try:
+            return fr.decode_body(f.flags, f.body, response_type)
+        except Exception as exc:
+            raise InvalidArgument(f"reply does not decode as {response_type}: {exc}") from exc
+
+
+class Client(_Base):
+    """asyncio client. Many calls may be in flight at once; use ``async with connect(...)``."""
+
+    def __init__(self, url: str, *, doorbell: WaitStrategy | str | None = None,
+                 server_timeout: float = 1.0) -> None:
+        super().__init__(url, doorbell, server_timeout)
+        self._pending: dict[int, tuple[asyncio.Future, Any]] = {}
+        self._reader: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+
+    async def open(self) -> "Client":
+        self._loop = asyncio.get_running_loop()
+        self._open()
+        self._reader = self._loop.create_task(self._read())
+        return self
+
+    async def close(self) -> None:
+        """Detach from the server; calls still waiting fail with ``Unavailable``."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+        self._fail_all(Unavailable("client closed"))
+        self._shutdown()
+
+    async def __aenter__(self) -> "Client":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def call(self, method: str, arg: Any = None, *, timeout: float | None = None,
+                   response_type: Any = None) -> Any:
+        """Call ``method`` with ``arg``; raises an :class:`RpcError` subclass on failure."""
+        if self._closed or self._chan is None:
+            raise Unavailable("client is closed")
+        if self._gone is not None:
+            raise Unavailable(self._gone)
+        if timeout is not None and timeout <= 0:
+            raise DeadlineExceeded("timeout must be positive")
+        call_id = next(self._ids)
+        parts = self._frame(fr.REQUEST, call_id, method, arg, timeout or 0.0)
+        loop = self._loop
+        fut = loop.create_future()
+        self._pending[call_id] = (fut, response_type)
+        deadline = None if timeout is None else loop.time() + timeout
+        timer = None
+        try:
+            await self._push(parts, deadline)
+            if deadline is not None:
+                timer = loop.call_at(deadline, _expire, fut)
+            return await fut
+        except asyncio.CancelledError:
+            self._send_cancel(call_id)
+            raise
+        except DeadlineExceeded:
+            self._send_cancel(call_id)
+            raise
+        finally:
+            self._pending.pop(call_id, None)
+            if timer is not None:
+                timer.cancel()
+
+    async def _push(self, parts: tuple, deadline: float | None) -> None:
+        chan = self._chan
+        backoff = 0.0
+        while not chan.requests.try_push_parts(parts, chan.slot):
+            if self._gone is not None:
+                raise Unavailable(self._gone)
+            if deadline is not None and self._loop.time() >= deadline:
+                raise DeadlineExceeded("request ring stayed full until the deadline")
+            chan.server_bell.ring()
+            await asyncio.sleep(backoff)
+            backoff = min(0.001, backoff * 2 + 1e-5)
+        chan.server_bell.ring()
+
+    def _send_cancel(self, call_id: int) -> None:
+        chan = self._chan
+        if chan is None or self._gone is not None:
+            return
+        head = fr.header(fr.CANCEL, fr.RAW, 0, chan.slot, chan.gen, call_id, 0.0, b"")
+        if chan.requests.try_push_parts((head,), chan.slot):
+            chan.server_bell.ring()
+
+    async def _read(self) -> None:
+        chan = self._chan
+        ring = chan.responses
+        poll = ring.poll
+        on_reply = self._on_reply
+        ready = lambda: ring.readable() or self._gone is not None
+        while True:
+            if poll(on_reply, 1024):
+                await asyncio.sleep(0)
+                continue
+            if self._gone is not None:
+                self._fail_all(Unavailable(self._gone))
+                return
+            await chan.bell.wait_async(ready, self.strategy, _BEAT_INTERVAL if self._pending else 1.0)
+
+    def _on_reply(self, view: memoryview) -> None:
+        try:
+            f = fr.decode(view)
+        except fr.FrameError:
+            self._chan.dropped += 1
+            return
+        if f.gen != self._chan.gen or f.slot != self._chan.slot:
+            return  # a reply meant for this slot's previous holder
+        entry = self._pending.pop(f.call_id, None)
+        if entry is None:
+            return  # the caller gave up (timeout, cancel)
+        fut, response_type = entry
+        if fut.done():
+            return
+        try:
+            fut.set_result(self._decode_reply(f, response_type))
+        except RpcError as exc:
+            fut.set_exception(exc)
+
+    def _fail_all(self, exc: RpcError) -> None:
+        pending, self._pending = self._pending, {}
+        for fut, _ in pending.values():
+            if not fut.done():
+                fut.set_exception(exc)
+
+    def _on_gone(self) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(lambda: None)  # wakes the loop; the reader sees _gone
+            except RuntimeError:
+                pass
+
+
+def _expire(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_exception(DeadlineExceeded("deadline exceeded"))
+
+
+class _Connecting:
+    """What :func:`connect` returns: ``await`` it, or use it with ``async with``."""
+
+    def __init__(self, client: Client) -> None:
+        self._client = client
+
+    def __await__(self):
+        return self._client.open().__await__()
+
+    async def __aenter__(self) -> Client:
+        return await self._client.open()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._client.close()
+
+
+def connect(url: str, *, doorbell: WaitStrategy | str | None = None,
+            server_timeout: float = 1.0) -> _Connecting:
+    """Connect an asyncio client: ``async with cxlrpc.connect("shm://NAME") as client``."""
+    return _Connecting(Client(url, doorbell=doorbell, server_timeout=server_timeout))
+
+
+class SyncClient(_Base):
+    """Blocking client for synchronous callers. Thread-safe; calls from several threads are
+    serialised (open one client per thread for parallel calls)."""
+
+    def __init__(self, url: str, *, doorbell: WaitStrategy | str | None = None,
+                 server_timeout: float = 1.0) -> None:
+        super().__init__(url, doorbell, server_timeout)
+        self._lock = threading.Lock()
+        self._open()
+
+    def close(self) -> None:
+        with self._lock:
+            self._shutdown()
+
+    def __enter__(self) -> "SyncClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def call(self, method: str, arg: Any = None, *, timeout: float | None = None,
+             response_type: Any = None) -> Any:
+        """Call ``method`` with ``arg`` and wait for the reply (or raise an RpcError)."""
+        with self._lock:
+            chan = self._chan
+            if chan is None:
+                raise Unavailable("client is closed")
+            if timeout is not None and timeout <= 0:
+                raise DeadlineExceeded("timeout must be positive")
+            call_id = next(self._ids)
+            parts = self._frame(fr.REQUEST, call_id, method, arg, timeout or 0.0)
+            deadline = None if timeout is None else time.monotonic() + timeout
+            backoff = 0.0
+            while not chan.requests.try_push_parts(parts, chan.slot):
+                self._check(deadline, call_id, sent=False)
+                chan.server_bell.ring()
+                time.sleep(backoff)  # backpressure: the server is draining a full ring
+                backoff = min(0.001, backoff * 2 + 1e-5)
+            chan.server_bell.ring()
+            ring, bell, strategy = chan.responses, chan.bell, self.strategy
+            got: list[fr.Frame] = []
+
+            def on_reply(view: memoryview) -> None:
+                try:
+                    f = fr.decode(view)
+                except fr.FrameError:
+                    ring.dropped += 1
+                    return
+                if f.call_id == call_id and f.gen == chan.gen and f.slot == chan.slot:
+                    got.append(f)
+
+            ready = lambda: ring.readable() or self._gone is not None
+            while True:
+                ring.poll(on_reply)
+                if got:
+                    return self._decode_reply(got[0], response_type)
+                self._check(deadline, call_id, sent=True)
+                wait = _BEAT_INTERVAL
+                if deadline is not None:
+                    wait = min(wait, max(deadline - time.monotonic(), 0.0))
+                bell.wait_sync(ready, strategy, wait)
+
+    def _check(self, deadline: float | None, call_id: int, sent: bool) -> None:
+        if self._gone is not None:
+            raise Unavailable(self._gone)
+        if deadline is not None and time.monotonic() >= deadline:
+            if sent:
+                chan = self._chan
+                head = fr.header(fr.CANCEL, fr.RAW, 0, chan.slot, chan.gen, call_id, 0.0, b"")
+                if chan.requests.try_push_parts((head,), chan.slot):
+                    chan.server_bell.ring()
+            raise DeadlineExceeded("deadline exceeded")
+
+
+def connect_sync(url: str, *, doorbell: WaitStrategy | str | None = None,
+                 server_timeout: float = 1.0) -> SyncClient:
+    """Connect a blocking client: ``with cxlrpc.connect_sync("shm://NAME") as client``."""
+    return SyncClient(url, doorbell=doorbell, server_timeout=server_timeout)

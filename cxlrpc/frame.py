@@ -1,0 +1,109 @@
+"""Frames: the one place that encodes and decodes what crosses the rings.
+
+A frame is a fixed little-endian header, the method name, then the body::
+
+    kind u8 | flags u8 | status u16 | slot u16 | gen u32 | call_id u64 | timeout f64 | method_len u16
+
+``bytes``-like bodies travel raw (flag ``RAW``: one copy into the ring, one out); anything
+else is msgspec MessagePack.  Every field is validated on decode: a frame from shared
+memory may be garbage.
+"""
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import msgspec
+
+from .errors import InvalidArgument
+
+REQUEST, RESPONSE, ERROR, CANCEL = 1, 2, 3, 4
+_KINDS = frozenset((REQUEST, RESPONSE, ERROR, CANCEL))
+RAW = 1  # body is the caller's bytes, not MessagePack
+
+HEADER = struct.Struct("<BBHHIQdH")
+HEADER_SIZE = HEADER.size
+MAX_METHOD = 255
+
+_encode = msgspec.msgpack.Encoder().encode
+_decoders: dict[Any, msgspec.msgpack.Decoder] = {}
+_method_names: dict[bytes, str] = {}
+
+
+class FrameError(ValueError):
+    """A frame that no correct peer would write."""
+
+
+class Frame(msgspec.Struct, gc=False):
+    """A decoded frame; ``body`` is already copied out of the ring."""
+
+    kind: int
+    flags: int
+    status: int
+    slot: int
+    gen: int
+    call_id: int
+    timeout: float
+    method: str
+    body: bytes
+
+
+def encode_body(value: Any) -> tuple[int, bytes | memoryview]:
+    """(flags, body) for a value: bytes-likes pass through raw, the rest is MessagePack."""
+    if type(value) is bytes or isinstance(value, (bytes, bytearray, memoryview)):
+        return RAW, value
+    try:
+        return 0, _encode(value)
+    except (TypeError, msgspec.EncodeError) as exc:
+        raise InvalidArgument(f"cannot encode {type(value).__name__}: {exc}") from exc
+
+
+def decode_body(flags: int, body: bytes, type_: Any = None) -> Any:
+    """Inverse of :func:`encode_body`, validating into ``type_`` when given."""
+    if flags & RAW:
+        if type_ is None or type_ is bytes or type_ is Any:
+            return body
+        return msgspec.convert(body, type_)
+    if type_ is None:
+        type_ = Any
+    dec = _decoders.get(type_)
+    if dec is None:
+        dec = _decoders[type_] = msgspec.msgpack.Decoder(type_)
+    return dec.decode(body)
+
+
+def method_bytes(method: str) -> bytes:
+    """Encode and check a method name once (callers cache the result)."""
+    raw = method.encode()
+    if not raw or len(raw) > MAX_METHOD:
+        raise InvalidArgument(f"method name must be 1-{MAX_METHOD} bytes, got {len(raw)}")
+    return raw
+
+
+def header(kind: int, flags: int, status: int, slot: int, gen: int, call_id: int,
+           timeout: float, method: bytes) -> bytes:
+    """Pack a frame header; the ring record is ``header + method + body``."""
+    return HEADER.pack(kind, flags, status, slot, gen & 0xFFFFFFFF, call_id, timeout, len(method))
+
+
+def decode(view: memoryview) -> Frame:
+    """Decode and validate a frame from a ring payload, copying the body out."""
+    n = len(view)
+    if n < HEADER_SIZE:
+        raise FrameError(f"frame of {n} bytes is shorter than its header")
+    kind, flags, status, slot, gen, call_id, timeout, mlen = HEADER.unpack_from(view)
+    if kind not in _KINDS or mlen > MAX_METHOD or HEADER_SIZE + mlen > n or flags & ~RAW:
+        raise FrameError("frame header out of range")
+    end = HEADER_SIZE + mlen
+    raw = bytes(view[HEADER_SIZE:end])
+    method = _method_names.get(raw)
+    if method is None:
+        try:
+            method = raw.decode()
+        except UnicodeDecodeError as exc:
+            raise FrameError("method name is not UTF-8") from exc
+        if len(_method_names) < 4096:
+            _method_names[raw] = method
+    if timeout != timeout or timeout < 0:  # NaN or negative
+        raise FrameError("frame timeout out of range")
+    return Frame(kind, flags, status, slot, gen, call_id, timeout, method, bytes(view[end:]))

@@ -1,0 +1,80 @@
+"""Record format shared by both rings.
+
+A ring is a control block (``CONTROL_SIZE`` bytes: tail counter at +0, head counter at
++128, each on its own pair of cache lines) followed by a power-of-two data area.
+A record is an 8-byte header word followed by the payload, padded to 8 bytes::
+
+    bits  0..31  payload length
+    bits 32..47  producer id (MPSC: who claimed the record, for dead-producer unblocking)
+    bits 48..55  kind: DATA or PADDING (padding fills the end of the buffer on wrap-around)
+    bit  62      COMMITTED: the payload is complete and may be read
+
+Header words are stored atomically (release on commit) through :mod:`cxlrpc.memory`.
+"""
+from __future__ import annotations
+
+CONTROL_SIZE = 256
+TAIL_OFFSET = 0
+HEAD_OFFSET = 128
+HEADER_SIZE = 8
+
+KIND_DATA = 1
+KIND_PADDING = 2
+COMMITTED = 1 << 62
+LENGTH_MASK = 0xFFFFFFFF
+MAX_PRODUCER_ID = 0xFFFF
+
+
+def align8(n: int) -> int:
+    """Round ``n`` up to a multiple of 8."""
+    return (n + 7) & ~7
+
+
+def make_header(length: int, kind: int, producer: int, committed: bool) -> int:
+    """Pack a record header word."""
+    return (COMMITTED if committed else 0) | (kind << 48) | (producer << 32) | length
+
+
+def header_kind(word: int) -> int:
+    return (word >> 48) & 0xFF
+
+
+def header_producer(word: int) -> int:
+    return (word >> 32) & 0xFFFF
+
+
+def ring_size(capacity: int) -> int:
+    """Bytes a ring of ``capacity`` data bytes occupies (control block included)."""
+    check_capacity(capacity)
+    return CONTROL_SIZE + capacity
+
+
+def check_capacity(capacity: int) -> None:
+    """Capacities are powers of two, at least 1 KiB, at most 2 GiB (lengths are 32-bit)."""
+    if capacity < 1024 or capacity > (1 << 31) or capacity & (capacity - 1):
+        raise ValueError(f"ring capacity must be a power of two in [1 KiB, 2 GiB], got {capacity}")
+
+
+def max_payload(capacity: int) -> int:
+    """Largest payload a ring accepts: half the capacity, so an empty ring always fits one
+    record wherever its tail stands (wrap padding included)."""
+    return capacity // 2 - HEADER_SIZE
+
+
+class RingCorrupted(Exception):
+    """The ring's counters or a record header hold values no correct peer writes."""
+
+
+class _Zeros:
+    """A growing read-only block of zeros, used to clear consumed ring space with memcpy."""
+
+    def __init__(self) -> None:
+        self._block = memoryview(bytes(1 << 16))
+
+    def get(self, n: int) -> memoryview:
+        if n > len(self._block):
+            self._block = memoryview(bytes(max(n, 2 * len(self._block))))
+        return self._block[:n]
+
+
+ZEROS = _Zeros()

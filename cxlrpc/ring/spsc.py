@@ -1,0 +1,99 @@
+"""Single-producer single-consumer ring (Lamport/Disruptor style).
+
+The producer owns the tail, the consumer owns the head; each keeps a private copy of its
+own counter and a cached copy of the other's, so the common case touches one shared line.
+Records become visible with one release-store of the tail, so a batch costs one publish.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+from ..memory import ACQUIRE, RELAXED, RELEASE, AtomicMemory
+from .base import RingBase
+from .record import COMMITTED, HEADER_SIZE, KIND_DATA, KIND_PADDING
+
+
+class SpscRing(RingBase):
+    """One producer, one consumer, variable-length records, wrap-around by padding."""
+
+    def __init__(self, buf: memoryview, mem: AtomicMemory, offset: int, capacity: int) -> None:
+        super().__init__(buf, mem, offset, capacity)
+        self._tail_local = self._tail.load(RELAXED)
+
+    def reset(self) -> None:
+        super().reset()
+        self._tail_local = 0
+
+    def attach_producer(self) -> None:
+        """Adopt the ring's published tail (a new producer taking over a reclaimed ring)."""
+        self._tail_local = self._tail.load(ACQUIRE)
+        self._head_cache = self._head.load(ACQUIRE)
+
+    def skip_to_tail(self) -> None:
+        """Consumer only: discard everything published so far (a new holder of the ring)."""
+        self._head.store(self._tail.load(ACQUIRE), RELEASE)
+
+    def _reserve(self, tail: int, length: int) -> int:
+        """Write any wrap padding and the header for a ``length`` record at ``tail``.
+
+        Returns the new local tail after the record, or -1 when the ring lacks room.
+        """
+        cap = self.capacity
+        if length > self.max_payload:
+            raise ValueError(f"record of {length} bytes exceeds the ring's limit {self.max_payload}")
+        size = HEADER_SIZE + ((length + 7) & ~7)
+        idx = tail & self.mask
+        to_end = cap - idx
+        need = size if size <= to_end else to_end + size
+        if tail + need - self._head_cache > cap:
+            self._head_cache = self._head.load(ACQUIRE)
+            if tail + need - self._head_cache > cap:
+                return -1
+        store = self.mem.store
+        if need != size:
+            store(self.data + idx, COMMITTED | (KIND_PADDING << 48) | (to_end - HEADER_SIZE), RELAXED)
+            idx = 0
+        store(self.data + idx, COMMITTED | (KIND_DATA << 48) | length, RELAXED)
+        return tail + need
+
+    def try_push(self, data: bytes | memoryview) -> bool:
+        """Append one record; False when the ring is full (backpressure, nothing written)."""
+        return self.try_push_parts((data,))
+
+    def try_push_parts(self, parts: Sequence[bytes | memoryview]) -> bool:
+        """Append one record made of ``parts`` concatenated (saves the caller a join copy)."""
+        length = 0
+        for p in parts:
+            length += len(p)
+        tail = self._tail_local
+        new_tail = self._reserve(tail, length)
+        if new_tail < 0:
+            return False
+        start = self.data + ((new_tail - HEADER_SIZE - ((length + 7) & ~7)) & self.mask) + HEADER_SIZE
+        buf = self.buf
+        for p in parts:
+            n = len(p)
+            buf[start:start + n] = p
+            start += n
+        self._tail_local = new_tail
+        self._tail.store(new_tail, RELEASE)
+        return True
+
+    def try_push_batch(self, records: Iterable[bytes | memoryview]) -> int:
+        """Append records in order until one does not fit; one publish for all. Returns how many."""
+        tail = self._tail_local
+        count = 0
+        buf = self.buf
+        for rec in records:
+            length = len(rec)
+            new_tail = self._reserve(tail, length)
+            if new_tail < 0:
+                break
+            start = self.data + ((new_tail - HEADER_SIZE - ((length + 7) & ~7)) & self.mask) + HEADER_SIZE
+            buf[start:start + length] = rec
+            tail = new_tail
+            count += 1
+        if count:
+            self._tail_local = tail
+            self._tail.store(tail, RELEASE)
+        return count

@@ -1,0 +1,331 @@
+"""The asyncio server: one reader task drains the request ring and dispatches to handlers.
+
+Plain-function handlers run inline (no task, no extra loop iteration); coroutine handlers
+get a task so they can be cancelled by a CANCEL frame, a deadline, or their client dying.
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+import threading
+import time
+from typing import Any, Awaitable, Callable
+
+import msgspec
+
+from . import frame as fr
+from .channel import KIND_RPC, Geometry, ServerChannel
+from .doorbell import WaitStrategy, resolve
+from .errors import RpcError, StatusCode
+from .memory import ACQ_REL, ACQUIRE
+from .region import Region, RegionError, parse_url, unlink_shm
+
+Handler = Callable[..., Any]
+_NO_ARG = object()
+
+
+class _Method:
+    """A registered handler with its request decoding decided once, at registration."""
+
+    __slots__ = ("fn", "is_async", "arg_type", "takes_arg")
+
+    def __init__(self, fn: Handler) -> None:
+        self.fn = fn
+        self.is_async = inspect.iscoroutinefunction(fn)
+        params = list(inspect.signature(fn).parameters.values())
+        self.takes_arg = bool(params)
+        self.arg_type: Any = None
+        if params:
+            ann = params[0].annotation
+            if ann is not inspect.Parameter.empty and not isinstance(ann, str):
+                self.arg_type = ann
+            elif isinstance(ann, str):
+                hints = inspect.get_annotations(fn, eval_str=True)
+                self.arg_type = hints.get(params[0].name)
+
+
+class Server:
+    """An RPC server on a shared region (``shm://NAME`` or ``file:///PATH``)."""
+
+    def __init__(self, url: str, *, slots: int = 16, request_capacity: int = 8 << 20,
+                 response_capacity: int = 8 << 20, doorbell: WaitStrategy | str | None = None,
+                 client_timeout: float = 1.0, heartbeat_interval: float = 0.1,
+                 size: int | None = None, mode: int = 0o600) -> None:
+        self.url = url
+        self.geometry = Geometry(slots, request_capacity, response_capacity)
+        self.size = max(size or 0, self.geometry.size)
+        self.strategy = resolve(doorbell)
+        self.client_timeout = client_timeout
+        self.heartbeat_interval = heartbeat_interval
+        self.mode = mode
+        self._methods: dict[str, _Method] = {}
+        self._region: Region | None = None
+        self._chan: ServerChannel | None = None
+        self._reader: asyncio.Task | None = None
+        self._tasks: dict[tuple[int, int, int], asyncio.Task] = {}
+        self._backlog: dict[int, list[tuple]] = {}
+        self._closing = False
+        self._closed = asyncio.Event()
+        self._beat_stop = threading.Event()
+        self._beater: threading.Thread | None = None
+        self.dropped_frames = 0
+
+    # ------------------------------------------------------------------ registration
+    def method(self, name: str) -> Callable[[Handler], Handler]:
+        """Decorator: serve ``fn`` as ``name`` (plain or async; one argument, the request)."""
+        def register(fn: Handler) -> Handler:
+            self.add_method(name, fn)
+            return fn
+        return register
+
+    def add_method(self, name: str, fn: Handler) -> None:
+        fr.method_bytes(name)
+        if name in self._methods:
+            raise ValueError(f"method {name!r} is already registered")
+        self._methods[name] = _Method(fn)
+
+    # ------------------------------------------------------------------ lifetime
+    async def start(self) -> None:
+        """Create the region (replacing a stale one left by a dead server) and start serving."""
+        if self._region is not None:
+            raise RuntimeError("server already started")
+        self._region = _create_region(self.url, self.size, self.mode, self.client_timeout + 1.0)
+        self._chan = ServerChannel(self._region, self.geometry)
+        self._region.publish()
+        self._beater = threading.Thread(target=self._beat, name="cxlrpc-server-heartbeat", daemon=True)
+        self._beater.start()
+        self._reader = asyncio.get_running_loop().create_task(self._serve())
+
+    async def close(self) -> None:
+        """Stop serving: clients see UNAVAILABLE at once; the shm region is unlinked."""
+        if self._region is None or self._closing:
+            await self._closed.wait() if self._region is not None else None
+            return
+        self._closing = True
+        self._chan.close()  # state CLOSED + wake every client
+        reader = self._reader
+        if reader is not None:
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+        tasks = list(self._tasks.values())
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._beat_stop.set()
+        if self._beater is not None:
+            self._beater.join()
+        self._region.unlink()
+        self._region.close()
+        self._closed.set()
+
+    async def serve_forever(self) -> None:
+        """Wait until :meth:`close` is called (by a handler, a signal handler or another task)."""
+        await self._closed.wait()
+
+    async def __aenter__(self) -> "Server":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _beat(self) -> None:
+        hb = self._region.heartbeat
+        while not self._beat_stop.wait(self.heartbeat_interval):
+            hb.fetch_add(1, ACQ_REL)
+
+    # ------------------------------------------------------------------ data path
+    async def _serve(self) -> None:
+        chan = self._chan
+        ring = chan.requests
+        poll = ring.poll
+        on_request = self._on_request
+        housekeeping_every = min(0.1, self.client_timeout / 4)
+        next_housekeeping = time.monotonic() + housekeeping_every
+        stuck_since: float | None = None
+        while True:
+            n = poll(on_request, 256)
+            if self._backlog:
+                self._flush_backlog()
+            now = time.monotonic()
+            if now >= next_housekeeping:
+                next_housekeeping = now + housekeeping_every
+                stuck_since = self._housekeeping(now, stuck_since)
+            if n:
+                await asyncio.sleep(0)
+            else:
+                await chan.bell.wait_async(ring.readable, self.strategy, housekeeping_every)
+
+    def _housekeeping(self, now: float, stuck_since: float | None) -> float | None:
+        """Reclaim dead clients' slots and unblock records their producers never committed."""
+        chan = self._chan
+        for slot in chan.reap(self.client_timeout, now):
+            self._backlog.pop(slot, None)
+            for key, task in list(self._tasks.items()):
+                if key[0] == slot:
+                    task.cancel()
+        blocked = chan.requests.blocked_producer()
+        if blocked is None:
+            return None
+        if stuck_since is None:
+            return now
+        waited = now - stuck_since
+        dead = lambda p: p >= chan.geo.slots or chan.slot_generation(p) < 0 or waited > 2 * self.client_timeout
+        if chan.requests.unblock(dead, force=waited > 4 * self.client_timeout):
+            return None
+        return stuck_since
+
+    def _on_request(self, view: memoryview) -> None:
+        try:
+            f = fr.decode(view)
+        except fr.FrameError:
+            self._drop()
+            return
+        chan = self._chan
+        if f.slot >= chan.geo.slots or chan.slot_generation(f.slot) != f.gen:
+            self._drop()
+            return
+        if f.kind == fr.CANCEL:
+            task = self._tasks.get((f.slot, f.gen, f.call_id))
+            if task is not None:
+                task.cancel()
+            return
+        if f.kind != fr.REQUEST:
+            self._drop()
+            return
+        m = self._methods.get(f.method)
+        if m is None:
+            self._error(f, StatusCode.NOT_FOUND, f"unknown method {f.method!r}")
+            return
+        try:
+            arg = fr.decode_body(f.flags, f.body, m.arg_type) if m.takes_arg else _NO_ARG
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            self._error(f, StatusCode.INVALID_ARGUMENT, f"bad request for {f.method!r}: {exc}")
+            return
+        if m.is_async:
+            key = (f.slot, f.gen, f.call_id)
+            task = asyncio.get_running_loop().create_task(self._run_async(m, f, arg, key))
+            self._tasks[key] = task
+            return
+        try:
+            result = m.fn() if arg is _NO_ARG else m.fn(arg)
+        except Exception as exc:
+            self._fail(f, exc)
+            return
+        self._reply(f, result)
+
+    async def _run_async(self, m: _Method, f: fr.Frame, arg: Any, key: tuple) -> None:
+        try:
+            coro = m.fn() if arg is _NO_ARG else m.fn(arg)
+            if f.timeout > 0:
+                result = await asyncio.wait_for(coro, f.timeout)
+            else:
+                result = await coro
+        except asyncio.TimeoutError:
+            self._error(f, StatusCode.DEADLINE_EXCEEDED, "deadline exceeded in handler")
+        except asyncio.CancelledError:
+            if self._closing:
+                raise
+            self._error(f, StatusCode.CANCELLED, "cancelled")
+        except Exception as exc:
+            self._fail(f, exc)
+        else:
+            self._reply(f, result)
+        finally:
+            self._tasks.pop(key, None)
+
+    def _fail(self, f: fr.Frame, exc: Exception) -> None:
+        if isinstance(exc, RpcError):
+            self._error(f, exc.code, exc.message)
+        else:
+            self._error(f, StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+    def _reply(self, f: fr.Frame, result: Any) -> None:
+        try:
+            flags, body = fr.encode_body(result)
+        except RpcError as exc:
+            self._error(f, StatusCode.INTERNAL, f"cannot encode the result: {exc.message}")
+            return
+        self._send(f.slot, f.gen, fr.header(fr.RESPONSE, flags, 0, f.slot, f.gen, f.call_id, 0.0, b""), body)
+
+    def _error(self, f: fr.Frame, code: int, message: str) -> None:
+        head = fr.header(fr.ERROR, fr.RAW, int(code), f.slot, f.gen, f.call_id, 0.0, b"")
+        self._send(f.slot, f.gen, head, message.encode()[:4096])
+
+    def _send(self, slot: int, gen: int, head: bytes, body: bytes | memoryview) -> None:
+        chan = self._chan
+        if chan.slot_generation(slot) != gen:
+            return  # the client left or died: nobody to answer
+        ring = chan.responses[slot]
+        if len(head) + len(body) > ring.max_payload:
+            code = int(StatusCode.RESOURCE_EXHAUSTED)
+            msg = f"response of {len(body)} bytes exceeds the ring's limit {ring.max_payload}".encode()
+            call_id = fr.HEADER.unpack_from(head)[5]
+            head, body = fr.header(fr.ERROR, fr.RAW, code, slot, gen, call_id, 0.0, b""), msg
+        if slot in self._backlog or not ring.try_push_parts((head, body)):
+            self._backlog.setdefault(slot, []).append((gen, head, bytes(body)))
+        chan.client_bells[slot].ring()
+
+    def _flush_backlog(self) -> None:
+        """Retry responses that met a full response ring (backpressure, never loss)."""
+        chan = self._chan
+        for slot in list(self._backlog):
+            queue = self._backlog[slot]
+            ring = chan.responses[slot]
+            while queue:
+                gen, head, body = queue[0]
+                if chan.slot_generation(slot) != gen:
+                    queue.pop(0)
+                    continue
+                if not ring.try_push_parts((head, body)):
+                    break
+                queue.pop(0)
+            chan.client_bells[slot].ring()
+            if not queue:
+                del self._backlog[slot]
+
+    def _drop(self) -> None:
+        self.dropped_frames += 1
+        self._chan.dropped.fetch_add(1, ACQ_REL)
+
+
+def _create_region(url: str, size: int, mode: int, stale_after: float) -> Region:
+    """Create the server's region; an existing one is replaced only if its owner is dead."""
+    backend, path = parse_url(url)
+    if backend == "shm":
+        try:
+            return Region.create(url, size, KIND_RPC, mode)
+        except FileExistsError:
+            pass
+    elif not os.path.exists(path):
+        return Region.create(url, size, KIND_RPC, mode)
+    try:
+        old = Region.open(url)
+    except RegionError:
+        old = None  # half-initialised or foreign layout: nobody can be serving it
+    except FileNotFoundError:
+        old = None
+    if old is not None:
+        try:
+            if not _owner_dead(old, stale_after):
+                raise FileExistsError(f"region {url} is in use by a live server")
+        finally:
+            old.close()
+    if backend == "shm":
+        unlink_shm(path)
+    return Region.create(url, size, KIND_RPC, mode)
+
+
+def _owner_dead(region: Region, stale_after: float) -> bool:
+    """Dead if its PID (same host) is gone, else if its heartbeat stays still for ``stale_after``."""
+    local = region.owner_alive_locally()
+    if local is not None:
+        return not local
+    first = region.heartbeat.load(ACQUIRE)
+    deadline = time.monotonic() + stale_after
+    while time.monotonic() < deadline:
+        if region.heartbeat.load(ACQUIRE) != first:
+            return False
+        time.sleep(0.02)
+    return True

@@ -3,6 +3,7 @@ from .client import Client, SyncClient, connect, connect_sync
 from .doorbell import WaitStrategy, adaptive, busy_spin, spin_yield
 from .errors import (Cancelled, DeadlineExceeded, Internal, InvalidArgument, NotFound,
                      ResourceExhausted, RpcError, StatusCode, Unavailable)
+from .loop import run
 from .region import RegionError
 from .server import Server
 
@@ -10,6 +11,6 @@ __all__ = [
     "Server", "Client", "SyncClient", "connect", "connect_sync",
     "RpcError", "StatusCode", "Cancelled", "DeadlineExceeded", "Internal", "InvalidArgument",
     "NotFound", "ResourceExhausted", "Unavailable", "RegionError",
-    "WaitStrategy", "adaptive", "busy_spin", "spin_yield",
+    "WaitStrategy", "adaptive", "busy_spin", "spin_yield", "run",
 ]
 __version__ = "0.1.0"

@@ -52,6 +52,7 @@ class Server:
                  response_capacity: int = 8 << 20, doorbell: WaitStrategy | str | None = None,
                  client_timeout: float = 1.0, heartbeat_interval: float = 0.1,
                  size: int | None = None, mode: int = 0o600) -> None:
+        parse_url(url)  # fail fast on a malformed URL
         self.url = url
         self.geometry = Geometry(slots, request_capacity, response_capacity)
         self.size = max(size or 0, self.geometry.size)

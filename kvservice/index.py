@@ -1,0 +1,505 @@
+"""The metadata the kvservice server owns: key index, two-phase puts, leases, TTL, quotas, eviction.
+
+Pure and I/O-free: the server calls it from one thread (not thread-safe) and maps its exceptions
+to status codes; clients copy the bytes in and out of the pool at the offsets it hands out.
+
+Lifecycle of a block: ``begin_put`` allocates it (pending, invisible) -> ``commit_put`` publishes it
+(live, replacing any previous value of the key) -> it is hidden by ``remove``, TTL expiry,
+eviction or a newer commit (retired) -> it is freed once no lease holds it. Leases and pending
+puts end by release/commit/abort, by timeout in ``expire()``, or by ``release_owner``.
+
+Eviction and fairness. Victims are live blocks without a lease, least recently used first.
+A put evicts when (a) it would take its namespace over its quota: only that namespace's own
+blocks, just enough to fit, and nothing at all if they cannot make room (QuotaExceeded); or
+(b) the pool would go over the high watermark (down to the low watermark) or the allocation
+fails: first the putting namespace's own blocks, then blocks of other namespaces that have no
+quota or are over their quota (an over-quota namespace only down to its quota), oldest access
+first across them. A namespace within its quota is never evicted by another namespace's put.
+If no eligible victim is left and nothing fits, the put raises PoolFull.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable, Iterator
+from operator import attrgetter
+from typing import Any
+
+import msgspec
+
+from kvservice.allocator import PoolAllocator
+from kvservice.keys import normalize_key
+
+
+class PoolFull(Exception):
+    """No room for a put, even after evicting every block the fairness rule allows."""
+
+
+class QuotaExceeded(PoolFull):
+    """A put would take its namespace over quota and its own evictable blocks cannot make room."""
+
+
+class PutTicket(msgspec.Struct, frozen=True):
+    """Where the writer copies a pending value; ``commit_put(ticket_id)`` publishes it."""
+
+    ticket_id: int
+    offset: int
+    size: int
+
+
+class Lease(msgspec.Struct, frozen=True):
+    """A reader's right to read ``size`` bytes at ``offset`` until ``expires_at`` (server clock)."""
+
+    lease_id: int
+    offset: int
+    size: int
+    version: int
+    expires_at: float
+
+
+_PENDING, _LIVE, _RETIRED, _FREED = range(4)
+
+
+class _Block:
+    """One allocated value; ``nbytes`` is what it takes from the pool (size rounded up)."""
+
+    __slots__ = ("ns", "key", "offset", "size", "nbytes", "state", "version", "created",
+                 "last_access", "expires_at", "leases")
+
+    def __init__(self, ns: str, key: bytes, offset: int, size: int, nbytes: int) -> None:
+        self.ns = ns
+        self.key = key
+        self.offset = offset
+        self.size = size
+        self.nbytes = nbytes
+        self.state = _PENDING
+        self.version = 0
+        self.created = 0.0
+        self.last_access = 0.0
+        self.expires_at: float | None = None
+        self.leases = 0
+
+
+class _Ticket:
+    __slots__ = ("id", "block", "owner", "ttl")
+
+    def __init__(self, id: int, block: _Block, owner: Hashable | None, ttl: float | None) -> None:
+        self.id = id
+        self.block = block
+        self.owner = owner
+        self.ttl = ttl
+
+
+class _LeaseRec:
+    __slots__ = ("id", "block", "owner")
+
+    def __init__(self, id: int, block: _Block, owner: Hashable | None) -> None:
+        self.id = id
+        self.block = block
+        self.owner = owner
+
+
+class _Namespace:
+    """A tenant's live entries in LRU order (oldest first) and the pool bytes it holds."""
+
+    __slots__ = ("name", "entries", "used", "quota")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.entries: OrderedDict[bytes, _Block] = OrderedDict()
+        self.used = 0  # pending, live and retired blocks alike
+        self.quota: int | None = None
+
+
+class _Timers:
+    """Deadlines in a min-heap with lazy deletion; rebuilt when dead entries outnumber live ones."""
+
+    __slots__ = ("_heap", "_seq", "_alive")
+
+    def __init__(self, alive: Callable[[object], bool]) -> None:
+        self._heap: list[tuple[float, int, object]] = []
+        self._seq = itertools.count()
+        self._alive = alive
+
+    def push(self, deadline: float, record: object, live: int) -> None:
+        heapq.heappush(self._heap, (deadline, next(self._seq), record))
+        if len(self._heap) > 2 * live + 64:
+            self._heap = [e for e in self._heap if self._alive(e[2])]
+            heapq.heapify(self._heap)
+
+    def pop_due(self, now: float) -> list[object]:
+        due = []
+        heap = self._heap
+        while heap and heap[0][0] <= now:
+            record = heapq.heappop(heap)[2]
+            if self._alive(record):
+                due.append(record)
+        return due
+
+
+def _positive(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} must be a positive number, got {value!r}")
+    return value
+
+
+def _check_ns(ns: str) -> str:
+    if not isinstance(ns, str):
+        raise TypeError(f"namespace must be a str, not {type(ns).__name__}")
+    return ns
+
+
+def _check_owner(owner: Hashable | None) -> None:
+    """Reject an unhashable owner before any state changes (it would fail half-way otherwise)."""
+    if owner is not None:
+        hash(owner)
+
+
+class KVIndex:
+    """Keys -> blocks of a pool, with two-phase puts, leases, TTL, quotas and LRU eviction.
+
+    ``release`` of an unknown, expired or already released lease is not an error (a client may
+    race the expiry): it returns False and is counted as ``stale_releases``.
+    """
+
+    def __init__(self, allocator: PoolAllocator, *, high_watermark: float = 0.9,
+                 low_watermark: float = 0.8, default_lease_s: float = 10.0,
+                 put_timeout_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not 0 < low_watermark <= high_watermark <= 1:
+            raise ValueError("need 0 < low_watermark <= high_watermark <= 1")
+        self._alloc = allocator
+        self._high = high_watermark * allocator.capacity
+        self._low = low_watermark * allocator.capacity
+        self._default_lease_s = _positive("default_lease_s", default_lease_s)
+        self._put_timeout_s = _positive("put_timeout_s", put_timeout_s)
+        self._clock = clock
+        self._ns: dict[str, _Namespace] = {}
+        self._tickets: dict[int, _Ticket] = {}
+        self._leases: dict[int, _LeaseRec] = {}
+        self._owners: dict[Hashable, set[int]] = {}  # owner -> ids of its leases and tickets
+        self._ids = itertools.count(1)  # lease and ticket ids share one sequence
+        self._versions = itertools.count(1)
+        self._lease_timers = _Timers(lambda rec: rec.id in self._leases)
+        self._ticket_timers = _Timers(lambda rec: rec.id in self._tickets)
+        self._ttl_timers = _Timers(lambda block: block.state == _LIVE)
+        self._entries = 0
+        self._retired = 0
+        self._counters = dict.fromkeys(
+            ("hits", "misses", "evictions", "expirations", "lease_expirations",
+             "put_expirations", "stale_releases"), 0)
+
+    # ---- puts -------------------------------------------------------------------------------
+
+    def begin_put(self, ns: str, key: str | bytes, size: int, ttl: float | None = None,
+                  owner: Hashable | None = None) -> PutTicket:
+        """Reserve ``size`` bytes for a value of ``key``, evicting as the fairness rule allows.
+
+        The value stays invisible until ``commit_put``; an uncommitted ticket is freed after
+        ``put_timeout_s``. Raises PoolFull (or its subclass QuotaExceeded) when there is no room.
+        """
+        now = self._clock()
+        self._expire(now)
+        _check_ns(ns)
+        key = normalize_key(key)
+        nbytes = self._alloc.rounded(size)
+        if ttl is not None:
+            _positive("ttl", ttl)
+        _check_owner(owner)
+        space = self._ns.get(ns)
+        quota = space.quota if space is not None else None
+        if quota is not None:
+            over = space.used + nbytes - quota
+            if over > 0:
+                victims = self._plan(ns, over, others=False) if nbytes <= quota else []
+                if sum(b.nbytes for b in victims) < over:
+                    raise QuotaExceeded(f"namespace {ns!r}: {nbytes} more bytes exceed its "
+                                        f"quota of {quota} ({space.used} held)")
+                self._evict(victims)
+        if self._alloc.used + nbytes > self._high:
+            self._evict(self._plan(ns, math.ceil(self._alloc.used + nbytes - self._low)))
+        offset = self._alloc.alloc(size)
+        while offset is None:
+            victims = self._plan(ns, nbytes)
+            if not victims:
+                raise PoolFull(f"no {nbytes}-byte range free and nothing evictable for {ns!r}")
+            self._evict(victims)
+            offset = self._alloc.alloc(size)
+        self._namespace(ns).used += nbytes  # fetched again: eviction may have dropped it
+        ticket = _Ticket(next(self._ids), _Block(ns, key, offset, size, nbytes), owner, ttl)
+        self._tickets[ticket.id] = ticket
+        self._own(owner, ticket.id)
+        self._ticket_timers.push(now + self._put_timeout_s, ticket, len(self._tickets))
+        return PutTicket(ticket.id, offset, size)
+
+    def commit_put(self, ticket_id: int) -> int:
+        """Publish a pending value, atomically replacing the key's old one; return its version.
+
+        Raises KeyError if the ticket is unknown, committed, aborted or expired.
+        """
+        now = self._clock()
+        self._expire(now)
+        ticket = self._tickets.pop(ticket_id, None)
+        if ticket is None:
+            raise KeyError(f"unknown or expired put ticket {ticket_id!r}")
+        self._disown(ticket.owner, ticket.id)
+        block = ticket.block
+        space = self._ns[block.ns]
+        old = space.entries.get(block.key)
+        if old is not None:
+            self._unlink(old)
+        block.state = _LIVE
+        block.version = next(self._versions)
+        block.created = block.last_access = now
+        space.entries[block.key] = block
+        self._entries += 1
+        if ticket.ttl is not None:
+            block.expires_at = now + ticket.ttl
+            self._ttl_timers.push(block.expires_at, block, self._entries)
+        return block.version
+
+    def abort_put(self, ticket_id: int) -> bool:
+        """Free a pending value; False if the ticket was already committed, aborted or expired."""
+        self._expire(self._clock())
+        ticket = self._tickets.get(ticket_id)
+        if ticket is None:
+            return False
+        self._drop_ticket(ticket)
+        return True
+
+    # ---- reads ------------------------------------------------------------------------------
+
+    def get(self, ns: str, key: str | bytes, lease_s: float | None = None,
+            owner: Hashable | None = None) -> Lease:
+        """Lease the current value of ``key`` (a hit bumps it in the LRU); KeyError on a miss."""
+        now = self._clock()
+        self._expire(now)
+        _check_owner(owner)
+        lease = self._lease(_check_ns(ns), normalize_key(key), self._lease_s(lease_s), owner, now)
+        if lease is None:
+            raise KeyError(key)
+        return lease
+
+    def batch_get(self, ns: str, keys: list[str | bytes], lease_s: float | None = None,
+                  owner: Hashable | None = None) -> list[Lease | None]:
+        """``get`` of each key, with None for a miss instead of KeyError."""
+        now = self._clock()
+        self._expire(now)
+        _check_ns(ns)
+        _check_owner(owner)
+        duration = self._lease_s(lease_s)
+        wanted = [normalize_key(k) for k in keys]  # validate all before granting any lease
+        return [self._lease(ns, k, duration, owner, now) for k in wanted]
+
+    def release(self, lease_id: int) -> bool:
+        """End a lease, freeing its block if it was the last holder of a hidden one.
+
+        Returns False (and counts a stale release) if the lease is unknown or already ended.
+        """
+        self._expire(self._clock())
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            self._counters["stale_releases"] += 1
+            return False
+        self._end_lease(lease)
+        return True
+
+    def exists(self, ns: str, key: str | bytes) -> bool:
+        """Whether ``key`` has a live value; takes no lease, bumps no LRU, counts no hit or miss."""
+        self._expire(self._clock())
+        space = self._ns.get(_check_ns(ns))
+        return space is not None and normalize_key(key) in space.entries
+
+    def lookup_prefix(self, ns: str, keys: list[str | bytes]) -> int:
+        """How many leading ``keys`` have live values (``exists`` semantics), e.g. chunk_keys."""
+        self._expire(self._clock())
+        space = self._ns.get(_check_ns(ns))
+        if space is None:
+            return 0
+        for n, key in enumerate(keys):
+            if normalize_key(key) not in space.entries:
+                return n
+        return len(keys)
+
+    # ---- removal, quotas, owners, expiry ----------------------------------------------------
+
+    def remove(self, ns: str, key: str | bytes) -> bool:
+        """Hide ``key`` at once (its block is freed when its last lease ends); False if absent."""
+        self._expire(self._clock())
+        space = self._ns.get(_check_ns(ns))
+        block = space.entries.get(normalize_key(key)) if space is not None else None
+        if block is None:
+            return False
+        self._unlink(block)
+        return True
+
+    def set_quota(self, ns: str, max_bytes: int | None) -> None:
+        """Cap the pool bytes ``ns`` may hold (None lifts the cap); enforced from its next put."""
+        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int)
+                                      or max_bytes < 0):
+            raise ValueError(f"max_bytes must be a non-negative int or None, got {max_bytes!r}")
+        space = self._namespace(_check_ns(ns))
+        space.quota = max_bytes
+        self._maybe_drop(space)
+
+    def release_owner(self, owner: Hashable) -> int:
+        """Drop every lease and pending put of ``owner`` (a client seen dead); returns how many."""
+        self._expire(self._clock())
+        ids = self._owners.pop(owner, ())
+        for record_id in ids:
+            lease = self._leases.get(record_id)
+            if lease is not None:
+                self._end_lease(lease)
+            else:
+                self._drop_ticket(self._tickets[record_id])
+        return len(ids)
+
+    def expire(self) -> int:
+        """End due leases, pending puts and TTLs (cheap if none is due); return how many ended."""
+        return self._expire(self._clock())
+
+    def stats(self) -> dict[str, Any]:
+        """Counters, occupancy and per-namespace bytes/entries/quota."""
+        self._expire(self._clock())
+        return {
+            **self._counters,
+            "entries": self._entries,
+            "leases": len(self._leases),
+            "pending_puts": len(self._tickets),
+            "retired_blocks": self._retired,
+            "pool_used": self._alloc.used,
+            "pool_capacity": self._alloc.capacity,
+            "namespaces": {name: {"bytes": s.used, "entries": len(s.entries), "quota": s.quota}
+                           for name, s in self._ns.items()},
+        }
+
+    # ---- internals --------------------------------------------------------------------------
+
+    def _expire(self, now: float) -> int:
+        n = 0
+        for lease in self._lease_timers.pop_due(now):
+            self._end_lease(lease)
+            self._counters["lease_expirations"] += 1
+            n += 1
+        for ticket in self._ticket_timers.pop_due(now):
+            self._drop_ticket(ticket)
+            self._counters["put_expirations"] += 1
+            n += 1
+        for block in self._ttl_timers.pop_due(now):
+            self._unlink(block)
+            self._counters["expirations"] += 1
+            n += 1
+        return n
+
+    def _lease_s(self, lease_s: float | None) -> float:
+        return self._default_lease_s if lease_s is None else _positive("lease_s", lease_s)
+
+    def _lease(self, ns: str, key: bytes, duration: float, owner: Hashable | None,
+               now: float) -> Lease | None:
+        space = self._ns.get(ns)
+        block = space.entries.get(key) if space is not None else None
+        if block is None:
+            self._counters["misses"] += 1
+            return None
+        self._counters["hits"] += 1
+        space.entries.move_to_end(key)
+        block.last_access = now
+        block.leases += 1
+        record = _LeaseRec(next(self._ids), block, owner)
+        self._leases[record.id] = record
+        self._own(owner, record.id)
+        expires_at = now + duration
+        self._lease_timers.push(expires_at, record, len(self._leases))
+        return Lease(record.id, block.offset, block.size, block.version, expires_at)
+
+    def _plan(self, ns: str, need: int, others: bool = True) -> list[_Block]:
+        """Victims freeing ``need`` bytes if possible: own LRU first, then eligible others' LRU."""
+        own = self._ns.get(ns)
+        ordered: Iterable[_Block] = self._evictable(own, math.inf) if own is not None else ()
+        if others:
+            rivals = [self._evictable(s, math.inf if s.quota is None else s.used - s.quota)
+                      for s in self._ns.values()
+                      if s is not own and (s.quota is None or s.used > s.quota)]
+            ordered = itertools.chain(ordered, heapq.merge(*rivals, key=attrgetter("last_access")))
+        victims: list[_Block] = []
+        freed = 0
+        for block in ordered:
+            if freed >= need:
+                break
+            victims.append(block)
+            freed += block.nbytes
+        return victims
+
+    @staticmethod
+    def _evictable(space: _Namespace, budget: float) -> Iterator[_Block]:
+        """Unleased live blocks of ``space``, LRU first, until ``budget`` bytes are yielded."""
+        taken = 0
+        for block in space.entries.values():
+            if taken >= budget:
+                return
+            if block.leases == 0:
+                taken += block.nbytes
+                yield block
+
+    def _evict(self, victims: list[_Block]) -> None:
+        for block in victims:
+            self._unlink(block)
+            self._counters["evictions"] += 1
+
+    def _unlink(self, block: _Block) -> None:
+        """Hide a live block; free it now unless leases hold it."""
+        space = self._ns[block.ns]
+        del space.entries[block.key]
+        self._entries -= 1
+        if block.leases:
+            block.state = _RETIRED
+            self._retired += 1
+        else:
+            self._free(block)
+
+    def _free(self, block: _Block) -> None:
+        if block.state == _RETIRED:
+            self._retired -= 1
+        block.state = _FREED
+        self._alloc.free(block.offset)
+        space = self._ns[block.ns]
+        space.used -= block.nbytes
+        self._maybe_drop(space)
+
+    def _end_lease(self, lease: _LeaseRec) -> None:
+        del self._leases[lease.id]
+        self._disown(lease.owner, lease.id)
+        block = lease.block
+        block.leases -= 1
+        if block.leases == 0 and block.state == _RETIRED:
+            self._free(block)
+
+    def _drop_ticket(self, ticket: _Ticket) -> None:
+        del self._tickets[ticket.id]
+        self._disown(ticket.owner, ticket.id)
+        self._free(ticket.block)
+
+    def _namespace(self, ns: str) -> _Namespace:
+        space = self._ns.get(ns)
+        if space is None:
+            space = self._ns[ns] = _Namespace(ns)
+        return space
+
+    def _maybe_drop(self, space: _Namespace) -> None:
+        """Forget a namespace that holds nothing and has no quota, so metadata stays bounded."""
+        if not space.entries and space.used == 0 and space.quota is None:
+            del self._ns[space.name]
+
+    def _own(self, owner: Hashable | None, record_id: int) -> None:
+        if owner is not None:
+            self._owners.setdefault(owner, set()).add(record_id)
+
+    def _disown(self, owner: Hashable | None, record_id: int) -> None:
+        ids = self._owners.get(owner) if owner is not None else None
+        if ids is not None:
+            ids.discard(record_id)
+            if not ids:
+                del self._owners[owner]

@@ -1,0 +1,38 @@
+"""Shared fixtures: unique region names, and a check that no test leaks a /dev/shm segment."""
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+
+from cxlrpc.region import unlink_shm
+
+_counter = itertools.count()
+PREFIX = f"t{os.getpid()}-"
+
+
+def _ours() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("cxlrpc." + PREFIX)}
+
+
+@pytest.fixture
+def name() -> str:
+    """A region name unique to this test (shm://NAME)."""
+    return f"{PREFIX}{next(_counter)}"
+
+
+@pytest.fixture
+def url(name: str) -> str:
+    return f"shm://{name}"
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_segments():
+    """Fail a test that leaves a segment of ours in /dev/shm (and remove it)."""
+    before = _ours()
+    yield
+    leaked = _ours() - before
+    for n in leaked:
+        unlink_shm("/" + n)
+    assert not leaked, f"test leaked shared-memory segments: {sorted(leaked)}"

@@ -1,0 +1,288 @@
+"""The public RPC API, in one process (server and client on one event loop)."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import msgspec
+import pytest
+
+import cxlrpc
+from procs import wait_for
+
+
+class Point(msgspec.Struct):
+    x: int
+    y: int
+
+
+def make_server(url: str, **opts) -> cxlrpc.Server:
+    server = cxlrpc.Server(url, **opts)
+    started = {"n": 0}
+    cancelled = asyncio.Event()
+
+    @server.method("echo")
+    def echo(payload):
+        return payload
+
+    @server.method("aecho")
+    async def aecho(payload):
+        await asyncio.sleep(0)
+        return payload
+
+    @server.method("norm")
+    def norm(p: Point) -> int:
+        return p.x * p.x + p.y * p.y
+
+    @server.method("swap")
+    async def swap(p: Point) -> Point:
+        return Point(p.y, p.x)
+
+    @server.method("boom")
+    def boom(payload):
+        raise ValueError(f"bad payload {payload!r}")
+
+    @server.method("full")
+    def full(payload):
+        raise cxlrpc.ResourceExhausted("no room")
+
+    @server.method("nothing")
+    def nothing():
+        return None
+
+    @server.method("slow")
+    async def slow(seconds: float) -> float:
+        started["n"] += 1
+        try:
+            await asyncio.sleep(seconds)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return seconds
+
+    server.started = started
+    server.cancelled = cancelled
+    return server
+
+
+@pytest.mark.parametrize("value", [b"hi", b"", "text", 42, 3.5, None, [1, "a", b"b"], {"k": [1, 2]}])
+async def test_echo_values_round_trip(url, value):
+    """Any msgspec-encodable value comes back equal, through sync and async handlers."""
+    async with make_server(url), cxlrpc.connect(url) as client:
+        assert await client.call("echo", value, timeout=5) == value
+        assert await client.call("aecho", value, timeout=5) == value
+
+
+async def test_struct_arguments_are_decoded_and_validated(url):
+    async with make_server(url), cxlrpc.connect(url) as client:
+        assert await client.call("norm", Point(3, 4), timeout=5) == 25
+        assert await client.call("norm", {"x": 1, "y": 2}, timeout=5) == 5
+        assert await client.call("swap", Point(1, 2), timeout=5, response_type=Point) == Point(2, 1)
+        with pytest.raises(cxlrpc.InvalidArgument, match="bad request"):
+            await client.call("norm", {"x": "no"}, timeout=5)
+        with pytest.raises(cxlrpc.InvalidArgument):
+            await client.call("norm", b"raw bytes", timeout=5)
+
+
+async def test_errors_map_to_status_codes(url):
+    async with make_server(url), cxlrpc.connect(url) as client:
+        with pytest.raises(cxlrpc.NotFound) as ei:
+            await client.call("missing", 1, timeout=5)
+        assert ei.value.code is cxlrpc.StatusCode.NOT_FOUND
+        with pytest.raises(cxlrpc.Internal, match="ValueError: bad payload 7"):
+            await client.call("boom", 7, timeout=5)
+        with pytest.raises(cxlrpc.ResourceExhausted, match="no room"):
+            await client.call("full", 1, timeout=5)
+        assert await client.call("nothing", timeout=5) is None
+        with pytest.raises(cxlrpc.InvalidArgument):
+            await client.call("echo", object(), timeout=5)
+        with pytest.raises(cxlrpc.InvalidArgument):
+            await client.call("swap", Point(1, 2), timeout=5, response_type=int)
+        # the connection still works after every error
+        assert await client.call("echo", b"ok", timeout=5) == b"ok"
+
+
+async def test_deadline_raises_and_cancels_the_handler(url):
+    server = make_server(url)
+    async with server, cxlrpc.connect(url) as client:
+        with pytest.raises(cxlrpc.DeadlineExceeded):
+            await client.call("slow", 5.0, timeout=0.05)
+        await asyncio.wait_for(server.cancelled.wait(), 5)
+        with pytest.raises(cxlrpc.DeadlineExceeded):
+            await client.call("echo", 1, timeout=0)
+
+
+async def test_cancelling_the_caller_cancels_the_server_task(url):
+    server = make_server(url)
+    async with server, cxlrpc.connect(url) as client:
+        task = asyncio.create_task(client.call("slow", 5.0))
+        await asyncio.wait_for(_until(lambda: server.started["n"] == 1), 5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.wait_for(server.cancelled.wait(), 5)
+
+
+async def test_thousand_calls_in_flight(url):
+    async with make_server(url), cxlrpc.connect(url) as client:
+        results = await asyncio.gather(*(client.call("aecho", i, timeout=30) for i in range(1000)))
+        assert results == list(range(1000))
+        results = await asyncio.gather(*(client.call("echo", bytes([i % 256]) * i, timeout=30)
+                                         for i in range(1000)))
+        assert [len(r) for r in results] == list(range(1000))
+
+
+async def test_many_clients_one_server(url):
+    async with make_server(url, slots=8):
+        clients = [await cxlrpc.connect(url) for _ in range(8)]
+        try:
+            replies = await asyncio.gather(*(c.call("echo", i, timeout=10) for i, c in enumerate(clients)))
+            assert replies == list(range(8))
+            with pytest.raises(cxlrpc.ResourceExhausted, match="slots"):
+                await cxlrpc.connect(url)
+        finally:
+            for c in clients:
+                await c.close()
+        # clean detach frees the slots at once
+        async with cxlrpc.connect(url) as again:
+            assert await again.call("echo", "back", timeout=5) == "back"
+
+
+async def test_blocking_clients_from_threads(url):
+    """Several threads, each with its own blocking client, and one shared client."""
+    async with make_server(url):
+        errors: list[BaseException] = []
+        shared = cxlrpc.connect_sync(url)
+
+        def worker(k: int) -> None:
+            try:
+                with cxlrpc.connect_sync(url) as mine:
+                    for i in range(50):
+                        assert mine.call("echo", [k, i], timeout=10) == [k, i]
+                        assert shared.call("echo", (k, i), timeout=10) == [k, i]
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        await asyncio.to_thread(lambda: [t.join(30) for t in threads])
+        shared.close()
+        assert not errors, errors
+
+
+async def test_blocking_client_errors_and_deadline(url):
+    async with make_server(url):
+        def run() -> None:
+            with cxlrpc.connect_sync(url) as client:
+                assert client.call("norm", Point(1, 1), timeout=5) == 2
+                with pytest.raises(cxlrpc.NotFound):
+                    client.call("missing", timeout=5)
+                with pytest.raises(cxlrpc.DeadlineExceeded):
+                    client.call("slow", 5.0, timeout=0.05)
+                assert client.call("echo", b"after", timeout=5) == b"after"
+            with pytest.raises(cxlrpc.Unavailable):
+                client.call("echo", b"closed")
+        await asyncio.to_thread(run)
+
+
+async def test_server_close_makes_calls_unavailable(url):
+    server = make_server(url)
+    await server.start()
+    client = await cxlrpc.connect(url)
+    try:
+        pending = asyncio.create_task(client.call("slow", 10.0))
+        await asyncio.wait_for(_until(lambda: server.started["n"] == 1), 5)
+        await server.close()
+        with pytest.raises(cxlrpc.Unavailable):
+            await asyncio.wait_for(pending, 2)
+        with pytest.raises(cxlrpc.Unavailable):
+            await client.call("echo", 1, timeout=1)
+    finally:
+        await client.close()
+        await server.close()
+
+
+async def test_no_server_is_unavailable(url):
+    with pytest.raises(cxlrpc.Unavailable, match="no server"):
+        await cxlrpc.connect(url)
+    with pytest.raises(cxlrpc.Unavailable):
+        cxlrpc.connect_sync(url)
+
+
+async def test_oversized_request_is_resource_exhausted(url):
+    async with make_server(url, request_capacity=64 << 10, response_capacity=64 << 10), \
+            cxlrpc.connect(url) as client:
+        with pytest.raises(cxlrpc.ResourceExhausted, match="exceeds"):
+            await client.call("echo", b"x" * (64 << 10), timeout=5)
+        assert await client.call("echo", b"x" * 1000, timeout=5) == b"x" * 1000
+
+
+async def test_oversized_response_is_resource_exhausted(url):
+    server = cxlrpc.Server(url, request_capacity=1 << 20, response_capacity=64 << 10)
+
+    @server.method("big")
+    def big(n: int) -> bytes:
+        return b"y" * n
+
+    async with server, cxlrpc.connect(url) as client:
+        with pytest.raises(cxlrpc.ResourceExhausted, match="response"):
+            await client.call("big", 100_000, timeout=5)
+        assert len(await client.call("big", 1000, timeout=5)) == 1000
+
+
+async def test_backpressure_when_response_ring_is_full(url):
+    """Replies that do not fit wait in the server's backlog; none is lost."""
+    async with make_server(url, response_capacity=4096), cxlrpc.connect(url) as client:
+        payload = b"z" * 1500
+        replies = await asyncio.gather(*(client.call("echo", payload + bytes([i]), timeout=30) for i in range(200)))
+        assert replies == [payload + bytes([i]) for i in range(200)]
+
+
+async def test_event_loop_is_not_starved_while_waiting(url):
+    """Other tasks on the client's loop keep running while a call is outstanding."""
+    async with make_server(url), cxlrpc.connect(url) as client:
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.005)
+                ticks += 1
+
+        t = asyncio.create_task(ticker())
+        await client.call("slow", 0.3, timeout=5)
+        t.cancel()
+        assert ticks >= 20, ticks
+
+
+async def test_duplicate_method_and_bad_names_are_rejected(url):
+    server = cxlrpc.Server(url)
+    server.add_method("a", lambda: 1)
+    with pytest.raises(ValueError):
+        server.add_method("a", lambda: 2)
+    with pytest.raises(cxlrpc.InvalidArgument):
+        server.add_method("", lambda: 2)
+    with pytest.raises(cxlrpc.RegionError):
+        cxlrpc.Server("tcp://nope")
+
+
+async def test_second_server_on_a_live_name_is_refused(url):
+    async with make_server(url):
+        with pytest.raises(FileExistsError, match="in use"):
+            await cxlrpc.Server(url).start()
+
+
+def test_uvloop_run_helper(url):
+    """cxlrpc.run drives the same API on uvloop."""
+    async def main() -> bytes:
+        async with make_server(url), cxlrpc.connect(url) as client:
+            loop_name = type(asyncio.get_running_loop()).__module__
+            return await client.call("echo", loop_name.encode(), timeout=5)
+
+    assert cxlrpc.run(main()).startswith(b"uvloop")
+
+
+async def _until(cond) -> None:
+    while not cond():
+        await asyncio.sleep(0.001)

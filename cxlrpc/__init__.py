@@ -5,10 +5,10 @@ from .errors import (Cancelled, DeadlineExceeded, Internal, InvalidArgument, Not
                      ResourceExhausted, RpcError, StatusCode, Unavailable)
 from .loop import run
 from .region import RegionError
-from .server import Server
+from .server import Peer, Server, current_peer
 
 __all__ = [
-    "Server", "Client", "SyncClient", "connect", "connect_sync",
+    "Server", "Peer", "current_peer", "Client", "SyncClient", "connect", "connect_sync",
     "RpcError", "StatusCode", "Cancelled", "DeadlineExceeded", "Internal", "InvalidArgument",
     "NotFound", "ResourceExhausted", "Unavailable", "RegionError",
     "WaitStrategy", "adaptive", "busy_spin", "spin_yield", "run",

@@ -111,6 +111,10 @@ class Liveness:
             return False
         return now - self._since > self.timeout
 
+    def forget(self) -> None:
+        """Start over: the next value observed is fresh."""
+        self._last = None
+
     def age(self, now: float) -> float:
         return now - self._since if self._last is not None else 0.0
 
@@ -147,6 +151,7 @@ class ServerChannel:
         self.bell = DoorbellReceiver(mem.counter(CONTROL + _SERVER_PARKED),
                                      wake_address(region.epoch, "server"))
         self._liveness = [Liveness(0.0) for _ in range(geo.slots)]
+        self.seen: list[int | None] = [None] * geo.slots  # generation last seen claimed (or sending)
         self.state.store(STATE_RUNNING, RELEASE)
 
     def slot_generation(self, slot: int) -> int:
@@ -154,27 +159,36 @@ class ServerChannel:
         word = self.slot_state[slot].load(ACQUIRE)
         return (word >> 1) & 0xFFFFFFFF if word & 1 else -1
 
-    def reap(self, timeout: float, now: float) -> list[int]:
+    def reap(self, timeout: float, now: float) -> list[tuple[int, int]]:
         """Free slots whose client stopped beating for ``timeout`` s (or whose local PID died).
 
-        Returns the freed slot indexes. A client that detached cleanly freed its own slot.
+        Returns every (slot, generation) that departed since the last call: reaped here, or
+        detached cleanly by the client itself.
         """
-        freed = []
+        departed = []
         mem = self.region.mem
         for i in range(self.geo.slots):
             word = self.slot_state[i].load(ACQUIRE)
+            gen = (word >> 1) & 0xFFFFFFFF
+            seen = self.seen[i]
+            if seen is not None and (not word & 1 or gen != seen):
+                departed.append((i, seen))
+                self.seen[i] = None
+            if not word & 1:
+                self._liveness[i].forget()
+                continue
             live = self._liveness[i]
             live.timeout = timeout
-            if not word & 1:
-                live._last = None
-                continue
             beat = self.slot_heartbeat[i].load(ACQUIRE)
             pid = mem.load(self.geo.slot(i) + _SLOT_PID, ACQUIRE)
-            dead = live.stale(beat, now) or (pid_dead_here(pid))
-            if dead and self.slot_state[i].cas(word, word & ~1, ACQ_REL) == word:
-                live._last = None
-                freed.append(i)
-        return freed
+            if live.stale(beat, now) or pid_dead_here(pid):
+                if self.slot_state[i].cas(word, word & ~1, ACQ_REL) == word:
+                    live.forget()
+                    departed.append((i, gen))
+                    self.seen[i] = None
+            else:
+                self.seen[i] = gen
+        return departed
 
     def close(self) -> None:
         """Mark the server closed and wake every parked client so it sees that at once."""

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import os
 import threading
 import time
-from typing import Any, Awaitable, Callable
+from contextvars import ContextVar
+from typing import Any, Callable, NamedTuple
 
 import msgspec
 
@@ -23,6 +25,22 @@ from .region import Region, RegionError, parse_url, unlink_shm
 
 Handler = Callable[..., Any]
 _NO_ARG = object()
+logger = logging.getLogger("cxlrpc.server")
+
+
+class Peer(NamedTuple):
+    """Identifies one client connection: its slot and the slot's generation at attach."""
+
+    slot: int
+    gen: int
+
+
+_current_peer: ContextVar[Peer] = ContextVar("cxlrpc_peer")
+
+
+def current_peer() -> Peer:
+    """The client whose request the running handler serves (LookupError outside a handler)."""
+    return _current_peer.get()
 
 
 class _Method:
@@ -61,6 +79,7 @@ class Server:
         self.heartbeat_interval = heartbeat_interval
         self.mode = mode
         self._methods: dict[str, _Method] = {}
+        self._on_disconnect: list[Callable[[Peer], None]] = []
         self._region: Region | None = None
         self._chan: ServerChannel | None = None
         self._reader: asyncio.Task | None = None
@@ -85,6 +104,10 @@ class Server:
         if name in self._methods:
             raise ValueError(f"method {name!r} is already registered")
         self._methods[name] = _Method(fn)
+
+    def on_disconnect(self, callback: Callable[[Peer], None]) -> None:
+        """Call ``callback(peer)`` when a client detaches or is reaped (to drop what it held)."""
+        self._on_disconnect.append(callback)
 
     # ------------------------------------------------------------------ lifetime
     async def start(self) -> None:
@@ -161,11 +184,17 @@ class Server:
     def _housekeeping(self, now: float, stuck_since: float | None) -> float | None:
         """Reclaim dead clients' slots and unblock records their producers never committed."""
         chan = self._chan
-        for slot in chan.reap(self.client_timeout, now):
+        for slot, gen in chan.reap(self.client_timeout, now):
             self._backlog.pop(slot, None)
             for key, task in list(self._tasks.items()):
-                if key[0] == slot:
+                if key[0] == slot and key[1] == gen:
                     task.cancel()
+            peer = Peer(slot, gen)
+            for callback in self._on_disconnect:
+                try:
+                    callback(peer)
+                except Exception:
+                    logger.exception("on_disconnect callback failed for %s", peer)
         blocked = chan.requests.blocked_producer()
         if blocked is None:
             return None
@@ -187,6 +216,7 @@ class Server:
         if f.slot >= chan.geo.slots or chan.slot_generation(f.slot) != f.gen:
             self._drop()
             return
+        chan.seen[f.slot] = f.gen
         if f.kind == fr.CANCEL:
             task = self._tasks.get((f.slot, f.gen, f.call_id))
             if task is not None:
@@ -204,16 +234,20 @@ class Server:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             self._error(f, StatusCode.INVALID_ARGUMENT, f"bad request for {f.method!r}: {exc}")
             return
-        if m.is_async:
-            key = (f.slot, f.gen, f.call_id)
-            task = asyncio.get_running_loop().create_task(self._run_async(m, f, arg, key))
-            self._tasks[key] = task
-            return
+        token = _current_peer.set(Peer(f.slot, f.gen))
         try:
-            result = m.fn() if arg is _NO_ARG else m.fn(arg)
-        except Exception as exc:
-            self._fail(f, exc)
-            return
+            if m.is_async:
+                key = (f.slot, f.gen, f.call_id)
+                task = asyncio.get_running_loop().create_task(self._run_async(m, f, arg, key))
+                self._tasks[key] = task
+                return
+            try:
+                result = m.fn() if arg is _NO_ARG else m.fn(arg)
+            except Exception as exc:
+                self._fail(f, exc)
+                return
+        finally:
+            _current_peer.reset(token)
         self._reply(f, result)
 
     async def _run_async(self, m: _Method, f: fr.Frame, arg: Any, key: tuple) -> None:

@@ -286,3 +286,28 @@ def test_uvloop_run_helper(url):
 async def _until(cond) -> None:
     while not cond():
         await asyncio.sleep(0.001)
+
+
+async def test_handlers_see_their_peer_and_disconnects_are_reported(url):
+    server = cxlrpc.Server(url)
+    gone: list[cxlrpc.Peer] = []
+    server.on_disconnect(gone.append)
+
+    @server.method("whoami")
+    def whoami() -> list:
+        return list(cxlrpc.current_peer())
+
+    @server.method("awhoami")
+    async def awhoami() -> list:
+        return list(cxlrpc.current_peer())
+
+    async with server:
+        async with cxlrpc.connect(url) as a, cxlrpc.connect(url) as b:
+            pa = await a.call("whoami", timeout=5)
+            assert await a.call("awhoami", timeout=5) == pa
+            pb = await b.call("whoami", timeout=5)
+            assert pa != pb
+        await asyncio.wait_for(_until(lambda: len(gone) == 2), 5)
+        assert sorted(map(list, gone)) == sorted([pa, pb])
+    with pytest.raises(LookupError):
+        cxlrpc.current_peer()

@@ -201,14 +201,16 @@ class Client(_Base):
         poll = ring.poll
         on_reply = self._on_reply
         ready = lambda: ring.readable() or self._gone is not None
+        idle = False
         while True:
             if poll(on_reply, 1024):
+                idle = False
                 await asyncio.sleep(0)
                 continue
             if self._gone is not None:
                 self._fail_all(Unavailable(self._gone))
                 return
-            await chan.bell.wait_async(ready, self.strategy, _BEAT_INTERVAL if self._pending else 1.0)
+            idle = not await chan.bell.wait_async(ready, self.strategy, _BEAT_INTERVAL, idle)
 
     def _on_reply(self, view: memoryview) -> None:
         try:
@@ -323,15 +325,17 @@ class SyncClient(_Base):
                     got.append(f)
 
             ready = lambda: ring.readable() or self._gone is not None
+            idle = False
             while True:
-                ring.poll(on_reply)
+                if ring.poll(on_reply):
+                    idle = False
                 if got:
                     return self._decode_reply(got[0], response_type)
                 self._check(deadline, call_id, sent=True)
                 wait = _BEAT_INTERVAL
                 if deadline is not None:
                     wait = min(wait, max(deadline - time.monotonic(), 0.0))
-                bell.wait_sync(ready, strategy, wait)
+                idle = not bell.wait_sync(ready, strategy, wait, idle)
 
     def _check(self, deadline: float | None, call_id: int, sent: bool) -> None:
         if self._gone is not None:

@@ -37,6 +37,10 @@ class RegionError(ValueError):
     """A region is missing, of another layout, too small, or otherwise unusable."""
 
 
+class UninitializedRegion(RegionError):
+    """The segment exists but holds no valid header (creator died early, or not ours)."""
+
+
 @dataclass(frozen=True)
 class RegionInfo:
     """What a region's header says about it (for listing and stale-owner checks)."""
@@ -245,7 +249,7 @@ def _validate_header(url: str, mapping: mmap.mmap, actual: int, kind: int | None
     with AtomicMemory(mapping) as mem:
         magic = mem.load(_MAGIC, ACQUIRE)
         if magic != MAGIC:
-            raise RegionError(f"{url} is not an initialised cxlrpc region (bad magic)")
+            raise UninitializedRegion(f"{url} is not an initialised cxlrpc region (bad magic)")
         version = mem.load(_VERSION, ACQUIRE)
         if version != LAYOUT_VERSION:
             raise RegionError(f"{url} has layout version {version}; this build reads {LAYOUT_VERSION}")

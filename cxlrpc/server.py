@@ -168,6 +168,7 @@ class Server:
         housekeeping_every = min(0.1, self.client_timeout / 4)
         next_housekeeping = time.monotonic() + housekeeping_every
         stuck_since: float | None = None
+        idle = False
         while True:
             n = poll(on_request, 256)
             if self._backlog:
@@ -177,9 +178,10 @@ class Server:
                 next_housekeeping = now + housekeeping_every
                 stuck_since = self._housekeeping(now, stuck_since)
             if n:
+                idle = False
                 await asyncio.sleep(0)
             else:
-                await chan.bell.wait_async(ring.readable, self.strategy, housekeeping_every)
+                idle = not await chan.bell.wait_async(ring.readable, self.strategy, housekeeping_every, idle)
 
     def _housekeeping(self, now: float, stuck_since: float | None) -> float | None:
         """Reclaim dead clients' slots and unblock records their producers never committed."""

@@ -72,3 +72,33 @@ def wait_for(cond, timeout: float, interval: float = 0.01) -> bool:
             return True
         time.sleep(interval)
     return bool(cond())
+
+
+def _client_hold_main(url: str, ready, call_slow: bool) -> None:
+    import cxlrpc
+
+    client = cxlrpc.connect_sync(url)
+    client.call("echo", b"attached", timeout=10)
+    ready.set()
+    if call_slow:
+        client.call("sleep", 60.0, timeout=120)
+    while True:
+        time.sleep(1)
+
+
+def client_holding_slot(url: str, call_slow: bool = False) -> mp.Process:
+    """A child that attaches a blocking client (optionally sits in a slow call) and waits to be killed."""
+    ready = CTX.Event()
+    proc = CTX.Process(target=_client_hold_main, args=(url, ready, call_slow), daemon=True)
+    proc.start()
+    if not ready.wait(20):
+        stop(proc)
+        raise TimeoutError("client child did not attach")
+    return proc
+
+
+def cpu_seconds(pid: int) -> float:
+    """User+system CPU time of a process, from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

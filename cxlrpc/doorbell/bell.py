@@ -95,14 +95,19 @@ class DoorbellReceiver:
             return True
         return False
 
-    async def wait_async(self, ready: Callable[[], bool], strategy: WaitStrategy, timeout: float) -> bool:
-        """Wait until ``ready()`` or ``timeout`` seconds, yielding to other tasks throughout."""
+    async def wait_async(self, ready: Callable[[], bool], strategy: WaitStrategy, timeout: float,
+                         idle: bool = False) -> bool:
+        """Wait until ``ready()`` or ``timeout`` seconds, yielding to other tasks throughout.
+
+        ``idle=True`` (the previous wait timed out with nothing to do) parks at once, so a
+        consumer that wakes periodically for housekeeping does not spin on every wake-up.
+        """
         if ready():
             return True
         now = time.perf_counter
         start = now()
         deadline = start + timeout
-        spin_end = min(start + strategy.spin_s, deadline)
+        spin_end = start if idle and strategy.park else min(start + strategy.spin_s, deadline)
         sleep0 = asyncio.sleep
         while True:
             await sleep0(0)
@@ -111,7 +116,7 @@ class DoorbellReceiver:
             t = now()
             if t >= spin_end:
                 break
-        yield_end = min(spin_end + strategy.yield_s, deadline)
+        yield_end = spin_end if idle and strategy.park else min(spin_end + strategy.yield_s, deadline)
         while now() < yield_end:
             os.sched_yield()
             await sleep0(0)
@@ -138,18 +143,19 @@ class DoorbellReceiver:
             self._parked.store(0, SEQ_CST)
         return ready()
 
-    def wait_sync(self, ready: Callable[[], bool], strategy: WaitStrategy, timeout: float) -> bool:
+    def wait_sync(self, ready: Callable[[], bool], strategy: WaitStrategy, timeout: float,
+                  idle: bool = False) -> bool:
         """Blocking twin of :meth:`wait_async` for threads without an event loop."""
         if ready():
             return True
         now = time.perf_counter
         start = now()
         deadline = start + timeout
-        spin_end = min(start + strategy.spin_s, deadline)
+        spin_end = start if idle and strategy.park else min(start + strategy.spin_s, deadline)
         while now() < spin_end:
             if ready():
                 return True
-        yield_end = min(spin_end + strategy.yield_s, deadline)
+        yield_end = spin_end if idle and strategy.park else min(spin_end + strategy.yield_s, deadline)
         while now() < yield_end:
             os.sched_yield()
             if ready():

@@ -1,0 +1,110 @@
+"""Servers and clients in separate processes: calls, liveness, reclamation, idle cost."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import cxlrpc
+from procs import client_holding_slot, cpu_seconds, echo_server, stop, wait_for
+
+
+async def test_async_and_blocking_clients_across_processes(url):
+    with echo_server(url):
+        async with cxlrpc.connect(url) as client:
+            assert await client.call("echo", b"x" * 100_000, timeout=10) == b"x" * 100_000
+            got = await asyncio.gather(*(client.call("echo", i, timeout=10) for i in range(500)))
+            assert got == list(range(500))
+        with cxlrpc.connect_sync(url) as client:
+            assert client.call("echo", {"a": 1}, timeout=10) == {"a": 1}
+
+
+async def test_killed_server_surfaces_as_unavailable_and_can_restart(url):
+    with echo_server(url) as proc:
+        client = await cxlrpc.connect(url, server_timeout=1.0)
+        sync_client = cxlrpc.connect_sync(url, server_timeout=1.0)
+        try:
+            pending = asyncio.create_task(client.call("sleep", 30.0))
+            await asyncio.sleep(0.05)
+            os.kill(proc.pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            with pytest.raises(cxlrpc.Unavailable):
+                await asyncio.wait_for(pending, 5)
+            assert time.monotonic() - t0 < 2.0
+            t0 = time.monotonic()
+            with pytest.raises(cxlrpc.Unavailable):
+                await asyncio.to_thread(sync_client.call, "sleep", 30.0, timeout=10)
+            assert time.monotonic() - t0 < 2.0
+        finally:
+            await client.close()
+            sync_client.close()
+    # the dead server's region is still there; a new server detects it is stale and replaces it
+    with echo_server(url):
+        async with cxlrpc.connect(url) as client:
+            assert await client.call("echo", b"again", timeout=10) == b"again"
+
+
+async def test_killed_client_slot_is_reclaimed(url):
+    with echo_server(url, slots=1, client_timeout=1.0):
+        child = client_holding_slot(url, call_slow=True)
+        try:
+            with pytest.raises(cxlrpc.ResourceExhausted):
+                await cxlrpc.connect(url)
+            os.kill(child.pid, signal.SIGKILL)
+        finally:
+            stop(child)
+        t0 = time.monotonic()
+        client = None
+        while client is None and time.monotonic() - t0 < 5:
+            try:
+                client = await cxlrpc.connect(url)
+            except cxlrpc.ResourceExhausted:
+                await asyncio.sleep(0.02)
+        assert client is not None, "slot of the killed client was not reclaimed within 5 s"
+        async with client:
+            assert await client.call("echo", b"mine now", timeout=10) == b"mine now"
+
+
+def test_ls_and_clean_find_dead_owners(url, name):
+    with echo_server(url) as proc:
+        out = subprocess.run([sys.executable, "-m", "cxlrpc", "ls"], capture_output=True, text=True,
+                             timeout=30, check=True).stdout
+        assert f"url={url}" in out and "owner_alive=True" in out
+        out = subprocess.run([sys.executable, "-m", "cxlrpc", "clean"], capture_output=True, text=True,
+                             timeout=30, check=True).stdout
+        assert url not in out and os.path.exists(f"/dev/shm/cxlrpc.{name}")
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(10)
+    out = subprocess.run([sys.executable, "-m", "cxlrpc", "clean"], capture_output=True, text=True,
+                         timeout=30, check=True).stdout
+    assert f"removed {url}" in out
+    assert not os.path.exists(f"/dev/shm/cxlrpc.{name}")
+
+
+def test_idle_server_and_client_use_almost_no_cpu(url):
+    with echo_server(url) as proc:
+        async def idle_client() -> float:
+            async with cxlrpc.connect(url) as client:
+                for _ in range(200):
+                    await client.call("echo", b"warm", timeout=10)
+                await asyncio.sleep(0.2)  # let both sides reach their parked state
+                server0, client0 = cpu_seconds(proc.pid), time.process_time()
+                await asyncio.sleep(2.0)
+                return cpu_seconds(proc.pid) - server0, time.process_time() - client0
+        server_cpu, client_cpu = asyncio.run(idle_client())
+    assert server_cpu < 0.04, f"idle server used {server_cpu:.3f} s of CPU in 2 s (over 2%)"
+    assert client_cpu < 0.04, f"idle client used {client_cpu:.3f} s of CPU in 2 s (over 2%)"
+
+
+async def test_file_region(tmp_path):
+    url = f"file://{tmp_path}/region"
+    server = cxlrpc.Server(url, slots=2, request_capacity=1 << 16, response_capacity=1 << 16)
+    server.add_method("echo", lambda p: p)
+    async with server, cxlrpc.connect(url) as client:
+        assert await client.call("echo", b"on a file", timeout=5) == b"on a file"
+    assert os.stat(tmp_path / "region").st_mode & 0o777 == 0o600

@@ -32,7 +32,7 @@ def _attach(url: str) -> ClientChannel:
         raise Unavailable(f"cannot use {url}: {exc}") from exc
     try:
         return ClientChannel(region)
-    except ConnectionRefusedError as exc:
+    except (ConnectionRefusedError, RegionError) as exc:
         region.close()
         raise Unavailable(str(exc)) from exc
     except BlockingIOError as exc:

@@ -118,6 +118,8 @@ class Client(_Base):
         self._reader: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
+        self._direct = False  # a caller is polling the reply ring itself
+        self._reader_wake: asyncio.Future | None = None
 
     async def open(self) -> "Client":
         self._loop = asyncio.get_running_loop()
@@ -159,9 +161,15 @@ class Client(_Base):
         deadline = None if timeout is None else loop.time() + timeout
         timer = None
         try:
-            await self._push(parts, deadline)
+            chan = self._chan
+            if chan.requests.try_push_parts(parts, chan.slot):
+                chan.server_bell.ring()
+            else:
+                await self._push_slow(parts, deadline)
             if deadline is not None:
                 timer = loop.call_at(deadline, _expire, fut)
+            if not self._direct and len(self._pending) == 1:
+                await self._poll_directly(fut)
             return await fut
         except asyncio.CancelledError:
             self._send_cancel(call_id)
@@ -174,7 +182,8 @@ class Client(_Base):
             if timer is not None:
                 timer.cancel()
 
-    async def _push(self, parts: tuple, deadline: float | None) -> None:
+    async def _push_slow(self, parts: tuple, deadline: float | None) -> None:
+        """Backpressure: retry while the request ring is full, until the deadline."""
         chan = self._chan
         backoff = 0.0
         while not chan.requests.try_push_parts(parts, chan.slot):
@@ -186,6 +195,29 @@ class Client(_Base):
             await asyncio.sleep(backoff)
             backoff = min(0.001, backoff * 2 + 1e-5)
         chan.server_bell.ring()
+
+    async def _poll_directly(self, fut: asyncio.Future) -> None:
+        """The only caller in flight polls the reply ring itself during the spin phase.
+
+        This saves the hop through the reader task (one loop iteration and a task switch per
+        call); it still yields to other tasks between polls.  Replies to other calls that
+        arrive meanwhile are dispatched as usual.
+        """
+        self._direct = True
+        try:
+            poll, on_reply = self._chan.responses.poll, self._on_reply
+            now = time.perf_counter
+            end = now() + self.strategy.spin_s
+            while not fut.done():
+                if not poll(on_reply, 1024):
+                    if self._gone is not None or now() > end:
+                        return
+                    await asyncio.sleep(0)
+        finally:
+            self._direct = False
+            wake = self._reader_wake
+            if wake is not None and not wake.done():
+                wake.set_result(None)
 
     def _send_cancel(self, call_id: int) -> None:
         chan = self._chan
@@ -200,9 +232,15 @@ class Client(_Base):
         ring = chan.responses
         poll = ring.poll
         on_reply = self._on_reply
-        ready = lambda: ring.readable() or self._gone is not None
+        ready = lambda: ring.readable() or self._gone is not None or self._direct
         idle = False
+        loop = self._loop
         while True:
+            if self._direct:  # a caller is polling for us; sleep until it stops
+                self._reader_wake = loop.create_future()
+                await self._reader_wake
+                self._reader_wake = None
+                continue
             if poll(on_reply, 1024):
                 idle = False
                 await asyncio.sleep(0)

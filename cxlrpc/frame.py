@@ -86,24 +86,33 @@ def header(kind: int, flags: int, status: int, slot: int, gen: int, call_id: int
     return HEADER.pack(kind, flags, status, slot, gen & 0xFFFFFFFF, call_id, timeout, len(method))
 
 
+_unpack = HEADER.unpack_from
+
+
 def decode(view: memoryview) -> Frame:
     """Decode and validate a frame from a ring payload, copying the body out."""
     n = len(view)
     if n < HEADER_SIZE:
         raise FrameError(f"frame of {n} bytes is shorter than its header")
-    kind, flags, status, slot, gen, call_id, timeout, mlen = HEADER.unpack_from(view)
-    if kind not in _KINDS or mlen > MAX_METHOD or HEADER_SIZE + mlen > n or flags & ~RAW:
-        raise FrameError("frame header out of range")
+    kind, flags, status, slot, gen, call_id, timeout, mlen = _unpack(view)
     end = HEADER_SIZE + mlen
-    raw = bytes(view[HEADER_SIZE:end])
-    method = _method_names.get(raw)
-    if method is None:
-        try:
-            method = raw.decode()
-        except UnicodeDecodeError as exc:
-            raise FrameError("method name is not UTF-8") from exc
-        if len(_method_names) < 4096:
-            _method_names[raw] = method
-    if timeout != timeout or timeout < 0:  # NaN or negative
-        raise FrameError("frame timeout out of range")
+    # ``not timeout >= 0`` also rejects NaN
+    if kind not in _KINDS or mlen > MAX_METHOD or end > n or flags & ~RAW or not timeout >= 0:
+        raise FrameError("frame header out of range")
+    method = ""
+    if mlen:
+        raw = bytes(view[HEADER_SIZE:end])
+        method = _method_names.get(raw)
+        if method is None:
+            method = _method_name(raw)
     return Frame(kind, flags, status, slot, gen, call_id, timeout, method, bytes(view[end:]))
+
+
+def _method_name(raw: bytes) -> str:
+    try:
+        method = raw.decode()
+    except UnicodeDecodeError as exc:
+        raise FrameError("method name is not UTF-8") from exc
+    if len(_method_names) < 4096:
+        _method_names[raw] = method
+    return method

@@ -181,7 +181,9 @@ class Server:
                 idle = False
                 await asyncio.sleep(0)
             else:
-                idle = not await chan.bell.wait_async(ring.readable, self.strategy, housekeeping_every, idle)
+                # replies waiting for a full response ring: come back soon to retry them
+                wait = 0.0005 if self._backlog else housekeeping_every
+                idle = not await chan.bell.wait_async(ring.readable, self.strategy, wait, idle)
 
     def _housekeeping(self, now: float, stuck_since: float | None) -> float | None:
         """Reclaim dead clients' slots and unblock records their producers never committed."""

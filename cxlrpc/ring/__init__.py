@@ -1,6 +1,6 @@
 """Lock-free ring buffers over shared memory: pure data structures, no I/O."""
-from .record import RingCorrupted, max_payload, ring_size
+from .record import max_payload, ring_size
 from .spsc import SpscRing
 from .mpsc import MpscRing
 
-__all__ = ["SpscRing", "MpscRing", "RingCorrupted", "ring_size", "max_payload"]
+__all__ = ["SpscRing", "MpscRing", "ring_size", "max_payload"]

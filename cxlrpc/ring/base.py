@@ -1,9 +1,9 @@
-"""What both rings share: layout binding and the validating consumer."""
+"""What both rings share: layout binding, counter validation and the validating consumer."""
 from __future__ import annotations
 
 from typing import Callable
 
-from ..memory import ACQUIRE, RELAXED, RELEASE, AtomicMemory
+from ..memory import ACQ_REL, ACQUIRE, RELAXED, RELEASE, AtomicMemory
 from .record import (
     COMMITTED,
     CONTROL_SIZE,
@@ -18,18 +18,23 @@ from .record import (
     max_payload,
 )
 
+#: Counters stay far below 2**64 (2**62 bytes is centuries of traffic); larger ones are garbage.
+COUNTER_LIMIT = 1 << 62
+
 
 class RingBase:
     """A ring laid out at ``offset`` in ``buf``: control block, then ``capacity`` data bytes.
 
-    The consumer side lives here; subclasses add their producer protocol.  Every header
-    and counter read from the buffer is validated: a corrupt record is skipped together
-    with everything up to the tail, and counted in :attr:`dropped`.
+    The consumer side lives here; subclasses add their producer protocol.  Each side keeps
+    a private copy of the counter it owns and only publishes it, so garbage written over a
+    shared counter is repaired by the owner's next store.  Every counter and header read
+    from the buffer is validated: a corrupt record is skipped together with everything up
+    to the tail, and counted in :attr:`dropped`.
     """
 
-    #: MPSC consumers zero what they consume (producers' headers start out as zero);
-    #: SPSC consumers need not, since the tail alone publishes.
-    _zero_consumed = False
+    #: MPSC consumers zero what they consume (producers' headers start out as zero) and wait
+    #: at uncommitted headers; in an SPSC ring everything below the tail is complete.
+    _multi_producer = False
 
     def __init__(self, buf: memoryview, mem: AtomicMemory, offset: int, capacity: int) -> None:
         check_capacity(capacity)
@@ -43,20 +48,29 @@ class RingBase:
         self.data = offset + CONTROL_SIZE
         self._tail = mem.counter(offset + TAIL_OFFSET)
         self._head = mem.counter(offset + HEAD_OFFSET)
-        self._head_cache = 0  # producer's last-seen head
-        self.dropped = 0  # records or bytes the consumer discarded as corrupt
+        self._head_local = self._head.load(ACQUIRE)  # consumer's own copy of its counter
+        self._head_cache = self._head_local  # producer's last valid view of the head
+        self.dropped = 0  # corrupt records or counters the consumer discarded
 
     def reset(self) -> None:
-        """Zero counters and data: only while no peer uses the ring (creation, reclamation)."""
+        """Zero counters and data: only while no peer uses the ring (creation)."""
         self.buf[self.data:self.data + self.capacity] = ZEROS.get(self.capacity)
         self._tail.store(0, RELEASE)
         self._head.store(0, RELEASE)
-        self._head_cache = 0
+        self._head_local = self._head_cache = 0
+
+    def attach(self) -> None:
+        """Adopt the ring's published counters (a process taking over an existing ring)."""
+        self._head_local = self._head_cache = self._head.load(ACQUIRE)
+
+    def valid_head(self, head: int, tail: int) -> bool:
+        """A head a producer may trust: aligned, at most one lap behind ``tail``, not ahead."""
+        return not head & 7 and tail - self.capacity <= head <= tail
 
     # ------------------------------------------------------------------ consumer
     def readable(self) -> bool:
         """True when the tail is ahead of the head (records claimed, maybe not yet committed)."""
-        return self._tail.load(ACQUIRE) != self._head.load(RELAXED)
+        return self._tail.load(ACQUIRE) != self._head_local
 
     def poll(self, handler: Callable[[memoryview], object], limit: int = 1 << 30) -> int:
         """Hand up to ``limit`` committed payloads to ``handler`` in order, then free their space.
@@ -64,13 +78,16 @@ class RingBase:
         The memoryview passed to ``handler`` is only valid during the call: decode or copy it.
         Returns the number of payloads handled.
         """
-        head = self._head.load(RELAXED)
+        head = self._head_local
         tail = self._tail.load(ACQUIRE)
         if tail == head:
+            if self._head.load(RELAXED) != head:
+                self._head.store(head, RELEASE)  # repair garbage written over our counter
             return 0
         cap = self.capacity
-        if tail - head > cap or tail < head:
-            return self._resync(head, tail)
+        if tail - head > cap or tail < head or tail & 7:
+            self._bad_tail(tail)
+            return 0
         mask, data, load = self.mask, self.data, self.mem.load
         buf = self.buf
         pos = head
@@ -78,14 +95,16 @@ class RingBase:
         while pos < tail and count < limit:
             idx = pos & mask
             word = load(data + idx, ACQUIRE)
-            if not word & COMMITTED:
-                break
+            if not word & COMMITTED and self._multi_producer:
+                break  # a producer is still writing this record
             length = word & LENGTH_MASK
             size = HEADER_SIZE + ((length + 7) & ~7)
             kind = (word >> 48) & 0xFF
-            if size > cap - idx or pos + size > tail or (kind != KIND_DATA and kind != KIND_PADDING):
-                self._release(head, pos)
-                return count + self._resync(pos, tail)
+            if (not word & COMMITTED or size > cap - idx or pos + size > tail
+                    or (kind != KIND_DATA and kind != KIND_PADDING)):
+                self.dropped += 1  # corrupt: nothing up to the tail can be trusted
+                pos = tail
+                break
             if kind == KIND_DATA:
                 start = data + idx + HEADER_SIZE
                 handler(buf[start:start + length])
@@ -108,10 +127,9 @@ class RingBase:
         return out
 
     def _release(self, head: int, pos: int) -> None:
-        if pos == head:
-            return
-        if self._zero_consumed:
+        if self._multi_producer:
             self._zero(head, pos)
+        self._head_local = pos
         self._head.store(pos, RELEASE)
 
     def _zero(self, start: int, end: int) -> None:
@@ -122,20 +140,18 @@ class RingBase:
             buf[data + idx:data + idx + n] = ZEROS.get(n)
             start += n
 
-    def _resync(self, head: int, tail: int) -> int:
-        """Corrupt state: discard everything from ``head`` to the tail and count it.
+    def _bad_tail(self, tail: int) -> None:
+        """The tail is garbage (behind the head, over a lap ahead, misaligned or huge).
 
-        A tail behind the head or more than a lap ahead is itself garbage: the head jumps to
-        it (after clearing the data, for MPSC) so producers and consumer agree again.
+        Count it and move the tail back to the head with a CAS, so a producer's concurrent
+        publish wins.  An SPSC producer republishes its private tail on its next push (so
+        records it had published reappear); MPSC claims in flight are lost, so the data is
+        cleared first to keep the zero-header invariant.
         """
         self.dropped += 1
-        if tail < head or tail - head > self.capacity:
-            if self._zero_consumed:
-                self.buf[self.data:self.data + self.capacity] = ZEROS.get(self.capacity)
-            self._head.store(tail, RELEASE)
-        else:
-            self._release(head, tail)
-        return 0
+        if self._multi_producer:
+            self.buf[self.data:self.data + self.capacity] = ZEROS.get(self.capacity)
+        self._tail.cas(tail, self._head_local, ACQ_REL)
 
     def free_space(self) -> int:
         """Bytes a producer could claim now (a snapshot)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from ..memory import ACQ_REL, ACQUIRE, RELAXED, RELEASE, AtomicMemory
-from .base import RingBase
+from .base import COUNTER_LIMIT, RingBase
 from .record import (
     COMMITTED,
     HEADER_SIZE,
@@ -27,7 +27,7 @@ from .record import (
 class MpscRing(RingBase):
     """Many producers (each with an id below 65536), one consumer."""
 
-    _zero_consumed = True
+    _multi_producer = True
 
     def try_push(self, data: bytes | memoryview, producer: int = 0) -> bool:
         """Append one record; False when the ring is full (backpressure, nothing written)."""
@@ -47,12 +47,17 @@ class MpscRing(RingBase):
         tail_ctr = self._tail
         while True:
             tail = tail_ctr.load(ACQUIRE)
+            if tail & 7 or tail >= COUNTER_LIMIT:
+                return False  # garbage tail: the consumer resets it
             idx = tail & mask
             to_end = cap - idx
             need = size if size <= to_end else to_end + size
-            if tail + need - self._head_cache > cap:
-                self._head_cache = self._head.load(ACQUIRE)
-                if tail + need - self._head_cache > cap:
+            if tail + need - self._head_cache > cap or self._head_cache > tail:
+                head = self._head.load(ACQUIRE)
+                if not self.valid_head(head, tail):
+                    return False  # garbage head: the consumer republishes its own
+                self._head_cache = head
+                if tail + need - head > cap:
                     return False
             if tail_ctr.cas(tail, tail + need, ACQ_REL) == tail:
                 break
@@ -78,8 +83,9 @@ class MpscRing(RingBase):
     def blocked_producer(self) -> int | None:
         """The producer id of the uncommitted record at the head, -1 if its header is not
         written yet, or None when the head is not blocked (empty, or committed)."""
-        head = self._head.load(RELAXED)
-        if self._tail.load(ACQUIRE) == head:
+        head = self._head_local
+        tail = self._tail.load(ACQUIRE)
+        if tail == head or tail < head or tail - head > self.capacity:
             return None
         word = self.mem.load(self.data + (head & self.mask), ACQUIRE)
         if word & COMMITTED:
@@ -95,9 +101,9 @@ class MpscRing(RingBase):
         for longer than any live producer takes; the gap then extends to the next written
         header (or the tail, or the end of the buffer).  Returns True if it unblocked.
         """
-        head = self._head.load(RELAXED)
+        head = self._head_local
         tail = self._tail.load(ACQUIRE)
-        if tail == head or tail - head > self.capacity:
+        if tail <= head or tail - head > self.capacity or tail & 7:
             return False
         idx = head & self.mask
         word = self.mem.load(self.data + idx, ACQUIRE)

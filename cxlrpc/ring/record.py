@@ -61,10 +61,6 @@ def max_payload(capacity: int) -> int:
     return capacity // 2 - HEADER_SIZE
 
 
-class RingCorrupted(Exception):
-    """The ring's counters or a record header hold values no correct peer writes."""
-
-
 class _Zeros:
     """A growing read-only block of zeros, used to clear consumed ring space with memcpy."""
 

@@ -24,14 +24,17 @@ class SpscRing(RingBase):
         super().reset()
         self._tail_local = 0
 
-    def attach_producer(self) -> None:
-        """Adopt the ring's published tail (a new producer taking over a reclaimed ring)."""
+    def attach(self) -> None:
+        super().attach()
         self._tail_local = self._tail.load(ACQUIRE)
-        self._head_cache = self._head.load(ACQUIRE)
 
     def skip_to_tail(self) -> None:
         """Consumer only: discard everything published so far (a new holder of the ring)."""
-        self._head.store(self._tail.load(ACQUIRE), RELEASE)
+        tail = self._tail.load(ACQUIRE)
+        if tail & 7 or tail >= (1 << 62):
+            tail = self._head.load(ACQUIRE)  # garbage tail: the producer republishes its own
+        self._head_local = tail
+        self._head.store(tail, RELEASE)
 
     def _reserve(self, tail: int, length: int) -> int:
         """Write any wrap padding and the header for a ``length`` record at ``tail``.
@@ -46,8 +49,13 @@ class SpscRing(RingBase):
         to_end = cap - idx
         need = size if size <= to_end else to_end + size
         if tail + need - self._head_cache > cap:
-            self._head_cache = self._head.load(ACQUIRE)
-            if tail + need - self._head_cache > cap:
+            head = self._head.load(ACQUIRE)
+            if not self.valid_head(head, tail):
+                self._tail.store(tail, RELEASE)  # repair a garbage tail the consumer may see
+                return -1
+            self._head_cache = head
+            if tail + need - head > cap:
+                self._tail.store(tail, RELEASE)
                 return -1
         store = self.mem.store
         if need != size:

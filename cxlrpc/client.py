@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import threading
 import time
 from typing import Any
@@ -120,6 +121,7 @@ class Client(_Base):
         self._closed = False
         self._direct = False  # a caller is polling the reply ring itself
         self._reader_wake: asyncio.Future | None = None
+        self._direct_exhausted = False  # the direct poll spent the spin and yield budget
 
     async def open(self) -> "Client":
         self._loop = asyncio.get_running_loop()
@@ -197,7 +199,8 @@ class Client(_Base):
         chan.server_bell.ring()
 
     async def _poll_directly(self, fut: asyncio.Future) -> None:
-        """The only caller in flight polls the reply ring itself during the spin phase.
+        """The only caller in flight polls the reply ring itself through the spin and yield
+        phases of the wait strategy; the reader task parks meanwhile.
 
         This saves the hop through the reader task (one loop iteration and a task switch per
         call); it still yields to other tasks between polls.  Replies to other calls that
@@ -207,11 +210,18 @@ class Client(_Base):
         try:
             poll, on_reply = self._chan.responses.poll, self._on_reply
             now = time.perf_counter
-            end = now() + self.strategy.spin_s
+            spin_end = now() + self.strategy.spin_s
+            yield_end = spin_end + self.strategy.yield_s
             while not fut.done():
                 if not poll(on_reply, 1024):
-                    if self._gone is not None or now() > end:
+                    if self._gone is not None:
                         return
+                    t = now()
+                    if t > spin_end:
+                        if t > yield_end:
+                            self._direct_exhausted = True  # the reader should park at once
+                            return
+                        os.sched_yield()
                     await asyncio.sleep(0)
         finally:
             self._direct = False
@@ -240,6 +250,7 @@ class Client(_Base):
                 self._reader_wake = loop.create_future()
                 await self._reader_wake
                 self._reader_wake = None
+                idle, self._direct_exhausted = self._direct_exhausted, False
                 continue
             if poll(on_reply, 1024):
                 idle = False

@@ -28,13 +28,18 @@ def busy_spin() -> WaitStrategy:
     return WaitStrategy(math.inf, 0.0, False, "busy-spin")
 
 
-def spin_yield(spin_s: float = 50e-6) -> WaitStrategy:
+def spin_yield(spin_s: float = 10e-6) -> WaitStrategy:
     """Spin briefly, then keep polling while yielding the CPU to other runnable threads."""
     return WaitStrategy(spin_s, math.inf, False, "spin-yield")
 
 
-def adaptive(spin_s: float = 100e-6, yield_s: float = 2e-3) -> WaitStrategy:
-    """Spin, then yield, then park in epoll: fast under load, ~0% CPU when idle (the default)."""
+def adaptive(spin_s: float = 10e-6, yield_s: float = 2e-3) -> WaitStrategy:
+    """Spin, then yield, then park in epoll: fast under load, ~0% CPU when idle (the default).
+
+    The pure spin is short on purpose: on an oversubscribed machine a spinning waiter holds
+    the core its peer needs, while a yielding one hands it over (measured here under load:
+    ~250 us per round trip with 100 us of spin, ~15-60 us with yielding from the start).
+    """
     return WaitStrategy(spin_s, yield_s, True, "adaptive")
 
 

@@ -51,7 +51,10 @@ class SpscRing(RingBase):
         if tail + need - self._head_cache > cap:
             head = self._head.load(ACQUIRE)
             if not self.valid_head(head, tail):
-                self._tail.store(tail, RELEASE)  # repair a garbage tail the consumer may see
+                if not head & 7 and tail < head <= tail + cap and tail == self._tail_local:
+                    # The consumer ran past our tail over garbage: resume where it stands.
+                    self._tail_local = self._head_cache = head
+                self._tail.store(self._tail_local, RELEASE)  # repair a garbage tail
                 return -1
             self._head_cache = head
             if tail + need - head > cap:

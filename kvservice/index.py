@@ -235,16 +235,18 @@ class KVIndex:
         self._ticket_timers.push(now + self._put_timeout_s, ticket, len(self._tickets))
         return PutTicket(ticket.id, offset, size)
 
-    def commit_put(self, ticket_id: int) -> int:
+    def commit_put(self, ticket_id: int, owner: Hashable | None = None) -> int:
         """Publish a pending value, atomically replacing the key's old one; return its version.
 
-        Raises KeyError if the ticket is unknown, committed, aborted or expired.
+        Raises KeyError if the ticket is unknown, committed, aborted or expired, or (when
+        ``owner`` is given) belongs to another owner.
         """
         now = self._clock()
         self._expire(now)
-        ticket = self._tickets.pop(ticket_id, None)
-        if ticket is None:
+        ticket = self._tickets.get(ticket_id)
+        if ticket is None or (owner is not None and ticket.owner != owner):
             raise KeyError(f"unknown or expired put ticket {ticket_id!r}")
+        del self._tickets[ticket_id]
         self._disown(ticket.owner, ticket.id)
         block = ticket.block
         space = self._ns[block.ns]
@@ -261,11 +263,12 @@ class KVIndex:
             self._ttl_timers.push(block.expires_at, block, self._entries)
         return block.version
 
-    def abort_put(self, ticket_id: int) -> bool:
-        """Free a pending value; False if the ticket was already committed, aborted or expired."""
+    def abort_put(self, ticket_id: int, owner: Hashable | None = None) -> bool:
+        """Free a pending value; False if the ticket was already committed, aborted or expired
+        (or, when ``owner`` is given, belongs to another owner)."""
         self._expire(self._clock())
         ticket = self._tickets.get(ticket_id)
-        if ticket is None:
+        if ticket is None or (owner is not None and ticket.owner != owner):
             return False
         self._drop_ticket(ticket)
         return True
@@ -294,14 +297,15 @@ class KVIndex:
         wanted = [normalize_key(k) for k in keys]  # validate all before granting any lease
         return [self._lease(ns, k, duration, owner, now) for k in wanted]
 
-    def release(self, lease_id: int) -> bool:
+    def release(self, lease_id: int, owner: Hashable | None = None) -> bool:
         """End a lease, freeing its block if it was the last holder of a hidden one.
 
-        Returns False (and counts a stale release) if the lease is unknown or already ended.
+        Returns False (and counts a stale release) if the lease is unknown or already ended, or
+        (when ``owner`` is given) belongs to another owner.
         """
         self._expire(self._clock())
         lease = self._leases.get(lease_id)
-        if lease is None:
+        if lease is None or (owner is not None and lease.owner != owner):
             self._counters["stale_releases"] += 1
             return False
         self._end_lease(lease)

@@ -1,0 +1,377 @@
+"""KVClient (asyncio) and SyncKVClient (blocking): metadata over cxlrpc, bytes through the pool.
+
+Each operation is written once, as a generator that yields the RPCs it needs (``_Call``) and
+does the memory copies between them; each client drives those generators its own way.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Generator, Iterable, Mapping
+from typing import Any, NamedTuple
+
+import numpy as np
+
+import cxlrpc
+from kvservice import wire as w
+from kvservice.keys import chunk_keys, normalize_key
+from kvservice.pool import Block, PendingPut, Pool, as_bytes
+
+Key = str | bytes
+
+
+class KeyNotFound(KeyError, cxlrpc.NotFound):
+    """The key has no live value (a KeyError, and the RPC status NOT_FOUND)."""
+
+    def __init__(self, key: Key) -> None:
+        cxlrpc.NotFound.__init__(self, f"no such key {key!r}")
+        self.args = (key,)
+
+
+class _Call(NamedTuple):
+    method: str
+    arg: Any = None
+    response_type: Any = None
+
+
+_Steps = Generator[_Call, Any, Any]
+
+
+def _single(call: _Call) -> _Steps:
+    return (yield call)
+
+
+class _Ops:
+    """The operations, as RPC-yielding generators over a mapped pool."""
+
+    def __init__(self, rpc: Any, hello: w.Hello, pool: Pool) -> None:
+        self.rpc = rpc
+        self.pool = pool
+        self.inline_limit = hello.inline_limit
+
+    def _put(self, items: Mapping[Key, Any], ns: str, ttl: float | None) -> _Steps:
+        keys = [normalize_key(k) for k in items]
+        datas = [as_bytes(v) for v in items.values()]
+        if not all(datas):
+            raise ValueError("empty values are not stored")
+        if sum(map(len, datas)) <= self.inline_limit:
+            yield _Call("inline", w.Inline(ns, keys, datas, ttl))
+            return
+        tickets = yield _Call("begin", w.Begin(ns, keys, [len(d) for d in datas], ttl),
+                              list[w.PutTicket])
+        ids = [t.ticket_id for t in tickets]
+        try:
+            for ticket, data in zip(tickets, datas):
+                self.pool.write(ticket.offset, data)
+        except BaseException:
+            yield _Call("abort", w.Tickets(ids))
+            raise
+        yield _Call("commit", w.Tickets(ids))
+
+    def _begin_put(self, key: Key, size: int, ns: str, ttl: float | None,
+                   driver: Any) -> _Steps:
+        (ticket,) = yield _Call("begin", w.Begin(ns, [normalize_key(key)], [size], ttl),
+                                list[w.PutTicket])
+        ids = w.Tickets([ticket.ticket_id])
+        return PendingPut(self.pool.slice(ticket.offset, ticket.size),
+                          lambda: driver(_single(_Call("commit", ids))),
+                          lambda: driver(_single(_Call("abort", ids))))
+
+    def _get(self, keys: Iterable[Key], ns: str, lease_s: float | None) -> _Steps:
+        leases = yield _Call("get", w.Get(ns, [normalize_key(k) for k in keys], lease_s),
+                             list[w.Lease | None])
+        blocks: list[Block | None] = []
+        try:
+            for lease in leases:
+                blocks.append(None if lease is None else self._block(lease))
+        except BaseException:
+            for lease in leases[len(blocks):]:
+                if lease is not None:
+                    self._release(lease.lease_id)
+            for block in blocks:
+                if block is not None:
+                    block.release()
+            raise
+        return blocks
+
+    def _block(self, lease: w.Lease) -> Block:
+        view = self.pool.slice(lease.offset, lease.size)  # a bad offset from the server raises
+        return Block(view, lease.version, lambda: self._release(lease.lease_id))
+
+    def _release(self, lease_id: int) -> None:
+        raise NotImplementedError
+
+    @staticmethod
+    def _one(key: Key, blocks: list[Block | None]) -> Block:
+        if blocks[0] is None:
+            raise KeyNotFound(key)
+        return blocks[0]
+
+    @staticmethod
+    def _copy_into(block: Block, out: Any) -> int:
+        with block:
+            dst = memoryview(out).cast("B")
+            if len(dst) < block.size:
+                raise ValueError(f"buffer of {len(dst)} bytes is too small for {block.size}")
+            dst[:block.size] = block.view()
+            return block.size
+
+    def _key_call(self, method: str, key: Key, ns: str) -> _Steps:
+        return (yield _Call(method, w.Key(ns, normalize_key(key))))
+
+    def _lookup_prefix(self, token_ids: Iterable[int] | np.ndarray, chunk_size: int,
+                       ns: str) -> _Steps:
+        keys = chunk_keys(token_ids, chunk_size, ns)
+        if not keys:
+            return 0
+        return (yield _Call("lookup_prefix", w.Keys(ns, keys)))
+
+    def _stats(self) -> _Steps:
+        return (yield _Call("stats"))
+
+
+class KVClient(_Ops):
+    """asyncio client: ``async with KVClient.connect("shm://kv") as kv: await kv.put(k, v)``.
+
+    Lease releases are sent in the background, batched (a block's ``with`` exit cannot await).
+    """
+
+    def __init__(self, rpc: cxlrpc.Client, hello: w.Hello, pool: Pool) -> None:
+        super().__init__(rpc, hello, pool)
+        self._loop = asyncio.get_running_loop()
+        self._releases: list[int] = []
+        self._tasks: set[asyncio.Task] = set()
+        self._closed = False
+
+    @staticmethod
+    def connect(url: str, **options: Any) -> "_Connecting":
+        """Connect (``await`` it or use ``async with``); options go to :func:`cxlrpc.connect`."""
+        return _Connecting(url, options)
+
+    @staticmethod
+    def connect_sync(url: str, **options: Any) -> "SyncKVClient":
+        """A blocking client (use ``with``); options go to :func:`cxlrpc.connect_sync`."""
+        return SyncKVClient.connect(url, **options)
+
+    async def put(self, key: Key, value: Any, namespace: str = "", ttl: float | None = None) -> None:
+        """Store ``value`` (bytes-like or numpy array); returns once every reader can see it."""
+        await self._drive(self._put({key: value}, namespace, ttl))
+
+    async def batch_put(self, items: Mapping[Key, Any], namespace: str = "",
+                        ttl: float | None = None) -> None:
+        """Store several values with one RPC to reserve and one to commit (all or none reserved)."""
+        await self._drive(self._put(items, namespace, ttl))
+
+    async def begin_put(self, key: Key, size: int, namespace: str = "",
+                        ttl: float | None = None) -> PendingPut:
+        """Reserve ``size`` bytes to fill in place; ``await pending.commit()`` publishes them."""
+        return await self._drive(self._begin_put(key, size, namespace, ttl, self._drive))
+
+    async def get(self, key: Key, namespace: str = "", lease_s: float | None = None) -> Block:
+        """Lease ``key``'s value for zero-copy reading (``with`` ends the lease); KeyNotFound."""
+        return self._one(key, await self._drive(self._get([key], namespace, lease_s)))
+
+    async def batch_get(self, keys: Iterable[Key], namespace: str = "",
+                        lease_s: float | None = None) -> list[Block | None]:
+        """Lease several values in one RPC; None for each missing key."""
+        return await self._drive(self._get(keys, namespace, lease_s))
+
+    async def get_bytes(self, key: Key, namespace: str = "") -> bytes:
+        """A copy of ``key``'s value."""
+        with await self.get(key, namespace) as block:
+            return block.tobytes()
+
+    async def get_into(self, key: Key, out: Any, namespace: str = "") -> int:
+        """Copy ``key``'s value into the writable buffer ``out``; returns its size."""
+        return self._copy_into(await self.get(key, namespace), out)
+
+    async def exists(self, key: Key, namespace: str = "") -> bool:
+        """Whether ``key`` has a live value (no lease taken)."""
+        return await self._drive(self._key_call("exists", key, namespace))
+
+    async def remove(self, key: Key, namespace: str = "") -> bool:
+        """Hide ``key`` now (readers holding leases keep their bytes); False if it was absent."""
+        return await self._drive(self._key_call("remove", key, namespace))
+
+    async def lookup_prefix(self, token_ids: Iterable[int] | np.ndarray, chunk_size: int = 256,
+                            namespace: str = "") -> int:
+        """Number of leading full chunks of ``token_ids`` whose chunk_keys are present."""
+        return await self._drive(self._lookup_prefix(token_ids, chunk_size, namespace))
+
+    async def stats(self) -> dict[str, Any]:
+        """The server's counters and per-namespace usage."""
+        return await self._drive(self._stats())
+
+    async def close(self) -> None:
+        """Send pending lease releases, detach and unmap the pool."""
+        if self._closed:
+            return
+        self._flush()
+        self._closed = True
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.rpc.close()
+        self.pool.close()
+
+    async def __aenter__(self) -> "KVClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _drive(self, steps: _Steps) -> Any:
+        call = self.rpc.call
+        try:
+            step = next(steps)
+            while True:
+                try:
+                    result = await call(step.method, step.arg, response_type=step.response_type)
+                except Exception as exc:
+                    step = steps.throw(exc)
+                else:
+                    step = steps.send(result)
+        except StopIteration as done:
+            return done.value
+
+    def _release(self, lease_id: int) -> None:
+        if self._closed:
+            return
+        self._releases.append(lease_id)
+        if len(self._releases) == 1:
+            self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        ids, self._releases = self._releases, []
+        if ids and not self._closed:
+            task = self._loop.create_task(self._send_release(ids))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _send_release(self, ids: list[int]) -> None:
+        try:
+            await self.rpc.call("release", w.Release(ids))
+        except cxlrpc.RpcError:
+            pass  # the server ends the leases anyway: on expiry, or when it sees us gone
+
+
+class _Connecting:
+    """What :meth:`KVClient.connect` returns: ``await`` it, or use it with ``async with``."""
+
+    def __init__(self, url: str, options: dict[str, Any]) -> None:
+        self._url = url
+        self._options = options
+        self._client: KVClient | None = None
+
+    async def _open(self) -> KVClient:
+        rpc = await cxlrpc.connect(self._url, **self._options)
+        try:
+            hello = await rpc.call("hello", response_type=w.Hello)
+            pool = Pool.open(hello.pool_url, hello.pool_size, hello.epoch)
+        except BaseException:
+            await rpc.close()
+            raise
+        self._client = KVClient(rpc, hello, pool)
+        return self._client
+
+    def __await__(self):
+        return self._open().__await__()
+
+    async def __aenter__(self) -> KVClient:
+        return await self._open()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._client.close()
+
+
+class SyncKVClient(_Ops):
+    """Blocking client with KVClient's methods; a block's ``with`` exit releases synchronously."""
+
+    @classmethod
+    def connect(cls, url: str, **options: Any) -> "SyncKVClient":
+        """Connect to the service at ``url``; options go to :func:`cxlrpc.connect_sync`."""
+        rpc = cxlrpc.connect_sync(url, **options)
+        try:
+            hello = rpc.call("hello", response_type=w.Hello)
+            pool = Pool.open(hello.pool_url, hello.pool_size, hello.epoch)
+        except BaseException:
+            rpc.close()
+            raise
+        return cls(rpc, hello, pool)
+
+    def put(self, key: Key, value: Any, namespace: str = "", ttl: float | None = None) -> None:
+        """Store ``value``; returns once every reader can see it."""
+        self._drive(self._put({key: value}, namespace, ttl))
+
+    def batch_put(self, items: Mapping[Key, Any], namespace: str = "",
+                  ttl: float | None = None) -> None:
+        """Store several values (one RPC to reserve, one to commit)."""
+        self._drive(self._put(items, namespace, ttl))
+
+    def begin_put(self, key: Key, size: int, namespace: str = "",
+                  ttl: float | None = None) -> PendingPut:
+        """Reserve ``size`` bytes to fill in place; ``pending.commit()`` publishes them."""
+        return self._drive(self._begin_put(key, size, namespace, ttl, self._drive))
+
+    def get(self, key: Key, namespace: str = "", lease_s: float | None = None) -> Block:
+        """Lease ``key``'s value for zero-copy reading; KeyNotFound if absent."""
+        return self._one(key, self._drive(self._get([key], namespace, lease_s)))
+
+    def batch_get(self, keys: Iterable[Key], namespace: str = "",
+                  lease_s: float | None = None) -> list[Block | None]:
+        """Lease several values in one RPC; None for each missing key."""
+        return self._drive(self._get(keys, namespace, lease_s))
+
+    def get_bytes(self, key: Key, namespace: str = "") -> bytes:
+        """A copy of ``key``'s value."""
+        with self.get(key, namespace) as block:
+            return block.tobytes()
+
+    def get_into(self, key: Key, out: Any, namespace: str = "") -> int:
+        """Copy ``key``'s value into ``out``; returns its size."""
+        return self._copy_into(self.get(key, namespace), out)
+
+    def exists(self, key: Key, namespace: str = "") -> bool:
+        """Whether ``key`` has a live value."""
+        return self._drive(self._key_call("exists", key, namespace))
+
+    def remove(self, key: Key, namespace: str = "") -> bool:
+        """Hide ``key`` now; False if it was absent."""
+        return self._drive(self._key_call("remove", key, namespace))
+
+    def lookup_prefix(self, token_ids: Iterable[int] | np.ndarray, chunk_size: int = 256,
+                      namespace: str = "") -> int:
+        """Number of leading full chunks of ``token_ids`` present."""
+        return self._drive(self._lookup_prefix(token_ids, chunk_size, namespace))
+
+    def stats(self) -> dict[str, Any]:
+        """The server's counters and per-namespace usage."""
+        return self._drive(self._stats())
+
+    def close(self) -> None:
+        """Detach and unmap the pool."""
+        self.rpc.close()
+        self.pool.close()
+
+    def __enter__(self) -> "SyncKVClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _drive(self, steps: _Steps) -> Any:
+        call = self.rpc.call
+        try:
+            step = next(steps)
+            while True:
+                try:
+                    result = call(step.method, step.arg, response_type=step.response_type)
+                except Exception as exc:
+                    step = steps.throw(exc)
+                else:
+                    step = steps.send(result)
+        except StopIteration as done:
+            return done.value
+
+    def _release(self, lease_id: int) -> None:
+        try:
+            self.rpc.call("release", w.Release([lease_id]))
+        except cxlrpc.RpcError:
+            pass  # the server ends the lease anyway (expiry, or our slot reaped)

@@ -1,0 +1,179 @@
+"""KVServer: the metadata service (a cxlrpc.Server owning a KVIndex) and the pool region.
+
+Clients copy values into and out of the pool themselves; the server only hands out offsets,
+tickets and leases, so each request is a small frame. Leases and pending puts are owned by the
+calling cxlrpc peer and dropped when that peer detaches or dies.
+"""
+import asyncio
+import contextlib
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import cxlrpc
+from kvservice import wire as w
+from kvservice.allocator import PoolAllocator
+from kvservice.index import KVIndex, Lease, PoolFull, PutTicket
+from kvservice.pool import Pool, pool_url_for
+
+INLINE_LIMIT = 32 << 10  # measured: inline wins below ~32 KiB, two-phase from 64 KiB
+
+
+def _guard(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """Map the index's exceptions to RPC status codes."""
+    @functools.wraps(fn)
+    def handler(*args: Any) -> Any:
+        try:
+            return fn(*args)
+        except PoolFull as exc:
+            raise cxlrpc.ResourceExhausted(str(exc)) from None
+        except KeyError as exc:
+            raise cxlrpc.NotFound(str(exc.args[0] if exc.args else exc)) from None
+        except (ValueError, TypeError) as exc:
+            raise cxlrpc.InvalidArgument(str(exc)) from None
+    return handler
+
+
+class KVServer:
+    """A KV-cache store at ``url`` whose values live in a pool region of ``pool_size`` bytes.
+
+    ``async with KVServer("shm://kv", pool_size=8 << 30): ...``; extra keyword arguments go
+    to :class:`cxlrpc.Server`. Values up to ``inline_limit`` bytes may travel in the put request.
+    """
+
+    def __init__(self, url: str, pool_size: int, *, pool_url: str | None = None,
+                 alignment: int = 4096, inline_limit: int = INLINE_LIMIT,
+                 default_lease_s: float = 10.0, put_timeout_s: float = 30.0,
+                 expire_interval: float = 0.5, high_watermark: float = 0.9,
+                 low_watermark: float = 0.8, **rpc_options: Any) -> None:
+        self.url = url
+        self.pool_url = pool_url or pool_url_for(url)
+        self.pool_size = -(-pool_size // alignment) * alignment
+        self.inline_limit = inline_limit
+        self.expire_interval = expire_interval
+        self.index = KVIndex(PoolAllocator(self.pool_size, alignment),
+                             high_watermark=high_watermark, low_watermark=low_watermark,
+                             default_lease_s=default_lease_s, put_timeout_s=put_timeout_s)
+        self.rpc = cxlrpc.Server(url, **rpc_options)
+        self.rpc.on_disconnect(self.index.release_owner)
+        self._pool: Pool | None = None
+        self._expirer: asyncio.Task | None = None
+        for name in ("hello", "begin", "inline", "commit", "abort", "get", "release", "exists",
+                     "remove", "lookup_prefix", "stats"):
+            self.rpc.add_method(name, _guard(getattr(self, "_" + name)))
+
+    # ---- lifetime ------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Create the service region, then the pool (before any request can be served)."""
+        await self.rpc.start()  # fails if a live server owns the name, so the pool is ours
+        try:
+            self._pool = Pool.create(self.pool_url, self.pool_size, self.rpc.mode)
+        except BaseException:
+            await self.rpc.close()
+            raise
+        self._expirer = asyncio.get_running_loop().create_task(self._expire_loop())
+
+    async def close(self) -> None:
+        """Stop serving, then unlink and unmap the pool."""
+        if self._expirer is not None:
+            self._expirer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._expirer
+            self._expirer = None
+        await self.rpc.close()
+        if self._pool is not None:
+            self._pool.unlink()
+            self._pool.close()
+            self._pool = None
+
+    async def serve_forever(self) -> None:
+        """Serve until :meth:`close` is called."""
+        await self.rpc.serve_forever()
+
+    async def __aenter__(self) -> "KVServer":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def set_quota(self, namespace: str, max_bytes: int | None) -> None:
+        """Cap the pool bytes ``namespace`` may hold (None lifts the cap)."""
+        self.index.set_quota(namespace, max_bytes)
+
+    def stats(self) -> dict[str, Any]:
+        """Hits, misses, evictions, occupancy and bytes per namespace."""
+        return {"pool_url": self.pool_url, **self.index.stats()}
+
+    async def _expire_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.expire_interval)
+            self.index.expire()
+
+    # ---- handlers (plain functions: they run inline in cxlrpc's reader) -------------------
+    def _hello(self) -> w.Hello:
+        return w.Hello(self.pool_url, self.pool_size, self._pool.region.epoch, self.inline_limit)
+
+    def _begin(self, req: w.Begin) -> list[PutTicket]:
+        if len(req.keys) != len(req.sizes):
+            raise ValueError("keys and sizes differ in length")
+        return self._begin_all(req.ns, req.keys, req.sizes, req.ttl, cxlrpc.current_peer())
+
+    def _inline(self, req: w.Inline) -> None:
+        if len(req.keys) != len(req.values):
+            raise ValueError("keys and values differ in length")
+        owner = cxlrpc.current_peer()
+        tickets = self._begin_all(req.ns, req.keys, [len(v) for v in req.values], req.ttl, owner)
+        for ticket, value in zip(tickets, req.values):
+            self._pool.write(ticket.offset, memoryview(value))
+        for ticket in tickets:
+            self.index.commit_put(ticket.ticket_id, owner)
+
+    def _begin_all(self, ns: str, keys: list[bytes], sizes: list[int], ttl: float | None,
+                   owner: cxlrpc.Peer) -> list[PutTicket]:
+        """Reserve a block per key, all or none."""
+        tickets: list[PutTicket] = []
+        try:
+            for key, size in zip(keys, sizes):
+                tickets.append(self.index.begin_put(ns, key, size, ttl, owner))
+        except BaseException:
+            for ticket in tickets:
+                self.index.abort_put(ticket.ticket_id, owner)
+            raise
+        return tickets
+
+    def _commit(self, req: w.Tickets) -> None:
+        owner = cxlrpc.current_peer()
+        lost = []
+        for ticket_id in req.ids:
+            try:
+                self.index.commit_put(ticket_id, owner)
+            except KeyError:
+                lost.append(ticket_id)
+        if lost:
+            raise cxlrpc.NotFound(f"put tickets {lost} expired or unknown: not committed")
+
+    def _abort(self, req: w.Tickets) -> None:
+        owner = cxlrpc.current_peer()
+        for ticket_id in req.ids:
+            self.index.abort_put(ticket_id, owner)
+
+    def _get(self, req: w.Get) -> list[Lease | None]:
+        return self.index.batch_get(req.ns, req.keys, req.lease_s, cxlrpc.current_peer())
+
+    def _release(self, req: w.Release) -> None:
+        owner = cxlrpc.current_peer()
+        for lease_id in req.ids:
+            self.index.release(lease_id, owner)
+
+    def _exists(self, req: w.Key) -> bool:
+        return self.index.exists(req.ns, req.key)
+
+    def _remove(self, req: w.Key) -> bool:
+        return self.index.remove(req.ns, req.key)
+
+    def _lookup_prefix(self, req: w.Keys) -> int:
+        return self.index.lookup_prefix(req.ns, req.keys)
+
+    def _stats(self) -> dict[str, Any]:
+        return self.stats()

@@ -1,0 +1,95 @@
+"""The kvservice RPC schema: every request and reply as a msgspec Struct, and their one codec.
+
+The shared-memory service hands these Structs to cxlrpc (which MessagePack-encodes them); the
+gRPC twin encodes them itself with :func:`encode`/:func:`decode`. Keys travel as bytes.
+"""
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import msgspec
+
+from kvservice.index import Lease, PutTicket
+
+__all__ = ["Hello", "Begin", "Inline", "Tickets", "Get", "Release", "Key", "Keys", "Lease",
+           "PutTicket", "encode", "decode"]
+
+T = TypeVar("T")
+
+
+class Hello(msgspec.Struct, frozen=True):
+    """What a client needs to map the pool: where it is, its size, epoch and the inline limit."""
+
+    pool_url: str
+    pool_size: int
+    epoch: int
+    inline_limit: int
+
+
+class Begin(msgspec.Struct, array_like=True, frozen=True):
+    """Reserve one block per key (phase one of a put); the reply is a list of PutTicket."""
+
+    ns: str
+    keys: list[bytes]
+    sizes: list[int]
+    ttl: float | None = None
+
+
+class Inline(msgspec.Struct, array_like=True, frozen=True):
+    """Values carried in the request (small ones, and every gRPC-twin put): stored and committed."""
+
+    ns: str
+    keys: list[bytes]
+    values: list[bytes]
+    ttl: float | None = None
+
+
+class Tickets(msgspec.Struct, array_like=True, frozen=True):
+    """Put tickets to commit (phase two) or abort."""
+
+    ids: list[int]
+
+
+class Get(msgspec.Struct, array_like=True, frozen=True):
+    """Lease each key's value; the reply is a list of Lease, None for a miss."""
+
+    ns: str
+    keys: list[bytes]
+    lease_s: float | None = None
+
+
+class Release(msgspec.Struct, array_like=True, frozen=True):
+    """End leases (the client batches them)."""
+
+    ids: list[int]
+
+
+class Key(msgspec.Struct, array_like=True, frozen=True):
+    """One key of a namespace (exists, remove)."""
+
+    ns: str
+    key: bytes
+
+
+class Keys(msgspec.Struct, array_like=True, frozen=True):
+    """Keys of a namespace (lookup_prefix, and the gRPC twin's get)."""
+
+    ns: str
+    keys: list[bytes]
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoders: dict[Any, msgspec.msgpack.Decoder] = {}
+
+
+def encode(obj: Any) -> bytes:
+    """MessagePack bytes of a schema object (the gRPC twin's serializer)."""
+    return _encoder.encode(obj)
+
+
+def decode(data: bytes, type_: type[T] | Any) -> T:
+    """Decode and validate MessagePack ``data`` as ``type_`` (msgspec.ValidationError if bad)."""
+    dec = _decoders.get(type_)
+    if dec is None:
+        dec = _decoders[type_] = msgspec.msgpack.Decoder(type_)
+    return dec.decode(data)

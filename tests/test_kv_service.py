@@ -1,0 +1,366 @@
+"""kvservice end to end: the shm service (async and blocking clients) and its gRPC twin."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import cxlrpc
+from kv_workers import check_value, churn_main, hold_lease_main, make_value
+from kvservice import KeyNotFound, KVClient, KVServer, chunk_keys
+from kvservice import wire as w
+from kvservice.grpc_twin import GrpcKVClient, GrpcKVServer
+from kvservice.pool import Block
+from procs import CTX, stop
+
+MiB = 1 << 20
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+async def until(cond, timeout: float = 5.0, interval: float = 0.02) -> bool:
+    """Poll the async predicate ``cond()`` until it holds or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if await cond():
+            return True
+        await asyncio.sleep(interval)
+    return bool(await cond())
+
+
+async def stat(kv, name: str):
+    return (await kv.stats())[name]
+
+
+@pytest.fixture(params=["shm", "grpc"])
+async def service(request, url):
+    """(server, asyncio client) for the shm service and for its gRPC twin."""
+    if request.param == "shm":
+        async with KVServer(url, pool_size=64 * MiB) as server, KVClient.connect(url) as kv:
+            yield server, kv
+    else:
+        async with GrpcKVServer("127.0.0.1:0", 64 * MiB) as server, \
+                GrpcKVClient(server.address) as kv:
+            yield server, kv
+
+
+# ---- the API, on both services -------------------------------------------------------------
+
+async def test_every_call(service):
+    server, kv = service
+    await kv.put("a", b"alpha")
+    await kv.put(b"arr", np.arange(50_000, dtype=np.float32))  # two-phase on shm (> 64 KiB)
+    assert await kv.get_bytes("a") == b"alpha"
+    with await kv.get("arr") as block:
+        assert block.size == 200_000
+        np.testing.assert_array_equal(block.array(np.float32, (100, 500)).ravel(),
+                                      np.arange(50_000, dtype=np.float32))
+        assert bytes(block.view()[:4]) == np.float32(0).tobytes()
+    out = bytearray(300_000)
+    assert await kv.get_into("arr", out) == 200_000
+    assert out[:200_000] == np.arange(50_000, dtype=np.float32).tobytes()
+    with pytest.raises(ValueError):
+        await kv.get_into("arr", bytearray(10))
+    await kv.batch_put({"b1": b"x" * 10, "b2": os.urandom(100_000), "b3": np.ones(3, np.int64)})
+    blocks = await kv.batch_get(["b1", "missing", "b3"])
+    assert blocks[1] is None
+    assert blocks[0].tobytes() == b"x" * 10 and blocks[2].array(np.int64).tolist() == [1, 1, 1]
+    for b in (blocks[0], blocks[2]):
+        b.release()
+    assert await kv.exists("a") and not await kv.exists("nope")
+    assert await kv.remove("a") is True and await kv.remove("a") is False
+    assert not await kv.exists("a")
+    with pytest.raises(KeyError) as err:
+        await kv.get("a")
+    assert isinstance(err.value, KeyNotFound) and isinstance(err.value, cxlrpc.NotFound)
+    with pytest.raises(KeyError):
+        await kv.get_bytes("a")
+    tokens = list(range(1000))
+    keys = chunk_keys(tokens, 256)
+    await kv.batch_put({k: np.full(16, i, np.int16) for i, k in enumerate(keys[:2])})
+    assert await kv.lookup_prefix(tokens, 256) == 2
+    assert await kv.lookup_prefix(tokens[:100], 256) == 0
+    stats = await kv.stats()
+    assert stats["hits"] >= 4 and stats["misses"] >= 2
+    assert stats["namespaces"][""]["bytes"] > 0 and "evictions" in stats
+
+
+async def test_namespaces_are_isolated(service):
+    _, kv = service
+    await kv.put("k", b"in A", namespace="A")
+    assert await kv.exists("k", namespace="A")
+    assert not await kv.exists("k", namespace="B") and not await kv.exists("k")
+    with pytest.raises(KeyError):
+        await kv.get_bytes("k", namespace="B")
+    await kv.put("k", b"in B", namespace="B")
+    assert await kv.get_bytes("k", namespace="A") == b"in A"
+    assert await kv.remove("k", namespace="B")
+    assert await kv.get_bytes("k", namespace="A") == b"in A"
+    tokens = np.arange(512)
+    await kv.batch_put({k: b"kv" for k in chunk_keys(tokens, 256, "A")}, namespace="A")
+    assert await kv.lookup_prefix(tokens, 256, namespace="A") == 2
+    assert await kv.lookup_prefix(tokens, 256, namespace="B") == 0
+    assert set((await kv.stats())["namespaces"]) == {"A"}
+
+
+async def test_quota_and_bad_arguments(service):
+    server, kv = service
+    server.set_quota("small", 64 << 10)
+    await kv.put("a", bytes(60_000), namespace="small")
+    with pytest.raises(cxlrpc.ResourceExhausted):
+        await kv.put("big", bytes(100_000), namespace="small")
+    with pytest.raises(cxlrpc.InvalidArgument):
+        await kv.put("huge", np.zeros(65 * MiB, np.uint8))  # larger than the whole pool
+    with pytest.raises(ValueError):
+        await kv.put("", b"x")
+    with pytest.raises(ValueError):
+        await kv.put("empty", b"")
+    with pytest.raises(TypeError):
+        await kv.put(3, b"x")
+
+
+async def test_ttl(service):
+    _, kv = service
+    await kv.put("short", b"soon gone", ttl=0.2)
+    await kv.put("long", b"stays", ttl=60)
+    assert await kv.exists("short")
+    assert await until(lambda: _absent(kv, "short"), timeout=5)
+    assert await kv.exists("long")
+    assert (await kv.stats())["expirations"] >= 1
+
+
+async def _absent(kv, key) -> bool:
+    return not await kv.exists(key)
+
+
+# ---- the shared-memory service: leases, two-phase puts, eviction ------------------------------
+
+async def test_overwrite_keeps_leased_bytes_until_release(url):
+    async with KVServer(url, pool_size=8 * MiB) as server, KVClient.connect(url) as kv:
+        old = make_value(b"k", 1, 1, 200_000)
+        await kv.put("k", old)
+        block = await kv.get("k")
+        await kv.put("k", make_value(b"k", 2, 2, 200_000))
+        await kv.remove("k")
+        await kv.put("k", make_value(b"k", 3, 3, 200_000))  # may reuse nothing the lease holds
+        assert bytes(block.view()) == old and check_value(b"k", block.view()) == (1, 1)
+        assert check_value(b"k", await kv.get_bytes("k")) == (3, 3)
+        assert server.index.stats()["retired_blocks"] == 1
+        block.release()
+        with pytest.raises(ValueError):
+            block.view()
+        assert await until(lambda: _retired_none(kv), timeout=5)
+
+
+async def _retired_none(kv) -> bool:
+    stats = await kv.stats()
+    return stats["retired_blocks"] == 0 and stats["leases"] == 0
+
+
+async def test_value_invisible_before_commit(url):
+    async with KVServer(url, pool_size=8 * MiB) as server, KVClient.connect(url) as kv:
+        await kv.put("k", b"old")
+        pending = await kv.begin_put("k", 1000)
+        pending.array(np.int8)[:] = 7
+        assert not await kv.exists("new") and await kv.get_bytes("k") == b"old"
+        assert (await kv.stats())["pending_puts"] == 1
+        await pending.commit()
+        assert await kv.get_bytes("k") == bytes([7]) * 1000
+        pending = await kv.begin_put("gone", 10)
+        assert not await kv.exists("gone")
+        await pending.abort()
+        assert not await kv.exists("gone") and (await kv.stats())["pending_puts"] == 0
+
+
+async def test_pool_full_then_room_after_release(url):
+    async with KVServer(url, pool_size=1 * MiB) as server, KVClient.connect(url) as kv:
+        blocks = []
+        for i in range(4):  # four 256 KiB values fill the pool; leases make them unevictable
+            await kv.put(f"v{i}", bytes([i]) * (256 << 10))
+            blocks.append(await kv.get(f"v{i}"))
+        with pytest.raises(cxlrpc.ResourceExhausted):
+            await kv.put("more", b"x" * 100_000)
+        assert all(b.view()[0] == i for i, b in enumerate(blocks))
+        blocks[1].release()
+        assert await until(lambda: _leases(kv, 3))
+        await kv.put("more", b"x" * 100_000)  # evicts the one unleased value
+        assert not await kv.exists("v1") and await kv.exists("v0")
+        assert (await kv.stats())["evictions"] == 1
+        for b in blocks:
+            b.release()
+
+
+async def _leases(kv, n: int) -> bool:
+    return (await kv.stats())["leases"] == n
+
+
+async def test_eviction_is_lru_and_skips_leased_blocks(url):
+    async with KVServer(url, pool_size=1 * MiB) as server, KVClient.connect(url) as kv:
+        for i in range(12):  # 12 x 64 KiB = 75% of the pool
+            await kv.put(f"a{i}", bytes([i]) * (64 << 10))
+        pinned = await kv.get("a0")          # the oldest, but leased
+        with await kv.get("a1"):             # touched: now the most recent of the a's
+            pass
+        assert await until(lambda: _leases(kv, 1))
+        for i in range(3):  # crosses the 90% high watermark: evicts down to 80%
+            await kv.put(f"b{i}", bytes(64 << 10))
+        stats = await kv.stats()
+        assert stats["evictions"] == 3
+        assert await kv.exists("a0") and await kv.exists("a1")
+        assert [await kv.exists(f"a{i}") for i in (2, 3, 4, 5)] == [False, False, False, True]
+        assert pinned.view()[5] == 0
+        pinned.release()
+
+
+async def test_killed_client_releases_its_lease(url):
+    async with KVServer(url, pool_size=8 * MiB, default_lease_s=120) as server, \
+            KVClient.connect(url) as kv:
+        await kv.put("k", b"v" * 5000)
+        ready = CTX.Event()
+        proc = CTX.Process(target=hold_lease_main, args=(url, b"k", ready), daemon=True)
+        proc.start()
+        try:
+            assert await asyncio.to_thread(ready.wait, 20), "lease holder did not start"
+            assert (await kv.stats())["leases"] == 1
+            os.kill(proc.pid, signal.SIGKILL)
+            await asyncio.to_thread(proc.join, 10)
+            t0 = time.monotonic()
+            assert await until(lambda: _leases(kv, 0), timeout=10), "dead client's lease kept"
+            assert time.monotonic() - t0 < 5
+            assert (await kv.stats())["lease_expirations"] == 0  # released, not expired
+        finally:
+            await asyncio.to_thread(stop, proc)
+
+
+async def test_concurrent_processes_never_read_torn_or_stale_values(url):
+    async with KVServer(url, pool_size=256 * MiB, slots=8) as server:
+        results = CTX.Queue()
+        procs = [CTX.Process(target=churn_main, args=(url, wid, 5.0, 6, results), daemon=True)
+                 for wid in (1, 2, 3)]
+        for p in procs:
+            p.start()
+        try:
+            reports = [await asyncio.to_thread(results.get, True, 40) for _ in procs]
+            for p in procs:
+                await asyncio.to_thread(p.join, 10)
+        finally:
+            for p in procs:
+                await asyncio.to_thread(stop, p)
+        errors = [r for r in reports if not isinstance(r[1], dict)]
+        assert not errors, errors
+        assert all(p.exitcode == 0 for p in procs)
+        for _, counts in reports:
+            assert counts["puts"] > 10 and counts["reads"] > 10, counts
+        stats = server.stats()
+        assert stats["pending_puts"] == 0
+        assert await until(_no_leases(server), timeout=5)
+
+
+def _no_leases(server):
+    async def check() -> bool:
+        return server.stats()["leases"] == 0
+    return check
+
+
+async def test_server_validates_requests(url):
+    async with KVServer(url, pool_size=1 * MiB) as server, cxlrpc.connect(url) as rpc, \
+            cxlrpc.connect(url) as other:
+        for bad in (w.Begin("", [b"k"], [0]), w.Begin("", [b"k"], [-5]),
+                    w.Begin("", [b"k"], [2 * MiB]), w.Begin("", [b"k", b"j"], [10]),
+                    w.Begin("", [b""], [10]), w.Inline("", [b"k"], [])):
+            with pytest.raises(cxlrpc.InvalidArgument):
+                await rpc.call(bad.__class__.__name__.lower(), bad)
+        with pytest.raises(cxlrpc.InvalidArgument):
+            await rpc.call("get", {"not": "a Get"})
+        (ticket,) = await rpc.call("begin", w.Begin("", [b"k"], [10]), response_type=list[w.PutTicket])
+        with pytest.raises(cxlrpc.NotFound):  # another client cannot commit my ticket
+            await other.call("commit", w.Tickets([ticket.ticket_id]))
+        with pytest.raises(cxlrpc.NotFound):
+            await rpc.call("commit", w.Tickets([ticket.ticket_id + 1000]))
+        await rpc.call("commit", w.Tickets([ticket.ticket_id]))
+        (lease,) = await rpc.call("get", w.Get("", [b"k"]), response_type=list[w.Lease | None])
+        await other.call("release", w.Release([lease.lease_id]))  # not its lease: ignored
+        assert server.stats()["leases"] == 1
+        await rpc.call("release", w.Release([lease.lease_id]))
+        assert server.stats()["leases"] == 0
+
+
+async def test_block_views_fail_safely(url):
+    async with KVServer(url, pool_size=1 * MiB) as server:
+        async with KVClient.connect(url) as kv:
+            await kv.put("k", b"abc" * 1000)
+            block = await kv.get("k")
+            view, arr = block.view(), block.array()
+            assert view.readonly and not arr.flags.writeable
+            with pytest.raises(ValueError):
+                kv.pool.slice(kv.pool.capacity - 10, 11)  # an offset outside the pool is refused
+            block.release()
+            block.release()  # idempotent
+            with pytest.raises(ValueError):
+                view[0]
+            held = await kv.get("k")
+            kept = held.view()
+        # the client and then the server closed under a view the user still holds
+        assert kept.nbytes == 3000
+        held.release()
+    assert not os.path.exists(f"/dev/shm/cxlrpc.{url[6:]}.pool")
+
+
+# ---- the blocking client and the command line -------------------------------------------------
+
+async def test_blocking_client(url):
+    async with KVServer(url, pool_size=8 * MiB) as server:
+        def run() -> None:
+            with KVClient.connect_sync(url) as kv:
+                kv.put("s", b"sync")
+                kv.put("big", np.arange(100_000, dtype=np.int32), namespace="n")
+                assert kv.get_bytes("s") == b"sync"
+                with kv.get("big", namespace="n") as block:
+                    assert block.array(np.int32)[-1] == 99_999
+                out = np.empty(100_000, np.int32)
+                assert kv.get_into("big", out, namespace="n") == 400_000 and out[7] == 7
+                kv.batch_put({"x": b"1", "y": b"2"})
+                x, z, y = kv.batch_get(["x", "z", "y"])
+                assert (x.tobytes(), z, y.tobytes()) == (b"1", None, b"2")
+                x.release()
+                y.release()
+                assert kv.exists("x") and kv.remove("x") and not kv.exists("x")
+                with pytest.raises(KeyNotFound):
+                    kv.get("x")
+                pending = kv.begin_put("p", 4)
+                pending.view()[:] = b"wxyz"
+                assert not kv.exists("p")
+                pending.commit()
+                assert kv.get_bytes("p") == b"wxyz"
+                tokens = list(range(600))
+                kv.batch_put({k: b"c" for k in chunk_keys(tokens, 256)})
+                assert kv.lookup_prefix(tokens) == 2
+                stats = kv.stats()
+                assert stats["leases"] == 0 and stats["namespaces"]["n"]["entries"] == 1
+
+        await asyncio.wait_for(asyncio.to_thread(run), 30)
+
+
+async def test_stats_command(url, name):
+    async with KVServer(url, pool_size=1 * MiB) as server, KVClient.connect(url) as kv:
+        await kv.put("k", b"v", namespace="ns")
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kvservice", "stats", "--name", name, cwd=ROOT,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(), 30)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+        assert proc.returncode == 0, err.decode()
+        assert '"ns"' in out.decode() and '"hits"' in out.decode()
+
+
+def test_block_over_plain_bytes():
+    block = Block(memoryview(b"\x01\x00\x02\x00"))
+    assert block.array(np.uint16).tolist() == [1, 2] and len(block) == 4

@@ -1,0 +1,110 @@
+"""``python -m bench``: cxlrpc against gRPC, side by side, printed as tables and saved as JSON + PNG."""
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from . import report
+from .procs import RUN_ID, clean_shm, stop_all
+
+SECTIONS = ("echo", "concurrency", "idle")
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    p.add_argument("--quick", action="store_true", help="fewer calls and rounds (under 2 minutes)")
+    p.add_argument("--huge", action="store_true", help="add the 16 MiB payload to the echo section")
+    p.add_argument("--rounds", type=int, default=None, help="A/B rounds per section (default 3, quick 2)")
+    p.add_argument("--only", default=None, help=f"comma-separated sections among {', '.join(SECTIONS)}")
+    p.add_argument("--transports", default=None, help="comma-separated echo transport keys (default: all)")
+    p.add_argument("--json", type=Path, default=RESULTS / "latest.json", help="raw results file")
+    p.add_argument("--plot", type=Path, default=RESULTS / "latency.png", help="latency plot (PNG)")
+    p.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop", help="event loop of every process")
+    a = p.parse_args(argv)
+    a.sections = SECTIONS if not a.only else tuple(s.strip() for s in a.only.split(",") if s.strip())
+    bad = set(a.sections) - set(SECTIONS)
+    if bad:
+        p.error(f"unknown section(s) {sorted(bad)}; choose from {SECTIONS}")
+    if a.rounds is None:
+        a.rounds = 2 if a.quick else 3
+    if a.rounds < 1:
+        p.error("--rounds must be >= 1")
+    return a
+
+
+def _cleanup(console: Console) -> None:
+    """End every worker, unlink this run's shm segments and socket files."""
+    stop_all()
+    for name in clean_shm():
+        console.print(f"[yellow]removed leftover shm segment /dev/shm/{name}")
+    for path in glob.glob(f"/tmp/{RUN_ID}-*"):
+        try:
+            os.unlink(path)
+            console.print(f"[yellow]removed leftover socket {path}")
+        except OSError:
+            pass
+
+
+def _on_term(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    console = Console() if sys.stdout.isatty() else Console(width=132)
+    signal.signal(signal.SIGTERM, _on_term)
+    cfg = {"quick": args.quick, "huge": args.huge, "rounds": args.rounds, "loop": args.loop,
+           "transports": args.transports.split(",") if args.transports else None}
+    data: dict[str, Any] = {"env": report.environment(args.loop), "config": {**cfg, "sections": list(args.sections)}}
+    from .concurrency import run_concurrency
+    from .echo import run_echo
+    from .idle import run_idle
+
+    runners: dict[str, tuple[Callable, Callable]] = {
+        "echo": (run_echo, report.echo_table),
+        "concurrency": (run_concurrency, report.concurrency_table),
+        "idle": (run_idle, report.idle_table),
+    }
+    started = time.monotonic()
+    columns = (SpinnerColumn(), TextColumn("{task.description:<36}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())
+    status = 0
+    try:
+        with Progress(*columns, console=console) as progress:
+            log = progress.console.print
+            for name in args.sections:
+                run, table = runners[name]
+                t0 = time.monotonic()
+                data[name] = run(cfg, progress, log)
+                data[name]["seconds"] = time.monotonic() - t0
+                progress.console.print(table(data[name]))
+                report.save_json(args.json, data)
+    except KeyboardInterrupt:
+        console.print("[red]interrupted: stopping workers")
+        data["interrupted"] = True
+        status = 130
+    finally:
+        _cleanup(console)
+    data["env"]["loadavg_end"] = os.getloadavg()
+    data["seconds"] = time.monotonic() - started
+    data["shm_leftovers"] = clean_shm()
+    report.save_json(args.json, data)
+    if "echo" in data and data["echo"]["transports"]:
+        report.plot(args.plot, data["echo"])
+        console.print(f"plot: {args.plot}")
+    console.print(f"raw figures: {args.json}  ({data['seconds']:.0f} s)")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""Rich tables, the JSON file of raw figures, the environment record and the latency plot."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from .stats import change
+
+
+def environment(loop: str) -> dict[str, Any]:
+    """Versions, CPU model, core count and loop: what a reader needs to compare runs."""
+    versions = {}
+    for pkg in ("grpcio", "protobuf", "msgspec", "uvloop", "numpy", "pyzmq", "posix-ipc", "atomicshm", "cxlrpc"):
+        try:
+            versions[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            versions[pkg] = None
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                timeout=5).stdout.strip() or None
+    except Exception:
+        commit = None
+    return {"python": sys.version.split()[0], "implementation": platform.python_implementation(),
+            "versions": versions, "cpu_model": cpu, "nproc": os.cpu_count(),
+            "affinity": len(os.sched_getaffinity(0)), "kernel": platform.release(), "loop": loop,
+            "loadavg_start": os.getloadavg(), "git_commit": commit,
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def fmt_us(v: float | None) -> str:
+    if v is None or v != v:
+        return "-"
+    return f"{v:,.1f}" if v < 100 else f"{v:,.0f}"
+
+
+def fmt_rate(v: float | None) -> str:
+    return "-" if v is None or v != v else f"{v:,.0f}"
+
+
+def fmt_change(ours: float | None, base: float | None, is_base: bool = False) -> str:
+    """``-96.5%`` style change vs the baseline, coloured (green = lower latency)."""
+    if is_base:
+        return "[dim]baseline"
+    if ours is None or base is None:
+        return "-"
+    c = change(ours, base)
+    if c != c:
+        return "-"
+    colour = "green" if c < 0 else "red"
+    return f"[{colour}]{c * 100:+.1f}%"
+
+
+def size_label(n: int) -> str:
+    for unit, div in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= div and n % div == 0:
+            return f"{n // div} {unit}"
+    return f"{n} B"
+
+
+def echo_table(res: dict) -> Table:
+    """Echo round trip: one section per payload; changes relative to the fastest gRPC variant."""
+    t = Table(title="Echo round trip (median of rounds; change vs fastest gRPC at that payload)")
+    for col in ("payload", "transport", "p50 µs", "p99 µs", "p99.9 µs", "calls/s", "p50 vs gRPC", "p99 vs gRPC"):
+        t.add_column(col, justify="left" if col in ("payload", "transport") else "right")
+    for s in res["sizes"]:
+        base = res["baseline"].get(str(s), {})
+        rows = [(k, v) for k, v in res["transports"].items() if str(s) in v["sizes"]]
+        for i, (k, v) in enumerate(rows):
+            m = v["sizes"][str(s)]["median"]
+            b50, b99 = base.get("p50", {}), base.get("p99", {})
+            t.add_row(size_label(s) if i == 0 else "", v["label"], fmt_us(m["p50"]), fmt_us(m["p99"]),
+                      fmt_us(m["p99.9"]), fmt_rate(m["calls_per_s"]),
+                      fmt_change(m["p50"], b50.get("us"), b50.get("transport") == k),
+                      fmt_change(m["p99"], b99.get("us"), b99.get("transport") == k))
+        t.add_section()
+    return t
+
+
+def concurrency_table(res: dict) -> Table:
+    """Concurrency: calls/s and latency per setting; ratios vs grpc.aio at the same setting."""
+    t = Table(title=f"Concurrency, {res['payload']} B echo (median of rounds; vs grpc.aio TCP)")
+    for col in ("in flight", "transport", "p50 µs", "p99 µs", "calls/s", "calls/s vs gRPC", "p99 vs gRPC"):
+        t.add_column(col, justify="left" if col in ("in flight", "transport") else "right")
+    grpc = next((v for v in res["transports"].values() if v["family"] == "grpc"), None)
+    for s in res["settings"]:
+        procs, k = s.split("x")
+        label = f"{k} (1 process)" if procs == "1" else f"{procs} processes x {k}"
+        first = True
+        for key, v in res["transports"].items():
+            m = v["settings"].get(s, {}).get("median")
+            if not m:
+                continue
+            gm = grpc["settings"].get(s, {}).get("median") if grpc else None
+            is_base = v is grpc
+            ratio = "[dim]baseline" if is_base else (f"[green]{m['calls_per_s'] / gm['calls_per_s']:.1f}x"
+                                                     if gm else "-")
+            t.add_row(label if first else "", v["label"], fmt_us(m["p50"]), fmt_us(m["p99"]),
+                      fmt_rate(m["calls_per_s"]), ratio, fmt_change(m["p99"], gm and gm["p99"], is_base))
+            first = False
+        t.add_section()
+    return t
+
+
+def idle_table(res: dict) -> Table:
+    """Idle: CPU of each process with no calls, and the first call after idling."""
+    t = Table(title=f"Idle ({res['cpu_window_s']:.0f} s CPU window; first call after {res['idle_s']:.0f} s idle; medians)")
+    for col in ("transport", "server CPU %", "client CPU %", "first call µs", "busy p50 µs", "first call vs gRPC"):
+        t.add_column(col, justify="left" if col == "transport" else "right")
+    grpc = next((v for v in res["transports"].values() if v["family"] == "grpc"), None)
+    for v in res["transports"].values():
+        m = v["median"]
+        g = grpc["median"]["first_call_us"] if grpc else None
+        t.add_row(v["label"], f"{m['server_cpu_pct']:.1f}", f"{m['client_cpu_pct']:.1f}", fmt_us(m["first_call_us"]),
+                  fmt_us(m["busy_p50_us"]), fmt_change(m["first_call_us"], g, v is grpc))
+    return t
+
+
+def save_json(path: Path, data: dict) -> None:
+    """Write the results file atomically (a partial run still leaves valid JSON)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=float))
+    tmp.replace(path)
+
+
+def plot(path: Path, echo: dict) -> None:
+    """p50 (solid) and p99 (dashed) by payload, log scales; and the CDF of 64 B latencies."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5.5))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (k, v) in enumerate(echo["transports"].items()):
+        sizes = [int(s) for s in v["sizes"]]
+        if not sizes:
+            continue
+        c = colours[i % len(colours)]
+        ax1.plot(sizes, [v["sizes"][str(s)]["median"]["p50"] for s in sizes], "o-", color=c, label=f"{v['label']} p50")
+        ax1.plot(sizes, [v["sizes"][str(s)]["median"]["p99"] for s in sizes], "x--", color=c, alpha=0.6,
+                 label=f"{v['label']} p99")
+        cdf = echo["cdf_64"].get(k)
+        if cdf:
+            ax2.plot(cdf["us"], cdf["frac"], color=c, label=v["label"])
+    ax1.set_xscale("log", base=2)
+    ax1.set_yscale("log")
+    ax1.set_xticks(echo["sizes"], [size_label(s) for s in echo["sizes"]])
+    ax1.set_xlabel("payload")
+    ax1.set_ylabel("round trip (µs)")
+    ax1.set_title("Echo latency by payload (solid p50, dashed p99)")
+    ax1.grid(True, which="both", alpha=0.3)
+    ax1.legend(fontsize=6.5, ncol=2, loc="upper left")
+    ax2.set_xscale("log")
+    ax2.set_xlabel("round trip (µs)")
+    ax2.set_ylabel("fraction of calls")
+    ax2.set_title("CDF of 64 B echo latency (all rounds)")
+    ax2.grid(True, which="both", alpha=0.3)
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -100,6 +100,19 @@ class _Base:
                 f"request of {len(body)} bytes exceeds the request ring's limit {chan.requests.max_payload}")
         return head, mb, body
 
+    def send_nowait(self, method: str, arg: Any = None) -> None:
+        """One-way call: queue ``method(arg)`` without waiting and without a reply (ordered
+        with this client's other calls). ``ResourceExhausted`` if the request ring is full."""
+        chan = self._chan
+        if chan is None:
+            raise Unavailable("client is closed")
+        if self._gone is not None:
+            raise Unavailable(self._gone)
+        parts = self._frame(fr.REQUEST, fr.NO_REPLY, method, arg, 0.0)
+        if not chan.requests.try_push_parts(parts, chan.slot):
+            raise ResourceExhausted("request ring is full")
+        chan.server_bell.ring()
+
     def _decode_reply(self, f: fr.Frame, response_type: Any) -> Any:
         if f.kind == fr.ERROR:
             raise error_for(f.status, f.body.decode(errors="replace"))

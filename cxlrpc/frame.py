@@ -20,6 +20,7 @@ from .errors import InvalidArgument
 REQUEST, RESPONSE, ERROR, CANCEL = 1, 2, 3, 4
 _KINDS = frozenset((REQUEST, RESPONSE, ERROR, CANCEL))
 RAW = 1  # body is the caller's bytes, not MessagePack
+NO_REPLY = 0  # call id of a one-way request: the server runs the handler and sends nothing back
 
 HEADER = struct.Struct("<BBHHIQdH")
 HEADER_SIZE = HEADER.size

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import itertools
 import logging
 import os
 import threading
@@ -85,6 +86,7 @@ class Server:
         self._reader: asyncio.Task | None = None
         self._tasks: dict[tuple[int, int, int], asyncio.Task] = {}
         self._backlog: dict[int, list[tuple]] = {}
+        self._oneway_ids = itertools.count(1)
         self._closing = False
         self._closed = asyncio.Event()
         self._beat_stop = threading.Event()
@@ -241,7 +243,8 @@ class Server:
         token = _current_peer.set(Peer(f.slot, f.gen))
         try:
             if m.is_async:
-                key = (f.slot, f.gen, f.call_id)
+                # one-way calls share call id 0: give each its own (negative) task key
+                key = (f.slot, f.gen, f.call_id or -next(self._oneway_ids))
                 task = asyncio.get_running_loop().create_task(self._run_async(m, f, arg, key))
                 self._tasks[key] = task
                 return
@@ -281,6 +284,8 @@ class Server:
             self._error(f, StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 
     def _reply(self, f: fr.Frame, result: Any) -> None:
+        if f.call_id == fr.NO_REPLY:
+            return
         try:
             flags, body = fr.encode_body(result)
         except RpcError as exc:
@@ -289,6 +294,10 @@ class Server:
         self._send(f.slot, f.gen, fr.header(fr.RESPONSE, flags, 0, f.slot, f.gen, f.call_id, 0.0, b""), body)
 
     def _error(self, f: fr.Frame, code: int, message: str) -> None:
+        if f.call_id == fr.NO_REPLY:
+            if code == StatusCode.INTERNAL:
+                logger.warning("one-way call %r failed: %s", f.method, message)
+            return
         head = fr.header(fr.ERROR, fr.RAW, int(code), f.slot, f.gen, f.call_id, 0.0, b"")
         self._send(f.slot, f.gen, head, message.encode()[:4096])
 

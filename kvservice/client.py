@@ -234,6 +234,11 @@ class KVClient(_Ops):
     def _release(self, lease_id: int) -> None:
         if self._closed:
             return
+        try:  # one-way and ordered with our later calls; no task, no round trip
+            self.rpc.send_nowait("release", w.Release([lease_id]))
+            return
+        except cxlrpc.RpcError:
+            pass  # request ring full (or server gone): fall back to a batched call
         self._releases.append(lease_id)
         if len(self._releases) == 1:
             self._loop.call_soon(self._flush)
@@ -372,6 +377,8 @@ class SyncKVClient(_Ops):
 
     def _release(self, lease_id: int) -> None:
         try:
-            self.rpc.call("release", w.Release([lease_id]))
+            self.rpc.send_nowait("release", w.Release([lease_id]))
+        except cxlrpc.ResourceExhausted:
+            self.rpc.call("release", w.Release([lease_id]))  # ring full: wait for room
         except cxlrpc.RpcError:
             pass  # the server ends the lease anyway (expiry, or our slot reaped)

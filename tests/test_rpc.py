@@ -311,3 +311,30 @@ async def test_handlers_see_their_peer_and_disconnects_are_reported(url):
         assert sorted(map(list, gone)) == sorted([pa, pb])
     with pytest.raises(LookupError):
         cxlrpc.current_peer()
+
+
+async def test_send_nowait_is_one_way_and_ordered(url):
+    server = cxlrpc.Server(url)
+    seen: list[int] = []
+    server.add_method("note", seen.append)
+
+    async def anote(x: int) -> None:
+        seen.append(-x)
+    server.add_method("anote", anote)
+    server.add_method("count", lambda: len(seen))
+    async with server, cxlrpc.connect(url) as client:
+        for i in range(1, 51):
+            client.send_nowait("note", i)
+        client.send_nowait("missing", 1)  # errors of one-way calls are dropped, not sent back
+        assert await client.call("count", timeout=5) == 50  # ordered: all 50 ran before this
+        assert seen == list(range(1, 51))
+        for i in range(1, 4):
+            client.send_nowait("anote", i)
+        await asyncio.wait_for(_until(lambda: len(seen) == 53), 5)
+        assert sorted(seen[50:]) == [-3, -2, -1]
+
+        def blocking() -> int:
+            with cxlrpc.connect_sync(url) as sync_client:
+                sync_client.send_nowait("note", 99)
+                return sync_client.call("count", timeout=5)
+        assert await asyncio.to_thread(blocking) == 54

@@ -8,7 +8,7 @@ import time
 
 from .channel import KIND_RPC, STATE_RUNNING, CONTROL, read_geometry
 from .memory import ACQUIRE
-from .region import SHM_PREFIX, Region, RegionError, UninitializedRegion, unlink_shm
+from .region import SHM_PREFIX, Region, RegionError, UninitializedRegion, unlink_shm, untouched_for
 
 _KINDS = {1: "rpc", 2: "kv-pool"}
 
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         except (RegionError, OSError) as exc:
             if args.cmd == "ls":
                 print(f"{url}\tunreadable: {exc}")
-            elif isinstance(exc, UninitializedRegion) and _abandoned(seg):
+            elif isinstance(exc, UninitializedRegion) and untouched_for(url, 10.0):
                 if not args.dry_run:
                     unlink_shm("/" + seg)
                 print(f"removed {url} (unreadable for over 10 s: {exc})")
@@ -88,14 +88,6 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             region.close()
     return 0
-
-
-def _abandoned(seg: str) -> bool:
-    """A segment that never became a valid region and has not changed for 10 s."""
-    try:
-        return time.time() - os.stat("/dev/shm/" + seg).st_mtime > 10
-    except FileNotFoundError:
-        return False
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ def encode_body(value: Any) -> tuple[int, bytes | memoryview]:
         return RAW, value
     try:
         return 0, _encode(value)
-    except (TypeError, msgspec.EncodeError) as exc:
+    except Exception as exc:  # TypeError, EncodeError, RecursionError on deep nesting
         raise InvalidArgument(f"cannot encode {type(value).__name__}: {exc}") from exc
 
 

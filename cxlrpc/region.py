@@ -210,7 +210,20 @@ def unlink_shm(path: str) -> bool:
         return False
 
 
+def untouched_for(url: str, seconds: float) -> bool:
+    """True if the region's backing object was not modified for ``seconds`` (or is gone).
+
+    Used to recognise a segment whose creator died before publishing it."""
+    backend, path = parse_url(url)
+    full = "/dev/shm" + path if backend == "shm" else path
+    try:
+        return time.time() - os.stat(full).st_mtime > seconds
+    except FileNotFoundError:
+        return True
+
+
 def pid_alive(pid: int) -> bool:
+    """Is a process of this host running (a zombie, killed but not reaped, counts as dead)?"""
     if pid <= 0:
         return False
     try:
@@ -218,8 +231,13 @@ def pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
+        pass
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
         return True
-    return True
+    return state not in (b"Z", b"X")
 
 
 def _map_file(path: str, size: int | None, create: bool, mode: int = 0o600) -> mmap.mmap:

@@ -15,14 +15,13 @@ import time
 from contextvars import ContextVar
 from typing import Any, Callable, NamedTuple
 
-import msgspec
 
 from . import frame as fr
 from .channel import KIND_RPC, Geometry, ServerChannel
 from .doorbell import WaitStrategy, resolve
 from .errors import RpcError, StatusCode
 from .memory import ACQ_REL, ACQUIRE
-from .region import Region, RegionError, parse_url, unlink_shm
+from .region import Region, RegionError, UninitializedRegion, parse_url, unlink_shm, untouched_for
 
 Handler = Callable[..., Any]
 _NO_ARG = object()
@@ -213,6 +212,14 @@ class Server:
         return stuck_since
 
     def _on_request(self, view: memoryview) -> None:
+        """One request record; nothing a peer sends may stop the reader."""
+        try:
+            self._dispatch(view)
+        except Exception:
+            logger.exception("dropped a request that broke dispatch")
+            self._drop()
+
+    def _dispatch(self, view: memoryview) -> None:
         try:
             f = fr.decode(view)
         except fr.FrameError:
@@ -237,7 +244,7 @@ class Server:
             return
         try:
             arg = fr.decode_body(f.flags, f.body, m.arg_type) if m.takes_arg else _NO_ARG
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except Exception as exc:  # DecodeError, ValidationError, RecursionError on deep nesting
             self._error(f, StatusCode.INVALID_ARGUMENT, f"bad request for {f.method!r}: {exc}")
             return
         token = _current_peer.set(Peer(f.slot, f.gen))
@@ -350,8 +357,13 @@ def _create_region(url: str, size: int, mode: int, stale_after: float) -> Region
         return Region.create(url, size, KIND_RPC, mode)
     try:
         old = Region.open(url)
-    except RegionError:
-        old = None  # half-initialised or foreign layout: nobody can be serving it
+    except UninitializedRegion:
+        if not untouched_for(url, 10.0):
+            raise FileExistsError(f"region {url} is being created by another process") from None
+        old = None  # its creator died before publishing it
+    except RegionError as exc:
+        raise FileExistsError(f"region {url} exists but is unusable here ({exc}); "
+                              f"remove it if no server of another build uses it") from exc
     except FileNotFoundError:
         old = None
     if old is not None:

@@ -102,3 +102,326 @@ def cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# ----------------------------------------------------------------------------- fault-suite helpers
+def _fault_server_main(url: str, ready, opts: dict) -> None:
+    import cxlrpc
+
+    async def main() -> None:
+        server = cxlrpc.Server(url, **opts)
+        active = {"n": 0}
+
+        @server.method("echo")
+        def echo(payload):
+            return payload
+
+        @server.method("sleep")
+        async def sleep(seconds: float) -> float:
+            active["n"] += 1
+            try:
+                await asyncio.sleep(seconds)
+            finally:
+                active["n"] -= 1
+            return seconds
+
+        @server.method("active")
+        def active_sleeps() -> int:
+            return active["n"]
+
+        @server.method("slow_echo")
+        def slow_echo(arg):  # blocks the reader on purpose: requests pile up in the ring
+            delay, payload = arg
+            time.sleep(delay)
+            return payload
+
+        @server.method("pid")
+        def pid() -> int:
+            return os.getpid()
+
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, lambda: loop.create_task(server.close()))
+        async with server:
+            ready.set()
+            await server.serve_forever()
+
+    asyncio.run(main())
+
+
+def start_fault_server(url: str, **opts) -> mp.Process:
+    """Start a server with echo/sleep/active/slow_echo/pid in a child; the caller must ``stop`` it."""
+    ready = CTX.Event()
+    proc = CTX.Process(target=_fault_server_main, args=(url, ready, opts), daemon=True)
+    proc.start()
+    if not ready.wait(20):
+        stop(proc)
+        raise TimeoutError("fault server did not start")
+    return proc
+
+
+@contextmanager
+def fault_server(url: str, **opts) -> Iterator[mp.Process]:
+    """Run :func:`start_fault_server`'s server for a ``with`` block; SIGTERM and join on exit."""
+    proc = start_fault_server(url, **opts)
+    try:
+        yield proc
+    finally:
+        stop(proc)
+
+
+def _make_counting_client():
+    import cxlrpc
+    from cxlrpc import frame as fr
+
+    class CountingClient(cxlrpc.Client):
+        """An asyncio client that counts every reply frame it reads, by call id, before the
+        normal dispatch (which silently ignores duplicates): duplicates and replies meant
+        for another slot/generation become visible to the test."""
+
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.replies: dict[int, int] = {}
+            self.foreign = 0
+            self.undecodable = 0
+
+        def _on_reply(self, view: memoryview) -> None:
+            if len(view) >= fr.HEADER_SIZE:
+                _, _, _, slot, gen, call_id, _, _ = fr.HEADER.unpack_from(view)
+                if slot == self._chan.slot and gen == self._chan.gen:
+                    self.replies[call_id] = self.replies.get(call_id, 0) + 1
+                else:
+                    self.foreign += 1
+            else:
+                self.undecodable += 1
+            super()._on_reply(view)
+
+        def duplicates(self) -> int:
+            return sum(n - 1 for n in self.replies.values() if n > 1)
+
+    return CountingClient
+
+
+_counting_client_cls = None
+
+
+def counting_client(url: str, **kwargs):
+    """A not-yet-opened CountingClient: ``client = counting_client(url); await client.open()``."""
+    global _counting_client_cls
+    if _counting_client_cls is None:
+        _counting_client_cls = _make_counting_client()
+    return _counting_client_cls(url, **kwargs)
+
+
+def _claim_and_die_main(url: str, write_header: bool) -> None:
+    import cxlrpc
+    from cxlrpc.memory import ACQ_REL, ACQUIRE, RELEASE
+    from cxlrpc.ring.record import COMMITTED, KIND_DATA, KIND_PADDING, make_header
+
+    client = cxlrpc.connect_sync(url)
+    client.call("echo", b"attached", timeout=10)
+    chan = client._chan
+    ring = chan.requests
+    length = 64
+    size = 8 + length
+    while True:  # claim exactly as MpscRing.try_push does (CAS on the tail)...
+        tail = ring._tail.load(ACQUIRE)
+        idx = tail & ring.mask
+        to_end = ring.capacity - idx
+        need = size if size <= to_end else to_end + size
+        if ring._tail.cas(tail, tail + need, ACQ_REL) == tail:
+            break
+    if write_header:  # ...write the uncommitted header (and half the payload)...
+        if need != size:
+            ring.mem.store(ring.data, make_header(length, KIND_DATA, chan.slot, False), RELEASE)
+            ring.mem.store(ring.data + idx, make_header(to_end - 8, KIND_PADDING, chan.slot, True), RELEASE)
+            idx = 0
+        else:
+            ring.mem.store(ring.data + idx, make_header(length, KIND_DATA, chan.slot, False), RELEASE)
+        ring.buf[ring.data + idx + 8:ring.data + idx + 8 + length // 2] = b"\xab" * (length // 2)
+    os.kill(os.getpid(), signal.SIGKILL)  # ...and die before the commit
+
+
+def claim_and_die(url: str, write_header: bool = True) -> None:
+    """A child attaches a blocking client, claims request-ring space (optionally writes the
+    uncommitted header) and SIGKILLs itself before committing. Returns once it is reaped."""
+    proc = CTX.Process(target=_claim_and_die_main, args=(url, write_header), daemon=True)
+    proc.start()
+    proc.join(30)
+    try:
+        if proc.exitcode != -signal.SIGKILL:
+            raise RuntimeError(f"claim-and-die child ended with {proc.exitcode}, not SIGKILL")
+    finally:
+        stop(proc)
+
+
+def _load_client_main(url: str, idx: int, seconds: float, inflight: int, max_len: int,
+                      call_timeout: float, progress, results) -> None:
+    import random
+    import struct
+
+    import cxlrpc
+
+    async def main() -> dict:
+        client = counting_client(url)
+        await client.open()
+        rng = random.Random(idx)
+        stats = {"idx": idx, "sent": 0, "ok": 0, "mismatched": 0, "errors": {}, "late": 0,
+                 "max_latency": 0.0}
+        deadline = time.monotonic() + seconds
+        pending_progress = [0]
+
+        async def worker(w: int) -> None:
+            seq = 0
+            while time.monotonic() < deadline:
+                payload = struct.pack("<IIQ", idx, w, seq) + rng.randbytes(rng.randrange(0, max_len))
+                seq += 1
+                stats["sent"] += 1
+                t0 = time.monotonic()
+                try:
+                    reply = await client.call("echo", payload, timeout=call_timeout)
+                except cxlrpc.RpcError as exc:
+                    name = type(exc).__name__
+                    stats["errors"][name] = stats["errors"].get(name, 0) + 1
+                else:
+                    if reply == payload:
+                        stats["ok"] += 1
+                    else:
+                        stats["mismatched"] += 1
+                lat = time.monotonic() - t0
+                stats["max_latency"] = max(stats["max_latency"], lat)
+                if lat > call_timeout + 2.0:
+                    stats["late"] += 1
+                pending_progress[0] += 1
+                if pending_progress[0] >= 64:
+                    with progress.get_lock():
+                        progress.value += pending_progress[0]
+                    pending_progress[0] = 0
+
+        try:
+            await asyncio.gather(*(worker(w) for w in range(inflight)))
+            await asyncio.sleep(0.05)  # let any late duplicate reply arrive before counting
+            stats["replies"] = len(client.replies)
+            stats["duplicates"] = client.duplicates()
+            stats["foreign"] = client.foreign
+        finally:
+            await client.close()
+        return stats
+
+    try:
+        results.put(cxlrpc.run(main()))
+    except BaseException as exc:  # report, so the test shows why instead of a timeout
+        results.put({"idx": idx, "crash": repr(exc)})
+
+
+def start_load_clients(url: str, n: int, seconds: float, inflight: int = 32, max_len: int = 512,
+                       call_timeout: float = 10.0):
+    """Start ``n`` client processes each keeping ``inflight`` unique echo calls in flight for
+    ``seconds``; returns (procs, progress counter, results queue). Each puts one stats dict."""
+    progress = CTX.Value("q", 0)
+    results = CTX.Queue()
+    procs = [CTX.Process(target=_load_client_main,
+                         args=(url, i, seconds, inflight, max_len, call_timeout, progress, results),
+                         daemon=True) for i in range(n)]
+    for p in procs:
+        p.start()
+    return procs, progress, results
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of a process, from /proc/PID/status (VmRSS)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise LookupError(f"no VmRSS for {pid}")
+
+
+# ----------------------------------------------------------------------------- fault-suite: in-test helpers
+async def until(cond, timeout: float, interval: float = 0.01) -> bool:
+    """Poll ``cond()`` (sync, or returning an awaitable) until true or ``timeout`` s pass."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if asyncio.iscoroutine(value):
+            value = await value
+        if value:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(interval)
+
+
+class Pump:
+    """Keeps ``inflight`` unique echo calls in flight on one client and checks every reply."""
+
+    def __init__(self, client, tag: str, inflight: int = 4, timeout: float = 10.0) -> None:
+        self.client, self.tag, self.inflight, self.timeout = client, tag, inflight, timeout
+        self.sent = self.ok = self.mismatched = 0
+        self.errors: list[str] = []
+        self.done: list[float] = []  # completion times
+        self._stopping = False
+        self._task: asyncio.Future | None = None
+
+    async def _worker(self, w: int) -> None:
+        from cxlrpc import RpcError
+
+        seq = 0
+        while not self._stopping:
+            payload = f"{self.tag}:{w}:{seq}:".encode() + os.urandom(24)
+            seq += 1
+            self.sent += 1
+            try:
+                reply = await self.client.call("echo", payload, timeout=self.timeout)
+            except RpcError as exc:
+                self.errors.append(repr(exc))
+            else:
+                if reply == payload:
+                    self.ok += 1
+                else:
+                    self.mismatched += 1
+            self.done.append(time.monotonic())
+
+    def start(self) -> "Pump":
+        self._task = asyncio.gather(*(self._worker(w) for w in range(self.inflight)))
+        return self
+
+    async def stop(self) -> None:
+        self._stopping = True
+        await asyncio.wait_for(self._task, 30)
+
+    def max_gap(self, start: float, end: float) -> float:
+        """Longest stretch in [start, end] without a completed call."""
+        times = [start] + [t for t in self.done if start < t < end] + [end]
+        return max(b - a for a, b in zip(times, times[1:]))
+
+    def check(self) -> None:
+        assert self.mismatched == 0, f"{self.tag}: {self.mismatched} replies did not match their request"
+        assert not self.errors, f"{self.tag}: calls failed: {self.errors[:5]}"
+        assert self.ok == self.sent, f"{self.tag}: sent {self.sent}, answered {self.ok}"
+        assert self.client.duplicates() == 0, f"{self.tag}: duplicated replies"
+        assert self.client.foreign == 0, f"{self.tag}: replies meant for another slot/generation"
+        assert self.client.undecodable == 0
+
+
+async def open_counting(url: str, **kwargs):
+    client = counting_client(url, **kwargs)
+    await client.open()
+    return client
+
+
+async def connect_within(url: str, timeout: float):
+    """Connect a counting client, retrying while every slot is taken; None if still full."""
+    from cxlrpc import ResourceExhausted
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return await open_counting(url)
+        except ResourceExhausted:
+            if time.monotonic() >= deadline:
+                return None
+            await asyncio.sleep(0.01)
+
+
+def report(label: str, **figures) -> None:
+    print(f"\n[fault figures] {label}: " + ", ".join(f"{k}={v}" for k, v in figures.items()))

@@ -603,6 +603,7 @@ def test_far_garbage_head_resyncs_and_recovers(seed, garbage, sign, k) -> None:
 @example(seed=0, garbage=(None, [(0, 0x1234)]), head=None, tail=None)  # stall on an uncommitted header
 @example(seed=88, garbage=(None, []), head=None, tail=("abs", 8))  # tail thrown back: deadlock
 @example(seed=345, garbage=(None, []), head=None, tail=("rel", 2056))  # tail thrown ahead: head cache
+@example(seed=0, garbage=(None, []), head=("rel", 40), tail=("rel", 32))  # consumer runs past the real tail
 @given(
     seed=st.integers(0, 1000),
     garbage=data_garbage(1024),

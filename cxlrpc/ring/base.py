@@ -143,15 +143,22 @@ class RingBase:
     def _bad_tail(self, tail: int) -> None:
         """The tail is garbage (behind the head, over a lap ahead, misaligned or huge).
 
-        Count it and move the tail back to the head with a CAS, so a producer's concurrent
-        publish wins.  An SPSC producer republishes its private tail on its next push (so
-        records it had published reappear); MPSC claims in flight are lost, so the data is
-        cleared first to keep the zero-header invariant.
+        SPSC: the producer's tail is authoritative and it republishes it on every push, so
+        an aligned, plausible tail is adopted (unread records are dropped) and the producer
+        adopts our head in turn if it must; the two converge within two exchanges.  MPSC:
+        claims in flight are lost; the data is cleared (keeping the zero-header invariant)
+        and the tail moved back to the head with a CAS, so a concurrent claim wins.
         """
         self.dropped += 1
+        head = self._head_local
+        if not self._multi_producer and not tail & 7 and tail < COUNTER_LIMIT:
+            self._head_local = tail
+            self._head.store(tail, RELEASE)
+            return
         if self._multi_producer:
             self.buf[self.data:self.data + self.capacity] = ZEROS.get(self.capacity)
-        self._tail.cas(tail, self._head_local, ACQ_REL)
+        self._tail.cas(tail, head, ACQ_REL)
+        self._head.store(head, RELEASE)  # and repair our own counter, in case it was hit too
 
     def free_space(self) -> int:
         """Bytes a producer could claim now (a snapshot)."""

@@ -86,6 +86,7 @@ class Server:
         self._tasks: dict[tuple[int, int, int], asyncio.Task] = {}
         self._backlog: dict[int, list[tuple]] = {}
         self._oneway_ids = itertools.count(1)
+        self._peers: dict[int, Peer] = {}  # per slot, so a request costs no Peer allocation
         self._closing = False
         self._closed = asyncio.Event()
         self._beat_stop = threading.Event()
@@ -247,7 +248,10 @@ class Server:
         except Exception as exc:  # DecodeError, ValidationError, RecursionError on deep nesting
             self._error(f, StatusCode.INVALID_ARGUMENT, f"bad request for {f.method!r}: {exc}")
             return
-        token = _current_peer.set(Peer(f.slot, f.gen))
+        peer = self._peers.get(f.slot)
+        if peer is None or peer.gen != f.gen:
+            peer = self._peers[f.slot] = Peer(f.slot, f.gen)
+        token = _current_peer.set(peer)
         try:
             if m.is_async:
                 # one-way calls share call id 0: give each its own (negative) task key

@@ -374,6 +374,7 @@ class Pump:
                 reply = await self.client.call("echo", payload, timeout=self.timeout)
             except RpcError as exc:
                 self.errors.append(repr(exc))
+                await asyncio.sleep(0.001)  # an error may come back at once: never starve the loop
             else:
                 if reply == payload:
                     self.ok += 1

@@ -32,6 +32,9 @@ from procs import (Pump, fault_server, open_counting, report, start_fault_server
 DROPPED = CONTROL + 256  # the control block's dropped-frames counter
 CALL_TIMEOUT = 1.0
 SLACK = 1.0  # a call may end this much after its timeout (two busy cores) and still not "hang"
+# Garbage that lands inside a committed request can turn its method or body into something else:
+# the caller then gets that status instead of a reply, which is the contract (a reply or an RpcError).
+GARBAGE_ERRORS = {"DeadlineExceeded", "NotFound", "InvalidArgument", "Internal"}
 
 
 class TolerantPump(Pump):
@@ -54,6 +57,7 @@ class TolerantPump(Pump):
                 reply = await self.client.call("echo", payload, timeout=self.timeout)
             except cxlrpc.RpcError as exc:
                 self.errors.append(type(exc).__name__)
+                await asyncio.sleep(0.001)  # an error may come back at once: never starve the loop
             else:
                 if reply == payload:
                     self.ok += 1
@@ -68,7 +72,7 @@ class TolerantPump(Pump):
     def check_no_hang_no_wrong_reply(self) -> None:
         assert self.mismatched == 0, f"{self.tag}: {self.mismatched} wrong replies delivered"
         assert self.slowest <= self.timeout + SLACK, f"{self.tag}: a call took {self.slowest:.2f} s"
-        assert set(self.errors) <= {"DeadlineExceeded"}, set(self.errors)
+        assert set(self.errors) <= GARBAGE_ERRORS, set(self.errors)
         assert self.client.duplicates() == 0 and self.client.foreign == 0
 
 
@@ -162,7 +166,7 @@ async def test_garbage_in_live_region_server_survives_clients_never_hang(url, ta
         for s in stats:
             assert "crash" not in s, s
             assert s["mismatched"] == 0 and s["late"] == 0 and s["foreign"] == 0 and s["duplicates"] == 0, s
-            assert set(s["errors"]) <= {"DeadlineExceeded"}, s
+            assert set(s["errors"]) <= GARBAGE_ERRORS, s
         assert server.is_alive()
         assert recovered, "live clients did not get answers again within 10 s of the garbage"
         report(f"garbage {target}", fresh_client_attempts=attempts,

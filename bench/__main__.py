@@ -16,7 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from . import report
 from .procs import RUN_ID, clean_shm, stop_all
 
-SECTIONS = ("echo", "concurrency", "idle")
+SECTIONS = ("echo", "concurrency", "idle", "kv")
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -69,11 +69,13 @@ def main(argv: list[str] | None = None) -> int:
     from .concurrency import run_concurrency
     from .echo import run_echo
     from .idle import run_idle
+    from .kv import run_kv
 
     runners: dict[str, tuple[Callable, Callable]] = {
         "echo": (run_echo, report.echo_table),
         "concurrency": (run_concurrency, report.concurrency_table),
         "idle": (run_idle, report.idle_table),
+        "kv": (run_kv, report.kv_tables),
     }
     started = time.monotonic()
     columns = (SpinnerColumn(), TextColumn("{task.description:<36}"), BarColumn(), MofNCompleteColumn(),

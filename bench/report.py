@@ -178,3 +178,78 @@ def plot(path: Path, echo: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def kv_tables(res: dict) -> Any:
+    """The kv section: per-operation latency vs the gRPC twin, then the multi-pod replay."""
+    from rich.console import Group
+
+    parts: list[Any] = []
+    ops = res.get("ops")
+    if ops:
+        t = Table(title="kvservice operations (median of rounds; change vs the gRPC twin)")
+        for col in ("op", "value", "backend", "p50 µs", "p99 µs", "calls/s", "p50 vs gRPC", "p99 vs gRPC"):
+            t.add_column(col, justify="left" if col in ("op", "value", "backend") else "right")
+        base_key = ops["baseline"]
+        for it in ops["items"]:
+            first = True
+            for key, v in ops["backends"].items():
+                s = v["items"].get(it["id"])
+                if not s:
+                    continue
+                m, vs = s["median"], s.get("vs_grpc", {})
+                is_base = key == base_key
+                value = size_label(it["size"]) if it["count"] == 1 else f"{it['count']} x {size_label(it['size'])}"
+                t.add_row(it["op"] if first else "", value if first else "", v["label"], fmt_us(m["p50"]),
+                          fmt_us(m["p99"]), fmt_rate(m["calls_per_s"]),
+                          "[dim]baseline" if is_base else _pct(vs.get("p50")),
+                          "[dim]baseline" if is_base else _pct(vs.get("p99")))
+                first = False
+            t.add_section()
+        parts.append(t)
+        if ops.get("targets"):
+            t = Table(title="kvservice targets: p50 as a share of the gRPC twin's p50")
+            for col in ("backend", "op", "value", "share", "target", ""):
+                t.add_column(col, justify="left" if col in ("backend", "op", "value", "") else "right")
+            for tg in ops["targets"]:
+                t.add_row(ops["backends"][tg["backend"]]["label"], tg["op"], size_label(tg["size"]),
+                          f"{tg['ratio_p50'] * 100:.1f}%", f"<= {tg['limit'] * 100:.0f}%",
+                          "[green]met" if tg["met"] else "[red]missed")
+            parts.append(t)
+    for key, reason in res.get("skipped", {}).items():
+        parts.append(f"[yellow]skipped {key}: {reason}")
+    pods = res.get("pods")
+    if pods and pods["backends"]:
+        sp = pods["spec"]
+        t = Table(title=f"kvservice multi-pod replay: {sp['pods']} pods, {sp['chats']} chats x {sp['turns']} turns "
+                        f"sharing a {sp['system_tokens']}-token system prompt; chunks of {sp['chunk_size']} tokens = "
+                        f"{size_label(sp['chunk_bytes'])}; get = batch_get of the present chunks; µs, median of rounds")
+        for col in ("backend", "hits", "cross-pod", "new to pod", "private", "pool MiB", "4 private MiB",
+                    "lookup p50", "get p50", "get p99", "get p50 vs gRPC", "get p99 vs gRPC"):
+            t.add_column(col, justify="left" if col == "backend" else "right")
+        for key, v in pods["backends"].items():
+            f, lat = v["figures"], v["lat"]
+            look, bg = lat.get("lookup_prefix", {}).get("median", {}), lat.get("batch_get", {})
+            bm, vs = bg.get("median", {}), bg.get("vs_grpc", {})
+            is_base = key == pods["baseline"]
+            t.add_row(key, f"{f['hit_rate'] * 100:.1f}%", f"{f['cross_pod_hit_rate'] * 100:.1f}%",
+                      f"{f['new_to_pod_hit_rate'] * 100:.1f}%",
+                      f"{f['private_hit_rate'] * 100:.1f}%", f"{f['pool_bytes'] / (1 << 20):,.1f}",
+                      f"{f['private_bytes'] / (1 << 20):,.1f}", fmt_us(look.get("p50")), fmt_us(bm.get("p50")),
+                      fmt_us(bm.get("p99")), "[dim]baseline" if is_base else _pct(vs.get("p50")),
+                      "[dim]baseline" if is_base else _pct(vs.get("p99")))
+        t.caption = ("shares of chunks needed. hits: found; cross-pod: found and not written by this pod "
+                     "(depends on who wins the first writes); new to pod: found and never held by this pod; "
+                     "private: hits had each pod kept a private cache. pool MiB vs what 4 private caches hold")
+        parts.append(t)
+    for sub in ("ops", "pods"):
+        for key, errs in (res.get(sub) or {}).get("errors", {}).items():
+            parts.append(f"[red]kv {sub} {key}: {len(errs)} failed round(s): {errs[0].splitlines()[0]}")
+    return Group(*parts)
+
+
+def _pct(c: float | None) -> str:
+    """A change (ours/base - 1) as ``-98.0%``, green when lower."""
+    if c is None or c != c:
+        return "-"
+    return f"[{'green' if c < 0 else 'red'}]{c * 100:+.1f}%"

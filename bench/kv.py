@@ -1,0 +1,511 @@
+"""kvservice section: per-operation latency against the gRPC twin (and Mooncake Store where it runs),
+then a multi-pod run where 4 client processes replay chats that share a system prompt.
+
+Every server and client is its own spawned process. Operations: put, get (zero-copy: lease the
+value and read one byte of it), get_into (copy into a preallocated buffer) and exists, at 4 KiB,
+64 KiB, 1 MiB and 16 MiB; batch_get of 32 x 1 MiB. Each backend runs once per round, rounds in
+rotated order, and the tables show the median across rounds, with changes vs the gRPC twin.
+"""
+from __future__ import annotations
+
+import os
+import time
+from contextlib import ExitStack
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from .echo import next_id
+from .grpc_echo import run_loop
+from .kv_backends import (BACKENDS, BY_KEY, KV_GRPC, KV_SHM, KV_SPIN, AsyncKV, Backend, MooncakeKV, SyncKV, log_tail,
+                          quiet_stderr)
+from .procs import RUN_ID, Worker, WorkerError, wait_readable
+from .stats import change, median_of, pooled, summarize
+
+KIB, MIB = 1024, 1024 * 1024
+SIZES = (4 * KIB, 64 * KIB, MIB, 16 * MIB)
+OPS = ("put", "get", "get_into", "exists")
+BATCH = (32, MIB)  # batch_get of 32 values of 1 MiB
+KEYS_PER_SIZE = 4  # distinct keys per size, cycled (gets read pre-populated keys, puts overwrite others)
+OPS_POOL = 320 * MIB  # holds 2 x 4 keys of every size + the batch, well under the 90% watermark
+#: targets of the issue: zero-copy get p50 <= 2% of the twin's from 64 KiB, get_into <= 8% from 1 MiB
+TARGETS = (("get", 64 * KIB, 0.02), ("get_into", MIB, 0.08))
+
+
+# ---- the per-operation subsection ---------------------------------------------------------------
+
+def ops_plan(quick: bool) -> list[dict[str, Any]]:
+    """The timed items, in the order a client runs them: (op, size, calls, warm-up calls)."""
+    base = 300 if quick else 600
+    items = []
+    for size in SIZES:
+        n = base if size <= 64 * KIB else base // 2 if size <= MIB else 8 if quick else 24
+        for op in OPS:
+            items.append({"id": f"{op}:{size}", "op": op, "size": size, "count": 1, "n": n,
+                          "warm": max(3, n // 10)})
+    count, size = BATCH
+    n = 10 if quick else 30
+    items.append({"id": f"batch_get:{count}x{size}", "op": "batch_get", "size": size, "count": count,
+                  "n": n, "warm": 3})
+    return items
+
+
+class _Data:
+    """Keys and values of one client: deterministic, so every backend stores the same bytes."""
+
+    def __init__(self, items: list[dict]) -> None:
+        self.values: dict[int, list[bytes]] = {}
+        for size in sorted({it["size"] for it in items if it["op"] != "batch_get"}):
+            rng = np.random.default_rng(size)
+            self.values[size] = [rng.bytes(size) for _ in range(KEYS_PER_SIZE)]
+        count, bsize = BATCH
+        rng = np.random.default_rng(7)
+        self.batch = {f"batch-{j}": rng.bytes(bsize) for j in range(count)}
+
+    def prefill(self) -> list[tuple[str, bytes]]:
+        """What get, get_into, exists and batch_get read: put once, before timing."""
+        out = [(f"get-{s}-{j}", v) for s, vs in self.values.items() for j, v in enumerate(vs)]
+        return out + list(self.batch.items())
+
+    def calls(self, kv: Any, it: dict) -> tuple[Callable, list[tuple], list[Any]]:
+        """(function, argument tuples to cycle through, expected result of each) for one item."""
+        op, size = it["op"], it["size"]
+        if op == "batch_get":
+            keys = list(self.batch)
+            return kv.batch_get, [(keys,)], [sum(v[0] for v in self.batch.values())]
+        vals = self.values[size]
+        gets = [f"get-{size}-{j}" for j in range(KEYS_PER_SIZE)]
+        if op == "put":
+            return kv.put, [(f"put-{size}-{j}", v) for j, v in enumerate(vals)], [None] * len(vals)
+        if op == "get":
+            return kv.get, [(k,) for k in gets], [v[0] for v in vals]
+        if op == "get_into":
+            out = kv.out_buffer(size)
+            return kv.get_into, [(k, out) for k in gets], [size] * len(gets)
+        if op == "exists":
+            return kv.exists, [(k,) for k in gets], [True] * len(gets)
+        raise ValueError(op)
+
+
+def _check(it: dict, got: Any, want: Any) -> None:
+    if got != want:
+        raise AssertionError(f"{it['id']}: got {got!r}, expected {want!r}")
+
+
+async def _ops_async(conn: Connection, b: Backend, address: Any, items: list[dict]) -> None:
+    kv = await AsyncKV.open(b, address)
+    try:
+        data = _Data(items)
+        for key, value in data.prefill():
+            await kv.put(key, value)
+        conn.send(("ready", None))
+        await wait_readable(conn)
+        conn.recv()  # go
+        clock, out = time.perf_counter_ns, {}
+        for it in items:
+            fn, args, want = data.calls(kv, it)
+            k = len(args)
+            for i in range(k):
+                _check(it, await fn(*args[i]), want[i])
+            for i in range(it["warm"]):
+                await fn(*args[i % k])
+            n = it["n"]
+            samples = np.empty(n, dtype=np.int64)
+            start = clock()
+            for i in range(n):
+                a = args[i % k]
+                t0 = clock()
+                await fn(*a)
+                samples[i] = clock() - t0
+            out[it["id"]] = (samples, clock() - start)
+            conn.send(("progress", it["id"]))
+        conn.send(("result", out))
+    finally:
+        await kv.close()
+
+
+def _ops_sync(conn: Connection, kv: Any, items: list[dict]) -> None:
+    data = _Data(items)
+    for key, value in data.prefill():
+        kv.put(key, value)
+    conn.send(("ready", None))
+    conn.recv()  # go
+    clock, out = time.perf_counter_ns, {}
+    for it in items:
+        fn, args, want = data.calls(kv, it)
+        k = len(args)
+        for i in range(k):
+            _check(it, fn(*args[i]), want[i])
+        for i in range(it["warm"]):
+            fn(*args[i % k])
+        n = it["n"]
+        samples = np.empty(n, dtype=np.int64)
+        start = clock()
+        for i in range(n):
+            a = args[i % k]
+            t0 = clock()
+            fn(*a)
+            samples[i] = clock() - t0
+        out[it["id"]] = (samples, clock() - start)
+        conn.send(("progress", it["id"]))
+    conn.send(("result", out))
+
+
+def ops_client(conn: Connection, backend: str, address: Any, items: list[dict], loop: str = "uvloop",
+               log: str = "") -> None:
+    """Client worker: pre-populate, report ready, wait for go, time every item, send the samples."""
+    b = BY_KEY[backend]
+    os.environ.update(b.client_env)
+    if b.is_async:
+        run_loop(_ops_async(conn, b, address, items), loop)
+        return
+    if b.family != "mooncake":
+        kv = SyncKV.open(b, address)
+        try:
+            _ops_sync(conn, kv, items)
+        finally:
+            kv.close()
+        return
+    quiet_stderr(log)
+    try:
+        kv = MooncakeKV.open(address, segment=OPS_POOL, local_buffer=64 * MIB, out_max=max(SIZES))
+    except Exception as exc:
+        raise RuntimeError(f"{exc}; log: {log_tail(log)}") from None
+    try:
+        _ops_sync(conn, kv, items)
+    finally:
+        kv.close()
+
+
+def _start_server(b: Backend, loop: str, pool_size: int, log: str) -> Worker:
+    w = Worker(b.server, f"{b.key}-server", address=b.address(next_id()), pool_size=pool_size, loop=loop,
+               log=log, rpc_options=b.rpc_options)
+    try:
+        w.start(timeout=60)
+    except BaseException:
+        w.stop()
+        raise
+    return w
+
+
+def measure_ops_once(b: Backend, items: list[dict], loop: str, log: str,
+                     on_progress: Callable[[Any], None]) -> dict[str, tuple[np.ndarray, int]]:
+    """One round of one backend: fresh server and client processes, every item."""
+    with _start_server(b, loop, OPS_POOL, log) as srv:
+        with Worker("bench.kv:ops_client", f"{b.key}-client", backend=b.key, address=srv.info["address"],
+                    items=items, loop=loop, log=log) as cli:
+            cli.start(timeout=120)
+            cli.send("go")
+            budget = 120 + sum(it["n"] + it["warm"] for it in items) * 0.05
+            return cli.expect("result", budget, on_progress)
+
+
+def _rounds(backends: list, rounds: int) -> list[list]:
+    """Each round's order: rotated by one per round, reversed every other round (as in echo)."""
+    out = []
+    for r in range(rounds):
+        k = r % max(1, len(backends))
+        order = backends[k:] + backends[:k]
+        if r % 2:
+            order.reverse()
+        out.append(order)
+    return out
+
+
+def run_ops(cfg: dict, progress: Any, log: Callable[[str], None], backends: list[Backend],
+            logs: list[str]) -> dict:
+    items = ops_plan(cfg["quick"])
+    rounds = cfg["rounds"]
+    task = progress.add_task("kv ops", total=rounds * len(backends) * len(items))
+    raw: dict[str, dict[str, list]] = {b.key: {it["id"]: [] for it in items} for b in backends}
+    errors: dict[str, list[str]] = {}
+    for r, order in enumerate(_rounds(backends, rounds)):
+        for b in order:
+            progress.update(task, description=f"kv ops r{r + 1}/{rounds} {b.key}")
+            path = f"/tmp/{RUN_ID}-{b.key}-{next_id()}.log"
+            logs.append(path)
+            done: list = []
+            try:
+                res = measure_ops_once(b, items, cfg["loop"], path,
+                                       lambda s: (done.append(s), progress.advance(task)))
+            except WorkerError as exc:
+                errors.setdefault(b.key, []).append(str(exc))
+                log(f"[red]kv ops {b.key} round {r + 1} failed: {str(exc).splitlines()[0]}")
+                progress.advance(task, len(items) - len(done))
+                continue
+            for item_id, sample in res.items():
+                raw[b.key][item_id].append(sample)
+    return summarize_ops(backends, items, raw, errors)
+
+
+def summarize_ops(backends: list[Backend], items: list[dict], raw: dict, errors: dict) -> dict:
+    """Per-round summaries, medians, pooled percentiles, changes vs the twin, and the targets."""
+    out: dict[str, Any] = {"items": items, "backends": {}, "errors": errors, "baseline": KV_GRPC.key}
+    for b in backends:
+        per = {}
+        for it in items:
+            samples = raw[b.key][it["id"]]
+            if not samples:
+                continue
+            rounds = [summarize(a, w) for a, w in samples]
+            per[it["id"]] = {"rounds": rounds, "median": median_of(rounds),
+                             "pooled": summarize(pooled(a for a, _ in samples))}
+        out["backends"][b.key] = {"label": b.label, "family": b.family, "items": per}
+    base = out["backends"].get(KV_GRPC.key, {}).get("items", {})
+    for v in out["backends"].values():
+        for item_id, s in v["items"].items():
+            g = base.get(item_id, {}).get("median")
+            if g:
+                s["vs_grpc"] = {m: change(s["median"][m], g[m]) for m in ("p50", "p99", "p99.9")}
+    targets = []
+    for b in (KV_SHM, KV_SPIN):
+        ours = out["backends"].get(b.key, {}).get("items", {})
+        for op, min_size, limit in TARGETS:
+            for size in SIZES:
+                item_id = f"{op}:{size}"
+                mine, theirs = ours.get(item_id, {}).get("median"), base.get(item_id, {}).get("median")
+                if size < min_size or not (mine and theirs):
+                    continue
+                ratio = mine["p50"] / theirs["p50"]
+                targets.append({"backend": b.key, "op": op, "size": size, "limit": limit, "ratio_p50": ratio,
+                                "met": ratio <= limit})
+    out["targets"] = targets
+    return out
+
+
+# ---- the multi-pod subsection -------------------------------------------------------------------
+
+def pods_spec(quick: bool) -> dict[str, Any]:
+    """The replayed workload: chats sharing a system prompt; each turn goes to a random pod."""
+    return {"pods": 4, "chats": 32 if quick else 64, "turns": 4 if quick else 6, "chunk_size": 256,
+            "chunk_bytes": 64 * KIB, "system_tokens": 2048, "user_tokens": (100, 600),
+            "reply_tokens": (50, 400), "vocab": 32000, "seed": 1}
+
+
+def conversations(spec: dict) -> tuple[list[list[np.ndarray]], np.ndarray]:
+    """(prompt token ids of every chat's every turn, pod of every (chat, turn)): deterministic.
+
+    A turn's prompt is the system prompt, every earlier user turn and reply, and the new user turn.
+    """
+    seed, vocab = spec["seed"], spec["vocab"]
+    system = np.random.default_rng([seed, 0]).integers(0, vocab, spec["system_tokens"])
+    prompts = []
+    for c in range(spec["chats"]):
+        rng = np.random.default_rng([seed, 1, c])
+        history, turns = system, []
+        for _ in range(spec["turns"]):
+            user = rng.integers(0, vocab, int(rng.integers(*spec["user_tokens"])))
+            prompt = np.concatenate([history, user])
+            turns.append(prompt)
+            reply = rng.integers(0, vocab, int(rng.integers(*spec["reply_tokens"])))
+            history = np.concatenate([prompt, reply])
+        prompts.append(turns)
+    assign = np.random.default_rng([seed, 2]).integers(0, spec["pods"], (spec["chats"], spec["turns"]))
+    return prompts, assign
+
+
+async def _open_async(b: Backend, address: Any) -> Any:
+    return (await AsyncKV.open(b, address)).kv
+
+
+async def _pod(conn: Connection, b: Backend, address: Any, pod: int, spec: dict) -> None:
+    from kvservice import chunk_keys
+
+    kv = await _open_async(b, address)
+    try:
+        prompts, assign = conversations(spec)
+        cs, cb = spec["chunk_size"], spec["chunk_bytes"]
+        filler = np.random.default_rng([spec["seed"], 3]).integers(0, 256, cb, dtype=np.uint8)
+        written: set[bytes] = set()  # chunks this pod computed and put
+        seen: set[bytes] = set()  # chunks a private cache of this pod would hold
+        count = dict.fromkeys(("requests", "needed", "hits", "cross_pod_hits", "private_hits", "computed",
+                               "new_to_pod_hits", "vanished", "bad"), 0)
+        lat: dict[str, list[int]] = {"lookup_prefix": [], "batch_get": [], "batch_put": []}
+        clock = time.perf_counter_ns
+
+        def value(key: bytes) -> np.ndarray:
+            """Fake KV bytes of a chunk; its first 16 bytes are the key, so a reader can check it."""
+            v = filler.copy()
+            v[:16] = np.frombuffer(key, np.uint8)
+            return v
+
+        async def request(tokens: np.ndarray) -> None:
+            keys = chunk_keys(tokens, cs)
+            count["requests"] += 1
+            count["needed"] += len(keys)
+            p = 0
+            while p < len(keys) and keys[p] in seen:
+                p += 1
+            count["private_hits"] += p
+            t0 = clock()
+            n = await kv.lookup_prefix(tokens, cs)
+            lat["lookup_prefix"].append(clock() - t0)
+            found = 0
+            if n:
+                t0 = clock()
+                blocks = await kv.batch_get(keys[:n])
+                lat["batch_get"].append(clock() - t0)
+                for key, block in zip(keys, blocks):
+                    if block is None:  # removed or evicted between lookup and get
+                        count["vanished"] += 1
+                        break
+                    with block:
+                        if block.view()[:16] != key:
+                            count["bad"] += 1
+                    found += 1
+                    count["cross_pod_hits"] += key not in written
+                    count["new_to_pod_hits"] += key not in seen
+                for block in blocks[found + 1:]:
+                    if block is not None:
+                        block.release()
+            count["hits"] += found
+            missing = keys[found:]
+            if missing:  # "compute" the missing chunks' KV, then share it
+                values = {k: value(k) for k in missing}
+                t0 = clock()
+                await kv.batch_put(values)
+                lat["batch_put"].append(clock() - t0)
+                written.update(missing)
+                count["computed"] += len(missing)
+            seen.update(keys)
+
+        conn.send(("ready", None))
+        while True:
+            await wait_readable(conn)
+            msg = conn.recv()
+            if msg[0] == "turn":
+                t = msg[1]
+                for c in range(spec["chats"]):
+                    if assign[c, t] == pod:
+                        await request(prompts[c][t])
+                conn.send(("done", t))
+            elif msg[0] == "stats":
+                conn.send(("stats", await kv.stats()))
+            elif msg[0] == "finish":
+                conn.send(("result", {"counts": count, "private_chunks": len(seen),
+                                      "lat": {k: np.array(v, dtype=np.int64) for k, v in lat.items()}}))
+            else:
+                return
+    finally:
+        await kv.close()
+
+
+def pod_client(conn: Connection, backend: str, address: Any, pod: int, spec: dict, loop: str = "uvloop",
+               **_: object) -> None:
+    """One pod: on ("turn", t) serve its requests of turn t; ("stats",), ("finish",), ("stop",)."""
+    run_loop(_pod(conn, BY_KEY[backend], address, pod, spec), loop)
+
+
+def measure_pods_once(b: Backend, spec: dict, loop: str, on_turn: Callable[[], None]) -> dict:
+    """One round: a fresh server, ``pods`` client processes, turns in lock step."""
+    pool = 256 * MIB
+    with ExitStack() as stack:
+        srv = stack.enter_context(_start_server(b, loop, pool, ""))
+        pods = [stack.enter_context(Worker("bench.kv:pod_client", f"{b.key}-pod{i}", backend=b.key,
+                                           address=srv.info["address"], pod=i, spec=spec, loop=loop))
+                for i in range(spec["pods"])]
+        for w in pods:
+            w.launch()
+        for w in pods:
+            w.wait_ready(timeout=120)
+        start = time.perf_counter()
+        for t in range(spec["turns"]):
+            for w in pods:
+                w.send("turn", t)
+            for w in pods:
+                w.expect("done", 180)
+            on_turn()
+        wall = time.perf_counter() - start
+        pods[0].send("stats")
+        stats = pods[0].expect("stats", 30)
+        for w in pods:
+            w.send("finish")
+        results = [w.expect("result", 30) for w in pods]
+    counts = {k: sum(r["counts"][k] for r in results) for k in results[0]["counts"]}
+    needed = max(1, counts["needed"])
+    private_bytes = sum(r["private_chunks"] for r in results) * spec["chunk_bytes"]
+    figures = {**{k: float(v) for k, v in counts.items()},
+               "hit_rate": counts["hits"] / needed, "cross_pod_hit_rate": counts["cross_pod_hits"] / needed,
+               "private_hit_rate": counts["private_hits"] / needed,
+               "new_to_pod_hit_rate": counts["new_to_pod_hits"] / needed,
+               "pool_bytes": float(stats["pool_used"]), "private_bytes": float(private_bytes),
+               "pool_vs_private": stats["pool_used"] / private_bytes if private_bytes else float("nan"),
+               "entries": float(stats["entries"]), "evictions": float(stats.get("evictions", 0)),
+               "wall_s": wall}
+    lat = {k: pooled(r["lat"][k] for r in results) for k in ("lookup_prefix", "batch_get", "batch_put")}
+    return {"figures": figures, "lat": lat}
+
+
+def run_pods(cfg: dict, progress: Any, log: Callable[[str], None], backends: list[Backend]) -> dict:
+    spec = pods_spec(cfg["quick"])
+    rounds = cfg["rounds"]
+    task = progress.add_task("kv pods", total=rounds * len(backends) * spec["turns"])
+    raw: dict[str, list[dict]] = {b.key: [] for b in backends}
+    errors: dict[str, list[str]] = {}
+    for r, order in enumerate(_rounds(backends, rounds)):
+        for b in order:
+            progress.update(task, description=f"kv pods r{r + 1}/{rounds} {b.key}")
+            done: list = []
+            try:
+                raw[b.key].append(measure_pods_once(b, spec, cfg["loop"],
+                                                    lambda: (done.append(1), progress.advance(task))))
+            except WorkerError as exc:
+                errors.setdefault(b.key, []).append(str(exc))
+                log(f"[red]kv pods {b.key} round {r + 1} failed: {str(exc).splitlines()[0]}")
+                progress.advance(task, spec["turns"] - len(done))
+    out: dict[str, Any] = {"spec": spec, "backends": {}, "errors": errors, "baseline": KV_GRPC.key}
+    for b in backends:
+        if not raw[b.key]:
+            continue
+        rows = raw[b.key]
+        lat = {}
+        for k in ("lookup_prefix", "batch_get", "batch_put"):
+            per = [summarize(r["lat"][k]) for r in rows if r["lat"][k].size]
+            if per:
+                lat[k] = {"rounds": per, "median": median_of(per),
+                          "pooled": summarize(pooled(r["lat"][k] for r in rows))}
+        out["backends"][b.key] = {"label": b.label, "family": b.family,
+                                  "figures": median_of([r["figures"] for r in rows]),
+                                  "rounds": [r["figures"] for r in rows], "lat": lat}
+    base = out["backends"].get(KV_GRPC.key)
+    for v in out["backends"].values():
+        for k, s in v["lat"].items():
+            g = base and base["lat"].get(k, {}).get("median")
+            if g:
+                s["vs_grpc"] = {m: change(s["median"][m], g[m]) for m in ("p50", "p99")}
+    return out
+
+
+# ---- the section --------------------------------------------------------------------------------
+
+def run_kv(cfg: dict, progress: Any, log: Callable[[str], None]) -> dict:
+    """Both subsections; backends that cannot run here are skipped with the reason printed.
+
+    ``--transports`` naming kv backend keys (e.g. ``kv-shm,kv-shm-spin,kv-grpc``) picks the rows;
+    otherwise every backend marked default runs (busy-spin is not: on 2 shared cores its
+    spinning server and client mostly measure the scheduler).
+    """
+    named = [k for k in cfg.get("transports") or () if k in BY_KEY]
+    backends, skipped = [], {}
+    for b in BACKENDS:
+        if (b.key not in named) if named else not b.default:
+            continue
+        reason = b.skip_reason()
+        if reason:
+            skipped[b.key] = reason
+            log(f"[yellow]skip {b.label}: {reason}")
+        else:
+            backends.append(b)
+    logs: list[str] = []
+    try:
+        ops = run_ops(cfg, progress, log, backends, logs)
+    finally:
+        for path in logs:
+            Path(path).unlink(missing_ok=True)
+    pods = run_pods(cfg, progress, log, [b for b in backends if b.key in (KV_SHM.key, KV_GRPC.key)])
+    return {"ops": ops, "pods": pods, "skipped": skipped,
+            "notes": {"mooncake": "put = upsert, get = get_buffer (a copy into the client's local buffer); "
+                                  "not in the multi-pod run (no lookup_prefix)",
+                      "busy-spin": "not in the multi-pod run (5 spinning processes on 2 cores)"}}

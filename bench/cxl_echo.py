@@ -11,11 +11,11 @@ import cxlrpc
 from .grpc_echo import run_loop
 from .procs import wait_readable
 
-DEFAULT_CAPACITY = 8 << 20
+DEFAULT_CAPACITY = 4 << 20
 
 
 def capacity_for(max_payload: int) -> int:
-    """Ring capacity (power of two, >= the 8 MiB default) whose payload limit fits ``max_payload``."""
+    """Ring capacity (power of two, >= the 4 MiB default, as the bare ring) whose payload limit fits ``max_payload``."""
     cap = DEFAULT_CAPACITY
     while cap // 2 - 4096 < max_payload:
         cap *= 2

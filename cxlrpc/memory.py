@@ -10,6 +10,8 @@ flush/invalidate hook for non-coherent pools would live here.
 """
 from __future__ import annotations
 
+import ctypes
+
 import atomicshm
 
 RELAXED: int = atomicshm.RELAXED
@@ -48,6 +50,12 @@ class AtomicMemory:
         self.cas = view.cas_u64
         self.fetch_add = view.fetch_add_u64
         self.exchange = view.exchange_u64
+
+    def zero(self, offset: int, length: int) -> None:
+        """memset ``length`` bytes at ``offset`` to zero (no source buffer to read, unlike a copy)."""
+        if offset < 0 or length < 0 or offset + length > self.size:
+            raise ValueError(f"zero({offset}, {length}) outside a {self.size}-byte buffer")
+        ctypes.memset(self._view.address + offset, 0, length)
 
     def counter(self, offset: int) -> Counter:
         """Bind an atomic u64 at ``offset`` (bounds and 8-byte alignment checked here, once)."""

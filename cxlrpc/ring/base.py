@@ -13,10 +13,11 @@ from .record import (
     KIND_PADDING,
     LENGTH_MASK,
     TAIL_OFFSET,
-    ZEROS,
     check_capacity,
     max_payload,
 )
+
+_SMALL_ZEROS = memoryview(bytes(256))
 
 #: Counters stay far below 2**64 (2**62 bytes is centuries of traffic); larger ones are garbage.
 COUNTER_LIMIT = 1 << 62
@@ -54,7 +55,7 @@ class RingBase:
 
     def reset(self) -> None:
         """Zero counters and data: only while no peer uses the ring (creation)."""
-        self.buf[self.data:self.data + self.capacity] = ZEROS.get(self.capacity)
+        self.mem.zero(self.data, self.capacity)
         self._tail.store(0, RELEASE)
         self._head.store(0, RELEASE)
         self._head_local = self._head_cache = 0
@@ -133,11 +134,14 @@ class RingBase:
         self._head.store(pos, RELEASE)
 
     def _zero(self, start: int, end: int) -> None:
-        cap, buf, data = self.capacity, self.buf, self.data
+        cap, data = self.capacity, self.data
         while start < end:
             idx = start & self.mask
             n = min(end - start, cap - idx)
-            buf[data + idx:data + idx + n] = ZEROS.get(n)
+            if n <= 256:  # a slice copy beats a ctypes call for a few words
+                self.buf[data + idx:data + idx + n] = _SMALL_ZEROS[:n]
+            else:
+                self.mem.zero(data + idx, n)
             start += n
 
     def _bad_tail(self, tail: int) -> None:
@@ -156,7 +160,7 @@ class RingBase:
             self._head.store(tail, RELEASE)
             return
         if self._multi_producer:
-            self.buf[self.data:self.data + self.capacity] = ZEROS.get(self.capacity)
+            self.mem.zero(self.data, self.capacity)
         self._tail.cas(tail, head, ACQ_REL)
         self._head.store(head, RELEASE)  # and repair our own counter, in case it was hit too
 

@@ -59,18 +59,3 @@ def max_payload(capacity: int) -> int:
     """Largest payload a ring accepts: half the capacity, so an empty ring always fits one
     record wherever its tail stands (wrap padding included)."""
     return capacity // 2 - HEADER_SIZE
-
-
-class _Zeros:
-    """A growing read-only block of zeros, used to clear consumed ring space with memcpy."""
-
-    def __init__(self) -> None:
-        self._block = memoryview(bytes(1 << 16))
-
-    def get(self, n: int) -> memoryview:
-        if n > len(self._block):
-            self._block = memoryview(bytes(max(n, 2 * len(self._block))))
-        return self._block[:n]
-
-
-ZEROS = _Zeros()

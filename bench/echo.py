@@ -22,7 +22,7 @@ _counter = itertools.count()
 
 def plan_for(sizes: tuple[int, ...], quick: bool) -> list[tuple[int, int, int]]:
     """(payload, timed calls, warm-up calls) per size: fewer calls for bigger payloads."""
-    base = 2000 if quick else 10000
+    base = 1500 if quick else 10000
     out = []
     for s in sizes:
         n = base if s <= 4 * KIB else base // 3 if s <= 64 * KIB else base // 20 if s <= MIB else 12 if quick else 30

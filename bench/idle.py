@@ -62,7 +62,7 @@ def idle_client(conn: Connection, transport: str, address: str, server_pid: int,
 def run_idle(cfg: dict, progress: Any, log: Callable[[str], None]) -> dict:
     """The idle section: per round, each transport's fresh processes run ``reps`` idle periods."""
     idle_s, cpu_window = 3.0, 1.0
-    reps = 2 if cfg["quick"] else 3
+    reps = 1 if cfg["quick"] else 3
     rounds = 1 if cfg["quick"] else cfg["rounds"]
     transports = [BY_KEY[k] for k in TRANSPORTS if BY_KEY[k].skip_reason() is None]
     task = progress.add_task("idle", total=rounds * len(transports) * reps)

@@ -93,7 +93,7 @@ class _Base:
                 self._methods[method] = mb
         flags, body = fr.encode_body(arg) if kind == fr.REQUEST else (fr.RAW, b"")
         chan = self._chan
-        head = fr.header(kind, flags, 0, chan.slot, chan.gen, call_id, timeout, mb)
+        head = fr.HEADER.pack(kind, flags, 0, chan.slot, chan.gen, call_id, timeout, len(mb))
         size = len(head) + len(mb) + len(body)
         if size > chan.requests.max_payload:
             raise ResourceExhausted(
@@ -112,6 +112,15 @@ class _Base:
         if not chan.requests.try_push_parts(parts, chan.slot):
             raise ResourceExhausted("request ring is full")
         chan.server_bell.ring()
+
+    def _send_cancel(self, call_id: int) -> None:
+        """Best effort: tell the server to cancel ``call_id`` (dropped if the ring is full)."""
+        chan = self._chan
+        if chan is None or self._gone is not None:
+            return
+        head = fr.header(fr.CANCEL, fr.RAW, 0, chan.slot, chan.gen, call_id, 0.0, b"")
+        if chan.requests.try_push_parts((head,), chan.slot):
+            chan.server_bell.ring()
 
     def _decode_reply(self, f: fr.Frame, response_type: Any) -> Any:
         if f.kind == fr.ERROR:
@@ -242,14 +251,6 @@ class Client(_Base):
             if wake is not None and not wake.done():
                 wake.set_result(None)
 
-    def _send_cancel(self, call_id: int) -> None:
-        chan = self._chan
-        if chan is None or self._gone is not None:
-            return
-        head = fr.header(fr.CANCEL, fr.RAW, 0, chan.slot, chan.gen, call_id, 0.0, b"")
-        if chan.requests.try_push_parts((head,), chan.slot):
-            chan.server_bell.ring()
-
     async def _read(self) -> None:
         chan = self._chan
         ring = chan.responses
@@ -275,18 +276,22 @@ class Client(_Base):
             idle = not await chan.bell.wait_async(ready, self.strategy, _BEAT_INTERVAL, idle)
 
     def _on_reply(self, view: memoryview) -> None:
+        chan = self._chan
         try:
             f = fr.decode(view)
         except fr.FrameError:
-            self._chan.dropped += 1
+            chan.responses.dropped += 1
             return
-        if f.gen != self._chan.gen or f.slot != self._chan.slot:
+        if f.gen != chan.gen or f.slot != chan.slot:
             return  # a reply meant for this slot's previous holder
         entry = self._pending.pop(f.call_id, None)
         if entry is None:
             return  # the caller gave up (timeout, cancel)
         fut, response_type = entry
         if fut.done():
+            return
+        if f.kind == fr.RESPONSE and f.flags & fr.RAW and response_type is None:
+            fut.set_result(f.body)  # raw bytes: nothing to decode
             return
         try:
             fut.set_result(self._decode_reply(f, response_type))
@@ -404,10 +409,7 @@ class SyncClient(_Base):
             raise Unavailable(self._gone)
         if deadline is not None and time.monotonic() >= deadline:
             if sent:
-                chan = self._chan
-                head = fr.header(fr.CANCEL, fr.RAW, 0, chan.slot, chan.gen, call_id, 0.0, b"")
-                if chan.requests.try_push_parts((head,), chan.slot):
-                    chan.server_bell.ring()
+                self._send_cancel(call_id)
             raise DeadlineExceeded("deadline exceeded")
 
 

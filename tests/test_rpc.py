@@ -338,3 +338,32 @@ async def test_send_nowait_is_one_way_and_ordered(url):
                 sync_client.send_nowait("note", 99)
                 return sync_client.call("count", timeout=5)
         assert await asyncio.to_thread(blocking) == 54
+
+
+@pytest.mark.parametrize("doorbell", ["busy-spin", "spin-yield", "adaptive", cxlrpc.adaptive(0, 1e-4),
+                                      cxlrpc.spin_yield(0)])
+async def test_every_wait_strategy_serves_calls(url, doorbell):
+    """Each doorbell strategy, on both sides, delivers sequential and concurrent calls."""
+    async with make_server(url, doorbell=doorbell), cxlrpc.connect(url, doorbell=doorbell) as client:
+        for i in range(50):
+            assert await client.call("echo", i, timeout=5) == i
+        assert await asyncio.gather(*(client.call("aecho", i, timeout=5) for i in range(100))) == list(range(100))
+    with pytest.raises(ValueError, match="unknown doorbell"):
+        cxlrpc.Server(url, doorbell="sleepy")
+
+
+async def test_handler_status_errors_reach_the_caller(url):
+    """A handler raising any RpcError subclass sends that status (Cancelled, Unavailable, ...)."""
+    server = cxlrpc.Server(url)
+    kinds = {c.__name__: c for c in (cxlrpc.Cancelled, cxlrpc.Unavailable, cxlrpc.DeadlineExceeded,
+                                     cxlrpc.InvalidArgument, cxlrpc.NotFound, cxlrpc.Internal)}
+
+    @server.method("raise")
+    def raise_(name: str):
+        raise kinds[name](f"raised {name}")
+
+    async with server, cxlrpc.connect(url) as client:
+        for name, cls in kinds.items():
+            with pytest.raises(cls, match=f"raised {name}") as ei:
+                await client.call("raise", name, timeout=5)
+            assert ei.value.code is cls.code and isinstance(ei.value, cxlrpc.RpcError)

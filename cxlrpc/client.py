@@ -85,15 +85,16 @@ class _Base:
     def _on_gone(self) -> None:
         """Called from the monitor thread once the server is judged gone."""
 
-    def _frame(self, kind: int, call_id: int, method: str, arg: Any, timeout: float) -> tuple:
+    def _request(self, call_id: int, method: str, arg: Any, timeout: float) -> tuple:
+        """The parts of a request record: header, method name, body."""
         mb = self._methods.get(method)
         if mb is None:
             mb = fr.method_bytes(method)
             if len(self._methods) < 4096:
                 self._methods[method] = mb
-        flags, body = fr.encode_body(arg) if kind == fr.REQUEST else (fr.RAW, b"")
+        flags, body = fr.encode_body(arg)
         chan = self._chan
-        head = fr.HEADER.pack(kind, flags, 0, chan.slot, chan.gen, call_id, timeout, len(mb))
+        head = fr.HEADER.pack(fr.REQUEST, flags, 0, chan.slot, chan.gen, call_id, timeout, len(mb))
         size = len(head) + len(mb) + len(body)
         if size > chan.requests.max_payload:
             raise ResourceExhausted(
@@ -108,7 +109,7 @@ class _Base:
             raise Unavailable("client is closed")
         if self._gone is not None:
             raise Unavailable(self._gone)
-        parts = self._frame(fr.REQUEST, fr.NO_REPLY, method, arg, 0.0)
+        parts = self._request(fr.NO_REPLY, method, arg, 0.0)
         if not chan.requests.try_push_parts(parts, chan.slot):
             raise ResourceExhausted("request ring is full")
         chan.server_bell.ring()
@@ -178,7 +179,7 @@ class Client(_Base):
         if timeout is not None and timeout <= 0:
             raise DeadlineExceeded("timeout must be positive")
         call_id = next(self._ids)
-        parts = self._frame(fr.REQUEST, call_id, method, arg, timeout or 0.0)
+        parts = self._request(call_id, method, arg, timeout or 0.0)
         loop = self._loop
         fut = loop.create_future()
         self._pending[call_id] = (fut, response_type)
@@ -370,7 +371,7 @@ class SyncClient(_Base):
             if timeout is not None and timeout <= 0:
                 raise DeadlineExceeded("timeout must be positive")
             call_id = next(self._ids)
-            parts = self._frame(fr.REQUEST, call_id, method, arg, timeout or 0.0)
+            parts = self._request(call_id, method, arg, timeout or 0.0)
             deadline = None if timeout is None else time.monotonic() + timeout
             backoff = 0.0
             while not chan.requests.try_push_parts(parts, chan.slot):

@@ -130,8 +130,10 @@ class Server:
 
     async def close(self) -> None:
         """Stop serving: clients see UNAVAILABLE at once; the shm region is unlinked."""
-        if self._region is None or self._closing:
-            await self._closed.wait() if self._region is not None else None
+        if self._region is None:
+            return
+        if self._closing:
+            await self._closed.wait()
             return
         self._closing = True
         self._chan.close()  # state CLOSED + wake every client
@@ -187,6 +189,10 @@ class Server:
             if n:
                 idle = False
                 await asyncio.sleep(0)
+            elif ring.readable():
+                # The head record is claimed but not committed: its producer is mid-write, or
+                # dead (housekeeping then unblocks it). Poll gently once it is known stuck.
+                await asyncio.sleep(0 if stuck_since is None else 0.001)
             else:
                 # replies waiting for a full response ring: come back soon to retry them
                 wait = 0.0005 if self._backlog else housekeeping_every

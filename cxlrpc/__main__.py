@@ -20,20 +20,6 @@ def _segments() -> list[str]:
         return []
 
 
-def _owner_alive(region: Region, window: float) -> bool:
-    """Same host: the owner's PID. Otherwise: does its heartbeat move within ``window`` s?"""
-    local = region.owner_alive_locally()
-    if local is not None:
-        return local
-    first = region.heartbeat.load(ACQUIRE)
-    deadline = time.monotonic() + window
-    while time.monotonic() < deadline:
-        if region.heartbeat.load(ACQUIRE) != first:
-            return True
-        time.sleep(0.01)
-    return False
-
-
 def _describe(region: Region) -> dict:
     info = region.info()
     row = {"url": region.url, "kind": _KINDS.get(info.kind, str(info.kind)), "size": info.size,
@@ -77,11 +63,11 @@ def main(argv: list[str] | None = None) -> int:
             continue
         try:
             if args.cmd == "ls":
-                alive = _owner_alive(region, 0.3)
+                alive = region.owner_alive(0.3)
                 row = _describe(region)
                 row["owner_alive"] = alive
                 print("\t".join(f"{k}={v}" for k, v in row.items()))
-            elif not _owner_alive(region, args.stale):
+            elif not region.owner_alive(args.stale):
                 if not args.dry_run:
                     region.unlink()
                 print(f"removed {url} (owner {region.info().owner_pid}@{region.info().owner_host} is dead)")

@@ -17,7 +17,7 @@ from typing import Any
 from . import frame as fr
 from .channel import KIND_RPC, ClientChannel
 from .doorbell import WaitStrategy, resolve
-from .errors import (Cancelled, DeadlineExceeded, InvalidArgument, ResourceExhausted, RpcError,
+from .errors import (DeadlineExceeded, InvalidArgument, ResourceExhausted, RpcError,
                      Unavailable, error_for)
 from .region import Region, RegionError
 

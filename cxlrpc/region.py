@@ -177,6 +177,20 @@ class Region:
             return None
         return pid_alive(info.owner_pid)
 
+    def owner_alive(self, window: float) -> bool:
+        """Same host: is the owner's PID alive? Another host's owner: does its heartbeat move
+        within ``window`` seconds (polled every 10 ms)?"""
+        local = self.owner_alive_locally()
+        if local is not None:
+            return local
+        first = self.heartbeat.load(ACQUIRE)
+        deadline = time.monotonic() + window
+        while time.monotonic() < deadline:
+            if self.heartbeat.load(ACQUIRE) != first:
+                return True
+            time.sleep(0.01)
+        return False
+
     def close(self) -> None:
         """Unmap. Views still exported (zero-copy readers) keep the mapping until released."""
         if self.closed:

@@ -394,24 +394,10 @@ def _create_region(url: str, size: int, mode: int, stale_after: float) -> Region
         old = None
     if old is not None:
         try:
-            if not _owner_dead(old, stale_after):
+            if old.owner_alive(stale_after):
                 raise FileExistsError(f"region {url} is in use by a live server")
         finally:
             old.close()
     if backend == "shm":
         unlink_shm(path)
     return Region.create(url, size, KIND_RPC, mode)
-
-
-def _owner_dead(region: Region, stale_after: float) -> bool:
-    """Dead if its PID (same host) is gone, else if its heartbeat stays still for ``stale_after``."""
-    local = region.owner_alive_locally()
-    if local is not None:
-        return not local
-    first = region.heartbeat.load(ACQUIRE)
-    deadline = time.monotonic() + stale_after
-    while time.monotonic() < deadline:
-        if region.heartbeat.load(ACQUIRE) != first:
-            return False
-        time.sleep(0.02)
-    return True

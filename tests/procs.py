@@ -215,7 +215,7 @@ def counting_client(url: str, **kwargs):
 def _claim_and_die_main(url: str, write_header: bool) -> None:
     import cxlrpc
     from cxlrpc.memory import ACQ_REL, ACQUIRE, RELEASE
-    from cxlrpc.ring.record import COMMITTED, KIND_DATA, KIND_PADDING, make_header
+    from cxlrpc.ring.record import KIND_DATA, KIND_PADDING, make_header
 
     client = cxlrpc.connect_sync(url)
     client.call("echo", b"attached", timeout=10)

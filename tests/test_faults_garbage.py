@@ -23,7 +23,7 @@ import cxlrpc
 from cxlrpc import frame as fr
 from cxlrpc.channel import CONTROL, KIND_RPC, SLOT_STRIDE, read_geometry
 from cxlrpc.memory import ACQUIRE, RELEASE
-from cxlrpc.region import Region, RegionError, pid_alive
+from cxlrpc.region import Region, pid_alive
 from cxlrpc.ring import MpscRing
 from cxlrpc.ring.record import CONTROL_SIZE, HEAD_OFFSET, TAIL_OFFSET
 from procs import (Pump, fault_server, open_counting, report, start_fault_server, start_load_clients, stop,

@@ -162,7 +162,7 @@ async def _retired_none(kv) -> bool:
 
 
 async def test_value_invisible_before_commit(url):
-    async with KVServer(url, pool_size=8 * MiB) as server, KVClient.connect(url) as kv:
+    async with KVServer(url, pool_size=8 * MiB), KVClient.connect(url) as kv:
         await kv.put("k", b"old")
         pending = await kv.begin_put("k", 1000)
         pending.array(np.int8)[:] = 7
@@ -177,7 +177,7 @@ async def test_value_invisible_before_commit(url):
 
 
 async def test_pool_full_then_room_after_release(url):
-    async with KVServer(url, pool_size=1 * MiB) as server, KVClient.connect(url) as kv:
+    async with KVServer(url, pool_size=1 * MiB), KVClient.connect(url) as kv:
         blocks = []
         for i in range(4):  # four 256 KiB values fill the pool; leases make them unevictable
             await kv.put(f"v{i}", bytes([i]) * (256 << 10))
@@ -199,7 +199,7 @@ async def _leases(kv, n: int) -> bool:
 
 
 async def test_eviction_is_lru_and_skips_leased_blocks(url):
-    async with KVServer(url, pool_size=1 * MiB) as server, KVClient.connect(url) as kv:
+    async with KVServer(url, pool_size=1 * MiB), KVClient.connect(url) as kv:
         for i in range(12):  # 12 x 64 KiB = 75% of the pool
             await kv.put(f"a{i}", bytes([i]) * (64 << 10))
         pinned = await kv.get("a0")          # the oldest, but leased
@@ -217,7 +217,7 @@ async def test_eviction_is_lru_and_skips_leased_blocks(url):
 
 
 async def test_killed_client_releases_its_lease(url):
-    async with KVServer(url, pool_size=8 * MiB, default_lease_s=120) as server, \
+    async with KVServer(url, pool_size=8 * MiB, default_lease_s=120), \
             KVClient.connect(url) as kv:
         await kv.put("k", b"v" * 5000)
         ready = CTX.Event()
@@ -290,7 +290,7 @@ async def test_server_validates_requests(url):
 
 
 async def test_block_views_fail_safely(url):
-    async with KVServer(url, pool_size=1 * MiB) as server:
+    async with KVServer(url, pool_size=1 * MiB):
         async with KVClient.connect(url) as kv:
             await kv.put("k", b"abc" * 1000)
             block = await kv.get("k")
@@ -313,7 +313,7 @@ async def test_block_views_fail_safely(url):
 # ---- the blocking client and the command line -------------------------------------------------
 
 async def test_blocking_client(url):
-    async with KVServer(url, pool_size=8 * MiB) as server:
+    async with KVServer(url, pool_size=8 * MiB):
         def run() -> None:
             with KVClient.connect_sync(url) as kv:
                 kv.put("s", b"sync")
@@ -346,7 +346,7 @@ async def test_blocking_client(url):
 
 
 async def test_stats_command(url, name):
-    async with KVServer(url, pool_size=1 * MiB) as server, KVClient.connect(url) as kv:
+    async with KVServer(url, pool_size=1 * MiB), KVClient.connect(url) as kv:
         await kv.put("k", b"v", namespace="ns")
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "kvservice", "stats", "--name", name, cwd=ROOT,

@@ -11,7 +11,7 @@ import time
 import pytest
 
 import cxlrpc
-from procs import client_holding_slot, cpu_seconds, echo_server, stop, wait_for
+from procs import client_holding_slot, cpu_seconds, echo_server, stop
 
 
 async def test_async_and_blocking_clients_across_processes(url):

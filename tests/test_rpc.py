@@ -8,7 +8,6 @@ import msgspec
 import pytest
 
 import cxlrpc
-from procs import wait_for
 
 
 class Point(msgspec.Struct):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from ..memory import ACQ_REL, ACQUIRE, RELAXED, RELEASE, AtomicMemory
+from ..memory import ACQ_REL, ACQUIRE, RELAXED, RELEASE
 from .base import COUNTER_LIMIT, RingBase
 from .record import (
     COMMITTED,

@@ -248,8 +248,10 @@ class Client(_Base):
                     await asyncio.sleep(0)
         finally:
             self._direct = False
+            # Hand over to the reader only if calls remain (ours, if we gave up, or others'):
+            # waking it after every call would cost a few task switches per round trip.
             wake = self._reader_wake
-            if wake is not None and not wake.done():
+            if self._pending and wake is not None and not wake.done():
                 wake.set_result(None)
 
     async def _read(self) -> None:

@@ -19,7 +19,7 @@ class Transport:
     server: str
     opener: str
     is_async: bool
-    addr: str  # "shm", "ring", "tcp", "unix" or "ipc"
+    addr: str  # "shm", "ring", "tcp", "unix", "ipc" or "iox" (an iceoryx2 service name)
     server_opts: dict[str, Any] = field(default_factory=dict)
     client_opts: dict[str, Any] = field(default_factory=dict)
     needs: str = ""  # module that must be importable, else the row is skipped
@@ -32,6 +32,7 @@ class Transport:
             "tcp": "127.0.0.1:0",
             "unix": f"unix:/tmp/{RUN_ID}-{n}.sock",
             "ipc": f"ipc:///tmp/{RUN_ID}-{n}.zmq",
+            "iox": f"cxlrpc/{RUN_ID}-{n}",
         }[self.addr]
 
     def skip_reason(self) -> str | None:
@@ -63,6 +64,8 @@ ECHO: tuple[Transport, ...] = (
     Transport("grpc-aio-unix", "grpc.aio unix", "grpc", _G_AIO_SRV, _G_AIO, True, "unix"),
     Transport("zmq-ipc", "zmq REQ/REP ipc", "ref", "bench.zmq_echo:serve", "bench.zmq_echo:open_sync",
               False, "ipc", needs="zmq"),
+    Transport("iceoryx2", "iceoryx2 request-response", "ref", "bench.iceoryx2_echo:serve",
+              "bench.iceoryx2_echo:open_sync", False, "iox", needs="iceoryx2"),
 )
 BY_KEY: dict[str, Transport] = {t.key: t for t in ECHO}
 

@@ -5,8 +5,15 @@ import itertools
 import os
 
 import pytest
+from hypothesis import settings
 
 from cxlrpc.region import unlink_shm
+
+# CI runs property tests with a fixed seed (a red CI must be reproducible, not a dice roll);
+# local runs keep exploring new examples.
+settings.register_profile("ci", derandomize=True, database=None)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 _counter = itertools.count()
 PREFIX = f"t{os.getpid()}-"

@@ -7,8 +7,6 @@ result (including exactly when ``try_push`` must report backpressure).
 """
 from __future__ import annotations
 
-import ctypes
-import hashlib
 import itertools
 import mmap
 import multiprocessing
@@ -17,7 +15,6 @@ import random
 import struct
 import time
 import zlib
-from collections import deque
 
 import posix_ipc
 import pytest
@@ -35,108 +32,11 @@ from cxlrpc.ring.record import (
     make_header,
 )
 
-GUARD = 256  # guard bytes before and after the ring (the ring sits at offset GUARD)
-GUARD_BYTE = 0xA5
-CAPACITIES = [1024, 2048, 4096, 8192]
+from ring_env import CAPACITIES, GUARD, Env as _Env, Model, payload, rec_size, sizes
 
 
-# ----------------------------------------------------------------------------- helpers
-def payload(uid: int, n: int) -> bytes:
-    """Deterministic, record-unique bytes (so a swapped/duplicated/corrupted record shows)."""
-    pat = hashlib.blake2b(uid.to_bytes(8, "little"), digest_size=32).digest()
-    return (pat * (n // 32 + 1))[:n]
-
-
-def rec_size(n: int) -> int:
-    return 8 + ((n + 7) & ~7)
-
-
-class Env:
-    """A ring over an anonymous mmap, with guard bytes on both sides of it."""
-
-    def __init__(self, cap: int, start: int = 0) -> None:
-        self.cap = cap
-        self.mm = mmap.mmap(-1, GUARD + ring_size(cap) + GUARD)
-        self.mm[:] = bytes([GUARD_BYTE]) * len(self.mm)
-        self.buf = memoryview(self.mm)
-        self.mem = AtomicMemory(self.mm)
-        self.ring = MpscRing(self.buf, self.mem, GUARD, cap)
-        self.ring.reset()
-        if start:  # both counters at an arbitrary aligned position: wrap points shift
-            self.store_counter(TAIL_OFFSET, start)
-            self.store_counter(HEAD_OFFSET, start)
-            self.ring.attach()
-        self.data = self.ring.data  # absolute offset of the data area in the mmap
-        anchor = ctypes.c_char.from_buffer(self.mm)
-        self.base_addr = ctypes.addressof(anchor)
-        del anchor
-
-    def guards_intact(self) -> bool:
-        pat = bytes([GUARD_BYTE]) * GUARD
-        return self.buf[:GUARD] == pat and self.buf[len(self.mm) - GUARD:] == pat
-
-    def view_in_bounds(self, view: memoryview) -> bool:
-        """The view lies inside the ring's data area (by address, and by length)."""
-        n = len(view)
-        if n > self.ring.max_payload or n > self.cap:
-            return False
-        if n == 0:
-            return True
-        anchor = ctypes.c_char.from_buffer(view)
-        off = ctypes.addressof(anchor) - self.base_addr
-        del anchor
-        return self.data <= off and off + n <= self.data + self.cap
-
-    def store_counter(self, which: int, value: int) -> None:
-        self.mem.store(GUARD + which, value, RELEASE)
-
-    def load_counter(self, which: int) -> int:
-        return self.mem.load(GUARD + which, 0)
-
-
-class Model:
-    """What the ring must hold: records with the tail position after each, and counters."""
-
-    def __init__(self, cap: int, start: int = 0) -> None:
-        self.cap = cap
-        self.q: deque[tuple[bytes, int]] = deque()
-        self.head = self.tail = start
-        self.uid = itertools.count(1)
-
-    def place(self, tail: int, n: int) -> int:
-        """Tail after appending an n-byte record at ``tail`` (wrap padding included)."""
-        size = rec_size(n)
-        to_end = self.cap - tail % self.cap
-        return tail + (size if size <= to_end else to_end + size)
-
-    def fits(self, tail: int, n: int) -> bool:
-        ok = self.place(tail, n) - self.head <= self.cap
-        if not ok:
-            event("ring full")
-        return ok
-
-    def push(self, data: bytes) -> None:
-        new = self.place(self.tail, len(data))
-        if new - self.tail != rec_size(len(data)):
-            event("wrap padding")
-        self.tail = new
-        self.q.append((data, self.tail))
-
-    def pop(self) -> bytes | None:
-        if not self.q:
-            return None
-        data, end = self.q.popleft()
-        self.head = end
-        return data
-
-
-def sizes(maxp: int):
-    return st.one_of(
-        st.integers(0, 24),
-        st.integers(0, maxp),
-        st.sampled_from([maxp, maxp - 1, maxp - 7, maxp - 8, maxp // 2]),
-    )
-
+def Env(cap: int, start: int = 0) -> _Env:
+    return _Env(MpscRing, cap, start)
 
 producers = st.one_of(st.sampled_from([0, 1, MAX_PRODUCER_ID]), st.integers(0, MAX_PRODUCER_ID))
 
@@ -453,6 +353,7 @@ def dead_claim(env: Env, length: int, mode: str) -> bool:
 @example(cap=1024, slots=120, before=[], length=100, mode="zero", after=[8, 0])  # claim wraps
 @example(cap=1024, slots=120, before=[], length=100, mode="hdr", after=[8])
 @example(cap=1024, slots=120, before=[], length=100, mode="hdr+pad", after=[8])
+@example(cap=1024, slots=18, before=[281, 281, 281], length=0, mode="zero", after=[])  # overfull before
 @given(
     cap=st.sampled_from([1024, 2048]),
     slots=st.integers(0, 255),
@@ -466,8 +367,8 @@ def test_dead_producer_unblock(cap, slots, before, length, mode, after) -> None:
     env = Env(cap)
     ring = env.ring
     advance(env, slots % (cap // 8))
-    pre = [payload(100 + i, n) for i, n in enumerate(before)]
-    assert all(ring.try_push(r, LIVE) for r in pre)
+    # records that fit before the dead claim (three large ones can overfill a 1 KiB ring)
+    pre = [r for r in (payload(100 + i, n) for i, n in enumerate(before)) if ring.try_push(r, LIVE)]
     tail, head = env.load_counter(TAIL_OFFSET), env.load_counter(HEAD_OFFSET)
     assume(Model(cap, tail).place(tail, length) - head <= cap)
     wraps = dead_claim(env, length, mode)

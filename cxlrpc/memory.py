@@ -25,12 +25,6 @@ SEQ_CST: int = atomicshm.SEQ_CST
 #: ``exchange(v, order)``.
 Counter = atomicshm.AtomicU64
 
-CACHE_LINE = 64
-#: Spacing between single-writer counters: two lines, so adjacent-line prefetch never
-#: makes two writers share a line.
-COUNTER_SPACING = 128
-
-
 class AtomicMemory:
     """Atomic access to a writable buffer (a region's mapping, or any bytearray/mmap).
 

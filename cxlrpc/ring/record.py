@@ -35,10 +35,6 @@ def make_header(length: int, kind: int, producer: int, committed: bool) -> int:
     return (COMMITTED if committed else 0) | (kind << 48) | (producer << 32) | length
 
 
-def header_kind(word: int) -> int:
-    return (word >> 48) & 0xFF
-
-
 def header_producer(word: int) -> int:
     return (word >> 32) & 0xFFFF
 

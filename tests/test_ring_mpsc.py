@@ -12,7 +12,6 @@ import mmap
 import multiprocessing
 import os
 import random
-import struct
 import time
 import zlib
 
@@ -32,7 +31,8 @@ from cxlrpc.ring.record import (
     make_header,
 )
 
-from ring_env import CAPACITIES, GUARD, Env as _Env, Model, payload, rec_size, sizes
+from ring_env import (CAPACITIES, aligned_counter, apply_data_garbage, checked_poll, data_garbage, far_from,
+                      make_record, resolve, TAG, GUARD, Env as _Env, Model, payload, rec_size, sizes)
 
 
 def Env(cap: int, start: int = 0) -> _Env:
@@ -195,13 +195,6 @@ SHM_COUNTER = itertools.count()
 N_PRODUCERS = 3
 N_RECORDS = 1500
 XP_CAP = 4096
-TAG = struct.Struct("<HII")  # producer id, sequence number, crc32 of the rest
-
-
-def make_record(rng: random.Random, pid: int, seq: int, maxp: int) -> bytes:
-    n = rng.choice([0, rng.randrange(0, 64), rng.randrange(0, maxp - TAG.size + 1)])
-    body = rng.randbytes(n)
-    return TAG.pack(pid, seq, zlib.crc32(body)) + body
 
 
 def mpsc_producer(shm_name: str, pid: int, count: int, seed: int, timeout: float) -> None:
@@ -447,66 +440,6 @@ def garbage_setup(cap: int, seed: int) -> tuple[Env, Model]:
     model = Model(cap)
     fill_some(env, model, random.Random(seed), 30)
     return env, model
-
-
-def header_words(cap: int):
-    """Plausible-looking header words (valid or subtly invalid fields)."""
-    return st.builds(
-        make_header,
-        st.one_of(st.integers(0, cap), st.integers(0, 0xFFFFFFFF)),
-        st.sampled_from([KIND_DATA, KIND_PADDING, 0, 3, 0xFF]),
-        st.integers(0, 0xFFFF),
-        st.booleans(),
-    )
-
-
-@st.composite
-def data_garbage(draw, cap: int):
-    """Garbage for the data area: an optional full random fill, then word overwrites."""
-    fill = draw(st.one_of(st.none(), st.integers(0, 2**32)))
-    words = draw(st.lists(
-        st.tuples(st.integers(0, cap // 8 - 1).map(lambda i: i * 8),
-                  st.one_of(header_words(cap), st.integers(0, 2**64 - 1))),
-        max_size=8,
-    ))
-    return fill, words
-
-
-def apply_data_garbage(env: Env, garbage, near_head: bool = False) -> None:
-    """Write the garbage; with ``near_head`` the word offsets count from the head's slot."""
-    fill, words = garbage
-    if fill is not None:
-        env.buf[env.data:env.data + env.cap] = random.Random(fill).randbytes(env.cap)
-    base = env.load_counter(HEAD_OFFSET) if near_head else 0
-    for off, word in words:
-        env.mem.store(env.data + (base + off) % env.cap, word, RELEASE)
-
-
-def aligned_counter(cap: int):
-    """Garbage counter values that are 8-byte aligned and far from overflow."""
-    return st.one_of(
-        st.integers(-cap // 2, cap // 2).map(lambda d: ("rel", d * 8)),
-        st.integers(0, 1 << 59).map(lambda v: ("abs", v * 8)),
-    )
-
-
-def resolve(spec, current: int) -> int:
-    kind, v = spec
-    return max(current + v, 0) if kind == "rel" else v
-
-
-def far_from(value: int, sign: int, k: int, cap: int) -> int:
-    """An aligned value more than a lap (2*cap + 8k bytes) away from ``value``, never negative."""
-    d = 2 * cap + 8 * k
-    return value - d if sign < 0 and value >= d else value + d
-
-
-def checked_poll(env: Env, seen: list[bytes], limit: int = 1 << 30) -> int:
-    def handler(view: memoryview) -> None:
-        assert env.view_in_bounds(view), "handler got a view outside the data area"
-        seen.append(bytes(view))
-
-    return env.ring.poll(handler, limit)
 
 
 def recover(env: Env, bound: int) -> bool:

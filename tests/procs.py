@@ -12,6 +12,16 @@ from typing import Iterator
 CTX = mp.get_context("spawn")
 
 
+async def _serve_until_sigterm(server, ready) -> None:
+    """Add ``pid``, serve, signal ``ready``; SIGTERM closes the server cleanly (unlinking its region)."""
+    server.add_method("pid", os.getpid)
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, lambda: loop.create_task(server.close()))
+    async with server:
+        ready.set()
+        await server.serve_forever()
+
+
 def _echo_server_main(url: str, ready, opts: dict) -> None:
     import cxlrpc
 
@@ -27,15 +37,7 @@ def _echo_server_main(url: str, ready, opts: dict) -> None:
             await asyncio.sleep(seconds)
             return seconds
 
-        @server.method("pid")
-        def pid() -> int:
-            return os.getpid()
-
-        loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGTERM, lambda: loop.create_task(server.close()))
-        async with server:
-            ready.set()
-            await server.serve_forever()
+        await _serve_until_sigterm(server, ready)
 
     asyncio.run(main())
 
@@ -135,15 +137,7 @@ def _fault_server_main(url: str, ready, opts: dict) -> None:
             time.sleep(delay)
             return payload
 
-        @server.method("pid")
-        def pid() -> int:
-            return os.getpid()
-
-        loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGTERM, lambda: loop.create_task(server.close()))
-        async with server:
-            ready.set()
-            await server.serve_forever()
+        await _serve_until_sigterm(server, ready)
 
     asyncio.run(main())
 

@@ -8,7 +8,7 @@ import time
 
 from .channel import KIND_RPC, STATE_RUNNING, CONTROL, read_geometry
 from .memory import ACQUIRE
-from .region import SHM_PREFIX, Region, RegionError, UninitializedRegion, unlink_shm, untouched_for
+from .region import SHM_PREFIX, Region, RegionError, in_use, unlink_shm
 
 _KINDS = {1: "rpc", 2: "kv-pool"}
 
@@ -24,7 +24,8 @@ def _describe(region: Region) -> dict:
     info = region.info()
     row = {"url": region.url, "kind": _KINDS.get(info.kind, str(info.kind)), "size": info.size,
            "owner": f"{info.owner_pid}@{info.owner_host}", "age_s": round(time.time() - info.created, 1),
-           "epoch": f"{info.epoch:016x}"}
+           "epoch": f"{info.epoch:016x}", "identity": f"{info.owner_identity:016x}",
+           "closed": info.closed}
     if info.kind == KIND_RPC:
         try:
             geo = read_geometry(region)
@@ -45,32 +46,33 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("ls", help="list regions with owner, size, age, epoch, clients, ring fill")
     clean = sub.add_parser("clean", help="remove regions whose owner is dead")
     clean.add_argument("--stale", type=float, default=1.0,
-                       help="seconds a remote owner's heartbeat must stay still (default 1.0)")
+                       help="seconds a remote owner's (or an unfinished creator's) heartbeat "
+                            "must stay still (default 1.0)")
     clean.add_argument("--dry-run", action="store_true")
     args = parser.parse_args(argv)
 
     for seg in _segments():
         url = "shm://" + seg[len(SHM_PREFIX):]
+        if args.cmd == "clean":
+            try:
+                reason = in_use(url, args.stale)
+            except (RegionError, OSError) as exc:
+                print(f"kept {url} ({exc})")
+                continue
+            if reason is None:
+                if not args.dry_run:
+                    unlink_shm("/" + seg)
+                print(f"removed {url} (no live owner)")
+            continue
         try:
             region = Region.open(url)
         except (RegionError, OSError) as exc:
-            if args.cmd == "ls":
-                print(f"{url}\tunreadable: {exc}")
-            elif isinstance(exc, UninitializedRegion) and untouched_for(url, 10.0):
-                if not args.dry_run:
-                    unlink_shm("/" + seg)
-                print(f"removed {url} (unreadable for over 10 s: {exc})")
+            print(f"{url}\tunreadable: {exc}")
             continue
         try:
-            if args.cmd == "ls":
-                alive = region.owner_alive(0.3)
-                row = _describe(region)
-                row["owner_alive"] = alive
-                print("\t".join(f"{k}={v}" for k, v in row.items()))
-            elif not region.owner_alive(args.stale):
-                if not args.dry_run:
-                    region.unlink()
-                print(f"removed {url} (owner {region.info().owner_pid}@{region.info().owner_host} is dead)")
+            row = _describe(region)
+            row["owner_alive"] = region.owner_alive(0.3)
+            print("\t".join(f"{k}={v}" for k, v in row.items()))
         finally:
             region.close()
     return 0

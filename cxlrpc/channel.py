@@ -5,29 +5,37 @@ Layout (after the region header)::
     control block   state, geometry, server doorbell word, drop counter
     request ring    MPSC: every client -> server (producer id = slot index)
     slot table      per slot: state word (generation << 1 | claimed), heartbeat,
-                    client doorbell word, pid hint
+                    client doorbell word, pid hint + host identity + claim word (client's),
+                    acknowledged generation (server's)
     response rings  SPSC per slot: server -> the client holding the slot
 
 A client claims a free slot with a CAS that bumps its generation, adopts the response
-ring's tail as its head (whatever an earlier holder left is skipped), and beats its
-heartbeat.  Frames carry the generation, so a reply meant for a slot's previous holder
-is recognised and dropped.  Liveness is judged from heartbeat counters that stop
-changing (valid across hosts); a same-host PID check only speeds the verdict up.
+ring's tail as its head (whatever an earlier holder left is skipped), records its host
+identity and beats its heartbeat.  Frames carry the generation, so a reply meant for a
+slot's previous holder is recognised and dropped.  Liveness is judged from heartbeat
+counters that stop changing (valid across hosts); a PID check speeds the verdict up only
+when the client's host identity is the server's (same kernel and namespaces).  The server
+acknowledges each holder in its slot, so a client on another host knows the server has seen
+it (and polls for its requests) before its first call.
 """
 from __future__ import annotations
 
 import os
 import time
 from dataclasses import dataclass
+from typing import Sequence
 
 from .doorbell import Doorbell, DoorbellReceiver, wake_address
+from .identity import host_identity
 from .memory import ACQ_REL, ACQUIRE, RELAXED, RELEASE
 from .region import HEADER_SIZE as REGION_HEADER, Region, RegionError, pid_alive
 from .ring import MpscRing, SpscRing, ring_size
+from .ring.mpsc import NO_CLAIM
+from .ring.record import TAG_MASK
 
 KIND_RPC = 1
 PAGE = 4096
-SLOT_STRIDE = 512
+SLOT_STRIDE = 640
 MAX_SLOTS = 1024
 
 STATE_STARTING, STATE_RUNNING, STATE_CLOSED = 0, 1, 2
@@ -37,8 +45,13 @@ CONTROL = REGION_HEADER
 _STATE, _SLOTS, _REQ_CAP, _RESP_CAP = 0, 8, 16, 24
 _SERVER_PARKED = 128
 _DROPPED = 256
-# slot offsets (relative to the slot's base)
-_SLOT_STATE, _SLOT_HEARTBEAT, _SLOT_PARKED, _SLOT_PID = 0, 128, 256, 384
+# slot offsets (relative to the slot's base); each line has one writer except the state
+# word (claimed by the client, reaped by the server) and the parked word (doorbell)
+_SLOT_STATE, _SLOT_HEARTBEAT, _SLOT_PARKED = 0, 128, 256
+_SLOT_PID, _SLOT_IDENTITY, _SLOT_CLAIM = 384, 392, 400  # the client's line
+_SLOT_ACK = 512  # the server's line: the generation it has seen claimed
+_SLOT_WORDS = (_SLOT_STATE, _SLOT_HEARTBEAT, _SLOT_PARKED, _SLOT_PID, _SLOT_IDENTITY, _SLOT_CLAIM,
+               _SLOT_ACK)
 
 
 def _page(n: int) -> int:
@@ -122,10 +135,11 @@ class Liveness:
 class ServerChannel:
     """The server's side of a region: consumes requests, produces responses, watches slots."""
 
-    def __init__(self, region: Region, geo: Geometry) -> None:
+    def __init__(self, region: Region, geo: Geometry, poll_interval: float = 1e-3) -> None:
         self.region = region
         self.geo = geo
         mem = region.mem
+        self.identity = host_identity()
         self.state = mem.counter(CONTROL + _STATE)
         self.dropped = mem.counter(CONTROL + _DROPPED)
         mem.store(CONTROL + _SLOTS, geo.slots, RELAXED)
@@ -136,20 +150,25 @@ class ServerChannel:
         self.responses: list[SpscRing] = []
         self.slot_state = []
         self.slot_heartbeat = []
+        self.slot_claim = []
+        self.slot_ack = []
         self.client_bells: list[Doorbell] = []
         for i in range(geo.slots):
             base = geo.slot(i)
-            for off in (_SLOT_STATE, _SLOT_HEARTBEAT, _SLOT_PARKED, _SLOT_PID):
+            for off in _SLOT_WORDS:
                 mem.store(base + off, 0, RELAXED)
+            mem.store(base + _SLOT_CLAIM, NO_CLAIM, RELAXED)
             ring = SpscRing(region.buf, mem, geo.response_ring(i), geo.response_capacity)
             ring.reset()
             self.responses.append(ring)
             self.slot_state.append(mem.counter(base + _SLOT_STATE))
             self.slot_heartbeat.append(mem.counter(base + _SLOT_HEARTBEAT))
+            self.slot_claim.append(mem.counter(base + _SLOT_CLAIM))
+            self.slot_ack.append(mem.counter(base + _SLOT_ACK))
             self.client_bells.append(Doorbell(mem.counter(base + _SLOT_PARKED),
                                               wake_address(region.epoch, f"c{i}")))
         self.bell = DoorbellReceiver(mem.counter(CONTROL + _SERVER_PARKED),
-                                     wake_address(region.epoch, "server"))
+                                     wake_address(region.epoch, "server"), poll_interval)
         self._liveness = [Liveness(0.0) for _ in range(geo.slots)]
         self.seen: list[int | None] = [None] * geo.slots  # generation last seen claimed (or sending)
         self.state.store(STATE_RUNNING, RELEASE)
@@ -160,13 +179,16 @@ class ServerChannel:
         return (word >> 1) & 0xFFFFFFFF if word & 1 else -1
 
     def reap(self, timeout: float, now: float) -> list[tuple[int, int]]:
-        """Free slots whose client stopped beating for ``timeout`` s (or whose local PID died).
+        """Free slots whose client stopped beating for ``timeout`` s (or whose PID died, when
+        the client shares our host identity); acknowledge new holders; note whether any
+        client is on another host (the doorbell then polls instead of sleeping long).
 
         Returns every (slot, generation) that departed since the last call: reaped here, or
         detached cleanly by the client itself.
         """
         departed = []
         mem = self.region.mem
+        remote = False
         for i in range(self.geo.slots):
             word = self.slot_state[i].load(ACQUIRE)
             gen = (word >> 1) & 0xFFFFFFFF
@@ -180,15 +202,35 @@ class ServerChannel:
             live = self._liveness[i]
             live.timeout = timeout
             beat = self.slot_heartbeat[i].load(ACQUIRE)
-            pid = mem.load(self.geo.slot(i) + _SLOT_PID, ACQUIRE)
-            if live.stale(beat, now) or pid_dead_here(pid):
+            base = self.geo.slot(i)
+            identity = mem.load(base + _SLOT_IDENTITY, ACQUIRE)
+            local = identity == self.identity
+            if live.stale(beat, now) or (local and pid_dead_here(mem.load(base + _SLOT_PID, ACQUIRE))):
                 if self.slot_state[i].cas(word, word & ~1, ACQ_REL) == word:
                     live.forget()
                     departed.append((i, gen))
                     self.seen[i] = None
-            else:
-                self.seen[i] = gen
+                continue
+            self.seen[i] = gen
+            remote = remote or not local
+            if self.slot_ack[i].load(RELAXED) != gen:
+                self.slot_ack[i].store(gen, RELEASE)
+        self.bell.remote_peers = remote
         return departed
+
+    def producer_dead(self, slot: int, tag: int) -> bool:
+        """Is the writer of a request header (slot id, generation tag) gone?  Proven when the
+        slot is free or held by another generation: a slot is only freed when its holder
+        detached, stopped beating for the client timeout, or died on this host."""
+        if slot >= self.geo.slots:
+            return True  # garbage: no such producer
+        word = self.slot_state[slot].load(ACQUIRE)
+        return not word & 1 or (word >> 1) & TAG_MASK != tag
+
+    def live_claims(self) -> list[int]:
+        """Claim words of the slots still held: positions a live producer may be claiming."""
+        return [self.slot_claim[i].load(ACQUIRE) for i in range(self.geo.slots)
+                if self.slot_state[i].load(ACQUIRE) & 1]
 
     def close(self) -> None:
         """Mark the server closed and wake every parked client so it sees that at once."""
@@ -198,47 +240,86 @@ class ServerChannel:
         self.bell.close()
 
 
-def pid_dead_here(pid_word: int) -> bool:
-    """Host-local accelerator: the PID hint names a process of this host that is gone.
-
-    The hint's top bit marks a PID written on another host (never checked)."""
-    return 0 < pid_word < (1 << 32) and not pid_alive(pid_word)
+def pid_dead_here(pid: int) -> bool:
+    """Host-local accelerator: the PID hint (of a peer with our host identity) is gone."""
+    return 0 < pid < (1 << 32) and not pid_alive(pid)
 
 
 class ClientChannel:
     """A client's side: one claimed slot, its response ring, and the shared request ring."""
 
-    def __init__(self, region: Region) -> None:
+    def __init__(self, region: Region, poll_interval: float = 1e-3) -> None:
         self.region = region
         mem = region.mem
         self.geo = geo = read_geometry(region)
         self.state = mem.counter(CONTROL + _STATE)
         if self.state.load(ACQUIRE) != STATE_RUNNING:
             raise ConnectionRefusedError(f"server at {region.url} is not running")
+        self.server_local = region.info().owner_identity == host_identity()
         self.slot = -1
+        busy = 0
         for i in range(geo.slots):
             st = mem.counter(geo.slot(i) + _SLOT_STATE)
             word = st.load(ACQUIRE)
             if word & 1:
                 continue
             gen = ((word >> 1) + 1) & 0xFFFFFFFF
-            if st.cas(word, (gen << 1) | 1, ACQ_REL) == word:
-                self.slot, self.gen, self._slot_state = i, gen, st
-                break
+            claimed = (gen << 1) | 1
+            if st.cas(word, claimed, ACQ_REL) != word:
+                continue
+            try:
+                self._take(i, gen, st, poll_interval)
+            except OSError:  # the wake-up address is still bound by the slot's last holder
+                st.cas(claimed, claimed & ~1, ACQ_REL)
+                busy += 1
+                continue
+            except BaseException:
+                st.cas(claimed, claimed & ~1, ACQ_REL)
+                raise
+            break
         if self.slot < 0:
-            raise BlockingIOError(f"all {geo.slots} client slots of {region.url} are taken")
-        base = geo.slot(self.slot)
+            raise BlockingIOError(f"all {geo.slots} client slots of {region.url} are taken"
+                                  + (f" ({busy} still held by departing clients)" if busy else ""))
+
+    def _take(self, slot: int, gen: int, state, poll_interval: float) -> None:
+        mem, geo = self.region.mem, self.geo
+        base = geo.slot(slot)
+        # the wake-up socket first: binding is the step that can fail
+        self.bell = DoorbellReceiver(mem.counter(base + _SLOT_PARKED),
+                                     wake_address(self.region.epoch, f"c{slot}"), poll_interval)
+        self.bell.remote_peers = not self.server_local
+        self.slot, self.gen, self._slot_state = slot, gen, state
+        self.tag = gen & TAG_MASK
+        self.claim = mem.counter(base + _SLOT_CLAIM)
+        self.claim.store(NO_CLAIM, RELEASE)
         self.heartbeat = mem.counter(base + _SLOT_HEARTBEAT)
         self.heartbeat.fetch_add(1, ACQ_REL)
+        mem.store(base + _SLOT_IDENTITY, host_identity(), RELEASE)
         mem.store(base + _SLOT_PID, os.getpid(), RELEASE)
-        self.requests = MpscRing(region.buf, mem, geo.request_ring, geo.request_capacity)
-        self.responses = SpscRing(region.buf, mem, geo.response_ring(self.slot), geo.response_capacity)
+        self.ack = mem.counter(base + _SLOT_ACK)
+        self.requests = MpscRing(self.region.buf, mem, geo.request_ring, geo.request_capacity)
+        self.responses = SpscRing(self.region.buf, mem, geo.response_ring(slot), geo.response_capacity)
         self.responses.skip_to_tail()
-        self.bell = DoorbellReceiver(mem.counter(base + _SLOT_PARKED),
-                                     wake_address(region.epoch, f"c{self.slot}"))
         self.server_bell = Doorbell(mem.counter(CONTROL + _SERVER_PARKED),
-                                    wake_address(region.epoch, "server"))
+                                    wake_address(self.region.epoch, "server"))
         self.server_liveness = Liveness(0.0)
+
+    def push(self, parts: Sequence[bytes | memoryview]) -> bool:
+        """Push a request record as this slot's producer; False when the ring is full.
+
+        ClaimRevoked when the server already reclaimed this slot (it judged us dead)."""
+        return self.requests.try_push_parts(parts, self.slot, self.tag, self.claim, self._revoked)
+
+    def _revoked(self) -> bool:
+        return not self.holds_slot()
+
+    def acknowledged(self) -> bool:
+        """Has the server seen this connection (it acknowledges new holders every ~0.1 s)?"""
+        return self.ack.load(ACQUIRE) == self.gen
+
+    def holds_slot(self) -> bool:
+        """False once the server reclaimed the slot (it saw no heartbeat for its timeout)."""
+        return self._slot_state.load(ACQUIRE) == (self.gen << 1) | 1
 
     def server_gone(self, timeout: float) -> str | None:
         """Why the server should be considered gone, or None while it looks alive."""
@@ -250,13 +331,16 @@ class ClientChannel:
             return f"server heartbeat stopped for {live.age(time.monotonic()):.2f} s"
         if self.region.owner_alive_locally() is False:
             return "server process died"
+        if not self.holds_slot():
+            return ("the server reclaimed this client's slot (it saw no heartbeat from it for "
+                    "its client_timeout); connect again")
         return None
 
     def beat(self) -> None:
         self.heartbeat.fetch_add(1, ACQ_REL)
 
     def detach(self) -> None:
-        """Release the slot (if still ours) and close the wake-up socket."""
+        """Close the wake-up socket, then release the slot (if still ours)."""
+        self.bell.close()
         word = (self.gen << 1) | 1
         self._slot_state.cas(word, word & ~1, ACQ_REL)
-        self.bell.close()

@@ -20,11 +20,12 @@ from .doorbell import WaitStrategy, resolve
 from .errors import (DeadlineExceeded, InvalidArgument, ResourceExhausted, RpcError,
                      Unavailable, error_for)
 from .region import Region, RegionError
+from .ring import ClaimRevoked
 
 _BEAT_INTERVAL = 0.1
 
 
-def _attach(url: str) -> ClientChannel:
+def _attach(url: str, poll_interval: float) -> ClientChannel:
     try:
         region = Region.open(url, kind=KIND_RPC)
     except FileNotFoundError as exc:
@@ -32,13 +33,16 @@ def _attach(url: str) -> ClientChannel:
     except RegionError as exc:
         raise Unavailable(f"cannot use {url}: {exc}") from exc
     try:
-        return ClientChannel(region)
+        return ClientChannel(region, poll_interval)
     except (ConnectionRefusedError, RegionError) as exc:
         region.close()
         raise Unavailable(str(exc)) from exc
     except BlockingIOError as exc:
         region.close()
         raise ResourceExhausted(str(exc)) from exc
+    except OSError as exc:
+        region.close()
+        raise Unavailable(f"cannot attach to {url}: {exc}") from exc
     except BaseException:
         region.close()
         raise
@@ -47,10 +51,14 @@ def _attach(url: str) -> ClientChannel:
 class _Base:
     """What both clients share: the channel, request encoding, the monitor thread."""
 
-    def __init__(self, url: str, doorbell: WaitStrategy | str | None, server_timeout: float) -> None:
+    def __init__(self, url: str, doorbell: WaitStrategy | str | None, server_timeout: float,
+                 poll_interval: float) -> None:
+        if not poll_interval > 0:
+            raise ValueError("poll_interval must be > 0 seconds")
         self.url = url
         self.strategy = resolve(doorbell)
         self.server_timeout = server_timeout
+        self.poll_interval = poll_interval
         self._chan: ClientChannel | None = None
         self._ids = itertools.count(1)
         self._methods: dict[str, bytes] = {}
@@ -59,7 +67,7 @@ class _Base:
         self._monitor: threading.Thread | None = None
 
     def _open(self) -> None:
-        self._chan = _attach(self.url)
+        self._chan = _attach(self.url, self.poll_interval)
         self._monitor = threading.Thread(target=self._watch, name="cxlrpc-client-monitor", daemon=True)
         self._monitor.start()
 
@@ -75,15 +83,38 @@ class _Base:
     def _watch(self) -> None:
         chan = self._chan
         while not self._stop.wait(_BEAT_INTERVAL):
-            chan.beat()
             if self._gone is None:
                 reason = chan.server_gone(self.server_timeout)
                 if reason is not None:
-                    self._gone = reason
-                    self._on_gone()
+                    self._set_gone(reason)
+            if chan.holds_slot():
+                chan.beat()  # a reaped client stops writing its old slot's words
+
+    def _set_gone(self, reason: str) -> None:
+        if self._gone is None:
+            self._gone = reason
+            self._on_gone()
 
     def _on_gone(self) -> None:
-        """Called from the monitor thread once the server is judged gone."""
+        """Called once the server is judged gone (from the monitor thread, or a caller)."""
+
+    def _acknowledge_timeout(self) -> float | None:
+        """Seconds to wait for the server to acknowledge us, or None when it need not: a
+        server on another host must see our slot before it polls for our requests."""
+        return None if self._chan.server_local else self.server_timeout + 2 * _BEAT_INTERVAL
+
+    def _unacknowledged(self) -> Unavailable:
+        self._shutdown()
+        return Unavailable(f"the server at {self.url} did not acknowledge this connection within "
+                           f"{self.server_timeout + 2 * _BEAT_INTERVAL:.1f} s")
+
+    def _push(self, parts: tuple) -> bool:
+        """Push a request as our slot's producer; Unavailable if the server reclaimed the slot."""
+        try:
+            return self._chan.push(parts)
+        except ClaimRevoked as exc:
+            self._set_gone(f"the server reclaimed this client's slot ({exc}); connect again")
+            raise Unavailable(self._gone) from exc
 
     def _request(self, call_id: int, method: str, arg: Any, timeout: float) -> tuple:
         """The parts of a request record: header, method name, body."""
@@ -110,7 +141,7 @@ class _Base:
         if self._gone is not None:
             raise Unavailable(self._gone)
         parts = self._request(fr.NO_REPLY, method, arg, 0.0)
-        if not chan.requests.try_push_parts(parts, chan.slot):
+        if not self._push(parts):
             raise ResourceExhausted("request ring is full")
         chan.server_bell.ring()
 
@@ -120,8 +151,11 @@ class _Base:
         if chan is None or self._gone is not None:
             return
         head = fr.header(fr.CANCEL, fr.RAW, 0, chan.slot, chan.gen, call_id, 0.0, b"")
-        if chan.requests.try_push_parts((head,), chan.slot):
-            chan.server_bell.ring()
+        try:
+            if self._push((head,)):
+                chan.server_bell.ring()
+        except Unavailable:
+            pass
 
     def _decode_reply(self, f: fr.Frame, response_type: Any) -> Any:
         if f.kind == fr.ERROR:
@@ -136,8 +170,8 @@ class Client(_Base):
     """asyncio client. Many calls may be in flight at once; use ``async with connect(...)``."""
 
     def __init__(self, url: str, *, doorbell: WaitStrategy | str | None = None,
-                 server_timeout: float = 1.0) -> None:
-        super().__init__(url, doorbell, server_timeout)
+                 server_timeout: float = 1.0, poll_interval: float = 1e-3) -> None:
+        super().__init__(url, doorbell, server_timeout, poll_interval)
         self._pending: dict[int, tuple[asyncio.Future, Any]] = {}
         self._reader: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -149,6 +183,17 @@ class Client(_Base):
     async def open(self) -> "Client":
         self._loop = asyncio.get_running_loop()
         self._open()
+        wait = self._acknowledge_timeout()
+        if wait is not None:
+            deadline = self._loop.time() + wait
+            try:
+                while not self._chan.acknowledged():
+                    if self._loop.time() >= deadline:
+                        raise self._unacknowledged()
+                    await asyncio.sleep(0.002)
+            except asyncio.CancelledError:
+                self._shutdown()
+                raise
         self._reader = self._loop.create_task(self._read())
         return self
 
@@ -187,7 +232,7 @@ class Client(_Base):
         timer = None
         try:
             chan = self._chan
-            if chan.requests.try_push_parts(parts, chan.slot):
+            if self._push(parts):
                 chan.server_bell.ring()
             else:
                 await self._push_slow(parts, deadline)
@@ -211,7 +256,7 @@ class Client(_Base):
         """Backpressure: retry while the request ring is full, until the deadline."""
         chan = self._chan
         backoff = 0.0
-        while not chan.requests.try_push_parts(parts, chan.slot):
+        while not self._push(parts):
             if self._gone is not None:
                 raise Unavailable(self._gone)
             if deadline is not None and self._loop.time() >= deadline:
@@ -338,9 +383,13 @@ class _Connecting:
 
 
 def connect(url: str, *, doorbell: WaitStrategy | str | None = None,
-            server_timeout: float = 1.0) -> _Connecting:
-    """Connect an asyncio client: ``async with cxlrpc.connect("shm://NAME") as client``."""
-    return _Connecting(Client(url, doorbell=doorbell, server_timeout=server_timeout))
+            server_timeout: float = 1.0, poll_interval: float = 1e-3) -> _Connecting:
+    """Connect an asyncio client: ``async with cxlrpc.connect("shm://NAME") as client``.
+
+    ``poll_interval`` bounds how long the idle client sleeps between looks at its reply ring
+    when the server is on another host (which cannot wake it)."""
+    return _Connecting(Client(url, doorbell=doorbell, server_timeout=server_timeout,
+                              poll_interval=poll_interval))
 
 
 class SyncClient(_Base):
@@ -348,10 +397,17 @@ class SyncClient(_Base):
     serialised (open one client per thread for parallel calls)."""
 
     def __init__(self, url: str, *, doorbell: WaitStrategy | str | None = None,
-                 server_timeout: float = 1.0) -> None:
-        super().__init__(url, doorbell, server_timeout)
+                 server_timeout: float = 1.0, poll_interval: float = 1e-3) -> None:
+        super().__init__(url, doorbell, server_timeout, poll_interval)
         self._lock = threading.Lock()
         self._open()
+        wait = self._acknowledge_timeout()
+        if wait is not None:
+            deadline = time.monotonic() + wait
+            while not self._chan.acknowledged():
+                if time.monotonic() >= deadline:
+                    raise self._unacknowledged()
+                time.sleep(0.002)
 
     def close(self) -> None:
         with self._lock:
@@ -376,7 +432,7 @@ class SyncClient(_Base):
             parts = self._request(call_id, method, arg, timeout or 0.0)
             deadline = None if timeout is None else time.monotonic() + timeout
             backoff = 0.0
-            while not chan.requests.try_push_parts(parts, chan.slot):
+            while not self._push(parts):
                 self._check(deadline, call_id, sent=False)
                 chan.server_bell.ring()
                 time.sleep(backoff)  # backpressure: the server is draining a full ring
@@ -417,6 +473,7 @@ class SyncClient(_Base):
 
 
 def connect_sync(url: str, *, doorbell: WaitStrategy | str | None = None,
-                 server_timeout: float = 1.0) -> SyncClient:
+                 server_timeout: float = 1.0, poll_interval: float = 1e-3) -> SyncClient:
     """Connect a blocking client: ``with cxlrpc.connect_sync("shm://NAME") as client``."""
-    return SyncClient(url, doorbell=doorbell, server_timeout=server_timeout)
+    return SyncClient(url, doorbell=doorbell, server_timeout=server_timeout,
+                      poll_interval=poll_interval)

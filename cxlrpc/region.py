@@ -1,9 +1,12 @@
 """Named shared regions: ``shm://NAME`` (POSIX shared memory) and ``file:///PATH`` (any
-mmap-able file, e.g. a DAX device or a file on a DAX/hugetlbfs mount).
+mmap-able file, e.g. a DAX device, a PCI BAR's sysfs resource, a file on a DAX mount).
 
 Every region starts with a fixed header (magic, layout version, size, creation epoch, kind,
-owner hints and the owner's heartbeat) that is validated on open.  The magic is stored
-last, with release ordering, so a half-initialised region is never mistaken for a live one.
+owner hints, the owner's host identity, heartbeat and open/closed state) validated on open.
+The magic is stored last, with release ordering, so a half-initialised region is never
+mistaken for a live one.  Taking a region (new, zeroed, or left by a dead or closed owner)
+is decided by one CAS on the epoch word, so of several racing creators exactly one wins,
+on any host that maps the region.
 """
 from __future__ import annotations
 
@@ -18,17 +21,20 @@ from dataclasses import dataclass
 
 import posix_ipc
 
-from .memory import ACQUIRE, RELAXED, RELEASE, AtomicMemory
+from .identity import host_identity
+from .memory import ACQ_REL, ACQUIRE, RELAXED, RELEASE, AtomicMemory
 
 MAGIC = int.from_bytes(b"CXLRPC\x00\x01", "little")
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 HEADER_SIZE = 4096
 SHM_PREFIX = "cxlrpc."
 
 # Header fields (byte offsets). Published words are 8-byte aligned and written atomically.
-_MAGIC, _VERSION, _SIZE, _EPOCH, _KIND, _PID, _CREATED_NS = 0, 8, 16, 24, 32, 40, 48
+_MAGIC, _VERSION, _SIZE, _EPOCH, _KIND, _PID, _CREATED_NS, _IDENTITY = 0, 8, 16, 24, 32, 40, 48, 56
 _HOST, _HOST_LEN = 64, 64
 HEARTBEAT_OFFSET = 128  # owner's heartbeat counter, its own cache lines
+_OWNER_STATE = 256      # OWNER_LIVE while the owner serves, OWNER_CLOSED after a clean close
+OWNER_LIVE, OWNER_CLOSED = 1, 2
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 
@@ -51,6 +57,8 @@ class RegionInfo:
     kind: int
     owner_pid: int
     owner_host: str
+    owner_identity: int
+    closed: bool
     created: float
     heartbeat: int
 
@@ -89,14 +97,12 @@ class Region:
     # ------------------------------------------------------------------ creation
     @classmethod
     def create(cls, url: str, size: int, kind: int, mode: int = 0o600) -> "Region":
-        """Create and initialise a region (owner-only by default); FileExistsError if it exists.
+        """Create a new region (owner-only by default); FileExistsError if the name is taken.
 
         The caller fills its layout, then calls :meth:`publish` to make it openable.
         """
         backend, path = parse_url(url)
-        if size < HEADER_SIZE * 2:
-            raise RegionError(f"region size {size} is below the minimum {HEADER_SIZE * 2}")
-        size = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
+        size = _check_size(size)
         if backend == "shm":
             try:
                 shm = posix_ipc.SharedMemory(path, posix_ipc.O_CREX, mode=mode, size=size)
@@ -107,52 +113,91 @@ class Region:
             finally:
                 shm.close_fd()
         else:
-            mapping = _map_file(path, size, create=True, mode=mode)
-        region = cls(url, backend, path, mapping, size)
-        region._init_header(size, kind)
+            mapping = _map_new_file(path, size, mode)
+        return cls._claim(url, backend, path, mapping, kind, observed_epoch=0)
+
+    @classmethod
+    def acquire(cls, url: str, size: int, kind: int, mode: int = 0o600,
+                stale_after: float = 2.0) -> "Region":
+        """Create the region, or take over an existing one nobody serves any more.
+
+        An existing region is taken when it was closed cleanly, when its owner is a dead
+        process of this host, when a remote owner's heartbeat stood still for
+        ``stale_after`` seconds, or when it was never initialised (a zeroed device).  Of
+        several processes racing for it exactly one wins; the others get FileExistsError.
+        An existing file keeps its size (a device or BAR cannot be resized): it must hold
+        ``size`` bytes.
+        """
+        backend, path = parse_url(url)
+        size = _check_size(size)
+        try:
+            return cls.create(url, size, kind, mode)
+        except FileExistsError:
+            pass
+        mapping, actual = _map_existing(url, backend, path)
+        try:
+            epoch = _takeover_epoch(url, mapping, stale_after)
+        except BaseException:
+            mapping.close()
+            raise
+        if backend == "file":
+            if actual < size:
+                mapping.close()
+                raise RegionError(f"{url} is {actual} bytes, this server needs {size}; existing "
+                                  f"files and devices are never resized")
+            return cls._claim(url, backend, path, mapping, kind, epoch)
+        # shm: win the old segment, then replace it with one of the size this server needs.
+        old = cls._claim(url, backend, path, mapping, kind, epoch, init=False)
+        old.close()
+        unlink_shm(path)
+        return cls.create(url, size, kind, mode)
+
+    @classmethod
+    def _claim(cls, url: str, backend: str, path: str, mapping: mmap.mmap, kind: int,
+               observed_epoch: int, init: bool = True) -> "Region":
+        """Win the region by a CAS of its epoch word from ``observed_epoch``, then initialise it."""
+        epoch = (time.time_ns() << 16 | secrets.randbits(16)) & ((1 << 63) - 1) or 1
+        with AtomicMemory(mapping) as mem:
+            won = mem.cas(_EPOCH, observed_epoch, epoch, ACQ_REL) == observed_epoch
+            if won:
+                mem.store(_MAGIC, 0, RELEASE)  # openers now see an unpublished region
+        if not won:
+            mapping.close()
+            raise FileExistsError(f"region {url} was taken over by another process first")
+        region = cls(url, backend, path, mapping, len(mapping))
+        if init:
+            region._init_header(kind)
         return region
 
-    def _init_header(self, size: int, kind: int) -> None:
+    def _init_header(self, kind: int) -> None:
         mem = self.mem
-        mem.store(_MAGIC, 0, RELEASE)
-        self.buf[8:HEADER_SIZE] = bytes(HEADER_SIZE - 8)
-        epoch = (time.time_ns() << 16 | secrets.randbits(16)) & ((1 << 63) - 1) or 1
+        self.buf[_VERSION:_EPOCH] = bytes(_EPOCH - _VERSION)
+        self.buf[_EPOCH + 8:HEADER_SIZE] = bytes(HEADER_SIZE - _EPOCH - 8)
         mem.store(_VERSION, LAYOUT_VERSION, RELAXED)
-        mem.store(_SIZE, size, RELAXED)
-        mem.store(_EPOCH, epoch, RELAXED)
+        mem.store(_SIZE, self.size, RELAXED)
         mem.store(_KIND, kind, RELAXED)
         mem.store(_PID, os.getpid(), RELAXED)
         mem.store(_CREATED_NS, time.time_ns(), RELAXED)
+        mem.store(_IDENTITY, host_identity(), RELAXED)
+        mem.store(_OWNER_STATE, OWNER_LIVE, RELEASE)
         host = socket.gethostname().encode()[:_HOST_LEN]
         self.buf[_HOST:_HOST + len(host)] = host
-        self.epoch, self.kind = epoch, kind
+        self.kind = kind
 
     def publish(self) -> None:
         """Make the region visible to openers: the magic is the last word written."""
         self.mem.store(_MAGIC, MAGIC, RELEASE)
+
+    def mark_closed(self) -> None:
+        """Owner only: record a clean close, so the next server takes the region at once."""
+        self.mem.store(_OWNER_STATE, OWNER_CLOSED, RELEASE)
 
     # ------------------------------------------------------------------ opening
     @classmethod
     def open(cls, url: str, kind: int | None = None) -> "Region":
         """Map an existing region and validate its header; :class:`RegionError` if unusable."""
         backend, path = parse_url(url)
-        if backend == "shm":
-            try:
-                shm = posix_ipc.SharedMemory(path)
-            except posix_ipc.ExistentialError as exc:
-                raise FileNotFoundError(f"no region {url}") from exc
-            except posix_ipc.PermissionsError as exc:
-                raise PermissionError(f"no permission to open region {url}") from exc
-            try:
-                actual = shm.size
-                if actual < HEADER_SIZE:
-                    raise RegionError(f"region {url} is {actual} bytes, smaller than a header")
-                mapping = mmap.mmap(shm.fd, actual)
-            finally:
-                shm.close_fd()
-        else:
-            mapping = _map_file(path, None, create=False)
-            actual = len(mapping)
+        mapping, actual = _map_existing(url, backend, path)
         try:
             _validate_header(url, mapping, actual, kind)
         except BaseException:
@@ -162,34 +207,25 @@ class Region:
 
     # ------------------------------------------------------------------ lifetime
     def info(self) -> RegionInfo:
-        host = bytes(self.buf[_HOST:_HOST + _HOST_LEN]).rstrip(b"\0").decode(errors="replace")
-        return RegionInfo(
-            url=self.url, size=self.size, epoch=self.epoch, kind=self.kind,
-            owner_pid=self.mem.load(_PID, ACQUIRE), owner_host=host,
-            created=self.mem.load(_CREATED_NS, ACQUIRE) / 1e9,
-            heartbeat=self.heartbeat.load(ACQUIRE),
-        )
+        return _info(self.url, self.mem, self.buf)
 
     def owner_alive_locally(self) -> bool | None:
-        """Host-local accelerator: is the owner PID alive? None when it is another host's."""
+        """Host-local accelerator: is the owner PID alive? None when it is another host's
+        (identity differs) and only its heartbeat can tell."""
         info = self.info()
-        if info.owner_host != socket.gethostname()[:_HOST_LEN]:
+        if info.closed:
+            return False
+        if info.owner_identity != host_identity():
             return None
         return pid_alive(info.owner_pid)
 
     def owner_alive(self, window: float) -> bool:
-        """Same host: is the owner's PID alive? Another host's owner: does its heartbeat move
-        within ``window`` seconds (polled every 10 ms)?"""
+        """Closed cleanly: no. Same host: is the owner's PID alive? Another host's owner:
+        does its heartbeat move within ``window`` seconds (polled every 10 ms)?"""
         local = self.owner_alive_locally()
         if local is not None:
             return local
-        first = self.heartbeat.load(ACQUIRE)
-        deadline = time.monotonic() + window
-        while time.monotonic() < deadline:
-            if self.heartbeat.load(ACQUIRE) != first:
-                return True
-            time.sleep(0.01)
-        return False
+        return _heartbeat_moves(self.mem, window)
 
     def close(self) -> None:
         """Unmap. Views still exported (zero-copy readers) keep the mapping until released."""
@@ -224,16 +260,16 @@ def unlink_shm(path: str) -> bool:
         return False
 
 
-def untouched_for(url: str, seconds: float) -> bool:
-    """True if the region's backing object was not modified for ``seconds`` (or is gone).
-
-    Used to recognise a segment whose creator died before publishing it."""
+def in_use(url: str, window: float) -> str | None:
+    """Why the region at ``url`` is still in use (a live owner, or a creator still working),
+    or None when a new owner may take it.  Raises RegionError for another layout."""
     backend, path = parse_url(url)
-    full = "/dev/shm" + path if backend == "shm" else path
+    mapping, _ = _map_existing(url, backend, path)
     try:
-        return time.time() - os.stat(full).st_mtime > seconds
-    except FileNotFoundError:
-        return True
+        with AtomicMemory(mapping) as mem:
+            return _busy_reason(url, mem, memoryview(mapping), window)
+    finally:
+        mapping.close()
 
 
 def pid_alive(pid: int) -> bool:
@@ -254,25 +290,126 @@ def pid_alive(pid: int) -> bool:
     return state not in (b"Z", b"X")
 
 
-def _map_file(path: str, size: int | None, create: bool, mode: int = 0o600) -> mmap.mmap:
-    flags = os.O_RDWR | (os.O_CREAT if create and size is not None else 0)
+def _check_size(size: int) -> int:
+    if size < HEADER_SIZE * 2:
+        raise RegionError(f"region size {size} is below the minimum {HEADER_SIZE * 2}")
+    return (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
+
+
+def _info(url: str, mem: AtomicMemory, buf: memoryview) -> RegionInfo:
+    host = bytes(buf[_HOST:_HOST + _HOST_LEN]).rstrip(b"\0").decode(errors="replace")
+    return RegionInfo(
+        url=url, size=mem.load(_SIZE, ACQUIRE), epoch=mem.load(_EPOCH, ACQUIRE),
+        kind=mem.load(_KIND, ACQUIRE), owner_pid=mem.load(_PID, ACQUIRE), owner_host=host,
+        owner_identity=mem.load(_IDENTITY, ACQUIRE),
+        closed=mem.load(_OWNER_STATE, ACQUIRE) == OWNER_CLOSED,
+        created=mem.load(_CREATED_NS, ACQUIRE) / 1e9, heartbeat=mem.load(HEARTBEAT_OFFSET, ACQUIRE),
+    )
+
+
+def _heartbeat_moves(mem: AtomicMemory, window: float, also: int | None = None) -> bool:
+    """Does the owner's heartbeat (or the word at ``also``) change within ``window`` s?"""
+    first = mem.load(HEARTBEAT_OFFSET, ACQUIRE)
+    other = mem.load(also, ACQUIRE) if also is not None else None
+    deadline = time.monotonic() + window
+    while True:
+        if mem.load(HEARTBEAT_OFFSET, ACQUIRE) != first:
+            return True
+        if also is not None and mem.load(also, ACQUIRE) != other:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+
+
+def _busy_reason(url: str, mem: AtomicMemory, buf: memoryview, window: float) -> str | None:
+    if mem.load(_MAGIC, ACQUIRE) == MAGIC:
+        version = mem.load(_VERSION, ACQUIRE)
+        if version != LAYOUT_VERSION:
+            raise RegionError(f"{url} has layout version {version}; this build reads {LAYOUT_VERSION}")
+        info = _info(url, mem, buf)
+        if info.closed:
+            return None
+        if info.owner_identity == host_identity():
+            return f"in use by live process {info.owner_pid}" if pid_alive(info.owner_pid) else None
+        if _heartbeat_moves(mem, window):
+            return f"in use by a live server on another host ({info.owner_host})"
+        return None
+    if mem.load(_EPOCH, ACQUIRE) == 0:
+        return None  # never claimed: a zeroed device or a creator that died at once
+    if _heartbeat_moves(mem, window, also=_EPOCH):
+        return "being created by another process"
+    return None  # its creator stopped before publishing it
+
+
+def _takeover_epoch(url: str, mapping: mmap.mmap, stale_after: float) -> int:
+    """The epoch to CAS from when taking over ``mapping``; FileExistsError if it is in use."""
+    with AtomicMemory(mapping) as mem:
+        epoch = mem.load(_EPOCH, ACQUIRE)
+        try:
+            reason = _busy_reason(url, mem, memoryview(mapping), stale_after)
+        except RegionError as exc:
+            raise FileExistsError(f"region {url} exists but is unusable here ({exc}); "
+                                  f"remove it if no server of another build uses it") from exc
+    if reason is not None:
+        raise FileExistsError(f"region {url} is {reason}")
+    return epoch
+
+
+def _map_existing(url: str, backend: str, path: str) -> tuple[mmap.mmap, int]:
+    """Map an existing region whole: its size is the object's (a segment's or a file's)."""
+    if backend == "shm":
+        try:
+            shm = posix_ipc.SharedMemory(path)
+        except posix_ipc.ExistentialError as exc:
+            raise FileNotFoundError(f"no region {url}") from exc
+        except posix_ipc.PermissionsError as exc:
+            raise PermissionError(f"no permission to open region {url}") from exc
+        try:
+            actual = shm.size
+            if actual < HEADER_SIZE:
+                raise RegionError(f"region {url} is {actual} bytes, smaller than a header")
+            return mmap.mmap(shm.fd, actual), actual
+        finally:
+            shm.close_fd()
     try:
-        fd = os.open(path, flags, mode)
+        fd = os.open(path, os.O_RDWR)
     except FileNotFoundError as exc:
         raise FileNotFoundError(f"no region file {path}") from exc
     try:
-        st = os.fstat(fd)
-        if stat.S_ISREG(st.st_mode):
-            if size is not None and st.st_size < size:
-                os.ftruncate(fd, size)
-            length = size if size is not None else st.st_size
-        else:  # a DAX character device: its size must be given
-            if size is None:
-                raise RegionError(f"{path} is a device: pass size= to map it")
-            length = size
-        if length < HEADER_SIZE:
-            raise RegionError(f"region file {path} is {length} bytes, smaller than a header")
-        return mmap.mmap(fd, length)
+        size = _file_size(path, os.fstat(fd))
+        if size < HEADER_SIZE:
+            raise RegionError(f"region file {path} is {size} bytes, smaller than a header")
+        return mmap.mmap(fd, size), size
+    finally:
+        os.close(fd)
+
+
+def _file_size(path: str, st: os.stat_result) -> int:
+    """A regular file's size, or a character device's (a DAX device) from sysfs."""
+    if stat.S_ISREG(st.st_mode):
+        return st.st_size
+    if stat.S_ISCHR(st.st_mode):
+        sysfs = f"/sys/dev/char/{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}/size"
+        try:
+            with open(sysfs) as f:
+                return int(f.read().strip())
+        except (OSError, ValueError) as exc:
+            raise RegionError(f"{path} is a device whose size {sysfs} cannot be read ({exc})") from exc
+    raise RegionError(f"{path} is neither a regular file nor a character device")
+
+
+def _map_new_file(path: str, size: int, mode: int) -> mmap.mmap:
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
+    except FileExistsError as exc:
+        raise FileExistsError(f"region file {path} already exists") from exc
+    try:
+        os.ftruncate(fd, size)
+        return mmap.mmap(fd, size)
+    except BaseException:
+        os.unlink(path)
+        raise
     finally:
         os.close(fd)
 

@@ -9,7 +9,6 @@ import asyncio
 import inspect
 import itertools
 import logging
-import os
 import threading
 import time
 from contextvars import ContextVar
@@ -21,7 +20,7 @@ from .channel import KIND_RPC, Geometry, ServerChannel
 from .doorbell import WaitStrategy, resolve
 from .errors import RpcError, StatusCode
 from .memory import ACQ_REL, ACQUIRE
-from .region import Region, RegionError, UninitializedRegion, parse_url, unlink_shm, untouched_for
+from .region import Region, parse_url
 
 Handler = Callable[..., Any]
 _NO_ARG = object()
@@ -69,19 +68,24 @@ class Server:
     Ring capacities are powers of two and a frame may fill half a ring (2 MiB with the 4 MiB
     default). Bigger rings cost cache locality: a 1 MiB echo measured 156 us of CPU with 4 MiB
     rings against 276 us with 8 MiB ones here, so raise them only for bigger payloads.
+    ``poll_interval`` bounds how long the idle server sleeps between looks at its request
+    ring while a client on another host (which cannot wake it) is attached.
     """
 
     def __init__(self, url: str, *, slots: int = 16, request_capacity: int = 4 << 20,
                  response_capacity: int = 4 << 20, doorbell: WaitStrategy | str | None = None,
                  client_timeout: float = 1.0, heartbeat_interval: float = 0.1,
-                 size: int | None = None, mode: int = 0o600) -> None:
+                 poll_interval: float = 1e-3, size: int | None = None, mode: int = 0o600) -> None:
         parse_url(url)  # fail fast on a malformed URL
+        if not poll_interval > 0:
+            raise ValueError("poll_interval must be > 0 seconds")
         self.url = url
         self.geometry = Geometry(slots, request_capacity, response_capacity)
         self.size = max(size or 0, self.geometry.size)
         self.strategy = resolve(doorbell)
         self.client_timeout = client_timeout
         self.heartbeat_interval = heartbeat_interval
+        self.poll_interval = poll_interval
         self.mode = mode
         self._methods: dict[str, _Method] = {}
         self._on_disconnect: list[Callable[[Peer], None]] = []
@@ -121,11 +125,20 @@ class Server:
         """Create the region (replacing a stale one left by a dead server) and start serving."""
         if self._region is not None:
             raise RuntimeError("server already started")
-        self._region = _create_region(self.url, self.size, self.mode, self.client_timeout + 1.0)
-        self._chan = ServerChannel(self._region, self.geometry)
-        self._region.publish()
+        self._region = Region.acquire(self.url, self.size, KIND_RPC, self.mode, self.client_timeout + 1.0)
+        # beat from the start: a racing server sees this region being created, not abandoned
         self._beater = threading.Thread(target=self._beat, name="cxlrpc-server-heartbeat", daemon=True)
         self._beater.start()
+        try:
+            self._chan = ServerChannel(self._region, self.geometry, self.poll_interval)
+        except BaseException:
+            self._stop_beating()
+            self._region.mark_closed()
+            self._region.unlink()
+            self._region.close()
+            self._region = None
+            raise
+        self._region.publish()
         self._reader = asyncio.get_running_loop().create_task(self._serve())
 
     async def close(self) -> None:
@@ -145,9 +158,8 @@ class Server:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        self._beat_stop.set()
-        if self._beater is not None:
-            self._beater.join()
+        self._stop_beating()
+        self._region.mark_closed()
         self._region.unlink()
         self._region.close()
         self._closed.set()
@@ -163,6 +175,11 @@ class Server:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    def _stop_beating(self) -> None:
+        self._beat_stop.set()
+        if self._beater is not None:
+            self._beater.join()
+
     def _beat(self) -> None:
         hb = self._region.heartbeat
         while not self._beat_stop.wait(self.heartbeat_interval):
@@ -176,7 +193,7 @@ class Server:
         on_request = self._on_request
         housekeeping_every = min(0.1, self.client_timeout / 4)
         next_housekeeping = time.monotonic() + housekeeping_every
-        stuck_since: float | None = None
+        stuck_at: int | None = None  # head position housekeeping found blocked
         idle = False
         while True:
             n = poll(on_request, 256)
@@ -185,21 +202,23 @@ class Server:
             now = time.monotonic()
             if now >= next_housekeeping:
                 next_housekeeping = now + housekeeping_every
-                stuck_since = self._housekeeping(now, stuck_since)
+                stuck_at = self._housekeeping(now)
             if n:
                 idle = False
                 await asyncio.sleep(0)
             elif ring.readable():
                 # The head record is claimed but not committed: its producer is mid-write, or
                 # dead (housekeeping then unblocks it). Poll gently once it is known stuck.
-                await asyncio.sleep(0 if stuck_since is None else 0.001)
+                await asyncio.sleep(0.001 if stuck_at == ring.head_position else 0)
             else:
                 # replies waiting for a full response ring: come back soon to retry them
                 wait = 0.0005 if self._backlog else housekeeping_every
                 idle = not await chan.bell.wait_async(ring.readable, self.strategy, wait, idle)
 
-    def _housekeeping(self, now: float, stuck_since: float | None) -> float | None:
-        """Reclaim dead clients' slots and unblock records their producers never committed."""
+    def _housekeeping(self, now: float) -> int | None:
+        """Reclaim dead clients' slots and unblock records their producers never committed.
+
+        Returns the head position when the request ring is blocked by a live producer."""
         chan = self._chan
         for slot, gen in chan.reap(self.client_timeout, now):
             self._backlog.pop(slot, None)
@@ -212,16 +231,10 @@ class Server:
                     callback(peer)
                 except Exception:
                     logger.exception("on_disconnect callback failed for %s", peer)
-        blocked = chan.requests.blocked_producer()
-        if blocked is None:
+        ring = chan.requests
+        if ring.blocked_producer() is None or ring.unblock(chan.producer_dead, chan.live_claims):
             return None
-        if stuck_since is None:
-            return now
-        waited = now - stuck_since
-        dead = lambda p: p >= chan.geo.slots or chan.slot_generation(p) < 0 or waited > 2 * self.client_timeout
-        if chan.requests.unblock(dead, force=waited > 4 * self.client_timeout):
-            return None
-        return stuck_since
+        return ring.head_position
 
     def _on_request(self, view: memoryview) -> None:
         """One request record; nothing a peer sends may stop the reader."""
@@ -370,34 +383,3 @@ class Server:
         self.dropped_frames += 1
         self._chan.dropped.fetch_add(1, ACQ_REL)
 
-
-def _create_region(url: str, size: int, mode: int, stale_after: float) -> Region:
-    """Create the server's region; an existing one is replaced only if its owner is dead."""
-    backend, path = parse_url(url)
-    if backend == "shm":
-        try:
-            return Region.create(url, size, KIND_RPC, mode)
-        except FileExistsError:
-            pass
-    elif not os.path.exists(path):
-        return Region.create(url, size, KIND_RPC, mode)
-    try:
-        old = Region.open(url)
-    except UninitializedRegion:
-        if not untouched_for(url, 10.0):
-            raise FileExistsError(f"region {url} is being created by another process") from None
-        old = None  # its creator died before publishing it
-    except RegionError as exc:
-        raise FileExistsError(f"region {url} exists but is unusable here ({exc}); "
-                              f"remove it if no server of another build uses it") from exc
-    except FileNotFoundError:
-        old = None
-    if old is not None:
-        try:
-            if old.owner_alive(stale_after):
-                raise FileExistsError(f"region {url} is in use by a live server")
-        finally:
-            old.close()
-    if backend == "shm":
-        unlink_shm(path)
-    return Region.create(url, size, KIND_RPC, mode)

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from cxlrpc.memory import fence
-from cxlrpc.region import HEADER_SIZE, Region, RegionError, parse_url, unlink_shm
+from cxlrpc.region import HEADER_SIZE, Region, RegionError, parse_url
 
 POOL_KIND = 2
 
@@ -46,12 +46,9 @@ class Pool:
         self.data = region.buf[HEADER_SIZE:HEADER_SIZE + capacity]
 
     @classmethod
-    def create(cls, url: str, capacity: int, mode: int = 0o600) -> "Pool":
-        """Create the pool region, replacing a stale one (the caller already owns the service name)."""
-        backend, path = parse_url(url)
-        if backend == "shm":
-            unlink_shm(path)
-        region = Region.create(url, HEADER_SIZE + capacity, POOL_KIND, mode)
+    def create(cls, url: str, capacity: int, mode: int = 0o600, stale_after: float = 2.0) -> "Pool":
+        """Create the pool region, or take over one whose owner is gone or closed it."""
+        region = Region.acquire(url, HEADER_SIZE + capacity, POOL_KIND, mode, stale_after)
         region.publish()
         return cls(region, capacity)
 
@@ -85,7 +82,10 @@ class Pool:
         self.data.release()
         self.region.close()
 
-    def unlink(self) -> None:
+    def retire(self) -> None:
+        """Owner only: mark the pool closed (a file pool is taken at once by the next server)
+        and unlink it (shm)."""
+        self.region.mark_closed()
         self.region.unlink()
 
 

@@ -14,6 +14,7 @@ import cxlrpc
 from kvservice import wire as w
 from kvservice.allocator import PoolAllocator
 from kvservice.index import KVIndex, Lease, PoolFull, PutTicket
+from cxlrpc.region import RegionError
 from kvservice.pool import Pool, pool_url_for
 
 INLINE_LIMIT = 32 << 10  # measured: inline wins below ~32 KiB, two-phase from 64 KiB
@@ -48,6 +49,7 @@ class KVServer:
                  low_watermark: float = 0.8, **rpc_options: Any) -> None:
         self.url = url
         self.pool_url = pool_url or pool_url_for(url)
+        self._default_pool_url = pool_url is None
         self.pool_size = -(-pool_size // alignment) * alignment
         self.inline_limit = inline_limit
         self.expire_interval = expire_interval
@@ -67,9 +69,13 @@ class KVServer:
         """Create the service region, then the pool (before any request can be served)."""
         await self.rpc.start()  # fails if a live server owns the name, so the pool is ours
         try:
-            self._pool = Pool.create(self.pool_url, self.pool_size, self.rpc.mode)
-        except BaseException:
+            self._pool = Pool.create(self.pool_url, self.pool_size, self.rpc.mode,
+                                     self.rpc.client_timeout + 1.0)
+        except BaseException as exc:
             await self.rpc.close()
+            if isinstance(exc, OSError) and self._default_pool_url:
+                raise RegionError(f"cannot create the pool at {self.pool_url} ({exc}); pass "
+                                  f"pool_url= (a device or file of its own)") from exc
             raise
         self._expirer = asyncio.get_running_loop().create_task(self._expire_loop())
 
@@ -82,7 +88,7 @@ class KVServer:
             self._expirer = None
         await self.rpc.close()
         if self._pool is not None:
-            self._pool.unlink()
+            self._pool.retire()
             self._pool.close()
             self._pool = None
 

@@ -217,20 +217,22 @@ def _claim_and_die_main(url: str, write_header: bool) -> None:
     ring = chan.requests
     length = 64
     size = 8 + length
-    while True:  # claim exactly as MpscRing.try_push does (CAS on the tail)...
+    while True:  # claim exactly as MpscRing.try_push does (claim word, CAS on the tail)...
         tail = ring._tail.load(ACQUIRE)
         idx = tail & ring.mask
         to_end = ring.capacity - idx
         need = size if size <= to_end else to_end + size
+        chan.claim.store(tail, RELEASE)
         if ring._tail.cas(tail, tail + need, ACQ_REL) == tail:
             break
     if write_header:  # ...write the uncommitted header (and half the payload)...
+        header = make_header(length, KIND_DATA, chan.slot, False, chan.tag)
         if need != size:
-            ring.mem.store(ring.data, make_header(length, KIND_DATA, chan.slot, False), RELEASE)
+            ring.mem.store(ring.data, header, RELEASE)
             ring.mem.store(ring.data + idx, make_header(to_end - 8, KIND_PADDING, chan.slot, True), RELEASE)
             idx = 0
         else:
-            ring.mem.store(ring.data + idx, make_header(length, KIND_DATA, chan.slot, False), RELEASE)
+            ring.mem.store(ring.data + idx, header, RELEASE)
         ring.buf[ring.data + idx + 8:ring.data + idx + 8 + length // 2] = b"\xab" * (length // 2)
     os.kill(os.getpid(), signal.SIGKILL)  # ...and die before the commit
 

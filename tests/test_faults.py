@@ -285,8 +285,8 @@ async def test_full_small_rings_are_backpressure_not_loss_or_deadlock(url):
                 ring = client._chan.requests
                 real = ring.try_push_parts
 
-                def counting_push(parts, producer=0, real=real):
-                    ok = real(parts, producer)
+                def counting_push(parts, *args, real=real):
+                    ok = real(parts, *args)
                     if not ok:
                         refused[0] += 1
                     return ok

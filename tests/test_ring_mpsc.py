@@ -377,18 +377,20 @@ def test_dead_producer_unblock(cap, slots, before, length, mode, after) -> None:
         blocked = ring.blocked_producer()
         if blocked is None:
             break
-        if blocked == -1:  # zero header: only force frees it
-            assert not ring.unblock(lambda p: True)
-            assert not ring.unblock(lambda p: False)
+        if blocked == -1:  # zero header: only when no live producer claims the head
+            head = ring.head_position
+            assert not ring.unblock(lambda p, t: True)
+            assert not ring.unblock(lambda p, t: False)
+            assert not ring.unblock(lambda p, t: True, lambda: [head])
             assert ring.poll(lambda v: None) == 0
-            assert ring.unblock(lambda p: True, force=True)
+            assert ring.unblock(lambda p, t: True, lambda: [head + 1 << 20])
         else:  # a named producer: only when the caller says it is dead
             assert blocked == DEAD
-            assert not ring.unblock(lambda p: False)
-            assert not ring.unblock(lambda p: False, force=True)
-            assert not ring.unblock(lambda p: p != DEAD)
+            assert not ring.unblock(lambda p, t: False)
+            assert not ring.unblock(lambda p, t: False, lambda: ())
+            assert not ring.unblock(lambda p, t: p != DEAD)
             assert ring.poll(lambda v: None) == 0
-            assert ring.unblock(lambda p: p == DEAD)
+            assert ring.unblock(lambda p, t: p == DEAD and t == 0)
         unblocks += 1
         got = ring.pop_batch()
         if ring.blocked_producer() is not None:
@@ -408,14 +410,14 @@ def test_unblock_leaves_live_and_committed_records_alone() -> None:
     """unblock() is a no-op on an empty ring, a committed head, and a header of a live producer."""
     env = Env(1024)
     ring = env.ring
-    assert not ring.unblock(lambda p: True, force=True)  # empty
+    assert not ring.unblock(lambda p, t: True, lambda: ())  # empty
     assert ring.try_push(b"committed", LIVE)
     assert ring.blocked_producer() is None
-    assert not ring.unblock(lambda p: True, force=True)  # committed head
+    assert not ring.unblock(lambda p, t: True, lambda: ())  # committed head
     assert ring.pop() == b"committed"
     dead_claim(env, 40, "hdr")
     assert ring.blocked_producer() == DEAD
-    assert not ring.unblock(lambda p: p == LIVE, force=True)
+    assert not ring.unblock(lambda p, t: p == LIVE, lambda: ())
     assert ring.dropped == 0
 
 
@@ -459,7 +461,7 @@ def recover(env: Env, bound: int) -> bool:
             assert all(s in markers for s in seen[hits[0]:])
             return True
         if n == 0 and ring.blocked_producer() is not None:
-            ring.unblock(lambda p: True, force=True)
+            ring.unblock(lambda p, t: True, lambda: ())
     return False
 
 
@@ -504,7 +506,7 @@ def test_garbage_poll_never_raises_or_escapes(cap, seed, garbage, near_head, hea
     for limit in (1, 3, 1 << 30, 1 << 30):
         checked_poll(env, seen, limit)
         if env.ring.blocked_producer() is not None:
-            env.ring.unblock(lambda p: True, force=limit > 3)
+            env.ring.unblock(lambda p, t: True, (lambda: ()) if limit > 3 else None)
         env.ring.readable()
         env.ring.free_space()
     assert env.guards_intact()

@@ -1,12 +1,18 @@
 """A consumer's doorbell: a 'parked' word in shared memory plus a host-local pollable wake-up.
 
-The consumer sets ``parked`` (sequentially consistent) and re-checks its ring before it
-sleeps; a producer, after publishing, fences and reads ``parked`` and only then pays for a
-wake-up datagram.  Dekker's pattern on both sides means no wake-up is lost, and the fast
-path (consumer awake) costs a fence and a load.  The wake-up is a datagram on an abstract
-Unix socket named after the region's epoch: pollable (asyncio sleeps in epoll), gone when
-its owner dies, nothing to clean up.  Peers on another host cannot reach it; consumers
-therefore also wake on a bounded timeout and poll.
+The consumer writes its host identity into ``parked`` (sequentially consistent) and
+re-checks its ring before it sleeps; a producer, after publishing, fences and reads
+``parked`` and only then pays for a wake-up datagram.  Dekker's pattern on both sides means
+no wake-up is lost, and the fast path (consumer awake) costs a fence and a load.  The
+wake-up is a datagram on an abstract Unix socket named after the region's epoch: pollable
+(asyncio sleeps in epoll), gone when its owner dies, nothing to clean up.
+
+Only a producer of the consumer's own host identity can reach that socket, so only such a
+producer clears the word; a producer on another host leaves it alone (clearing it would
+make the consumer's local producers think it awake).  A consumer with peers on other hosts
+(``remote_peers``) therefore never sleeps long: it polls its ring with a backoff bounded by
+``poll_interval`` (the extra latency a call after idle costs), still waking at once for
+local producers.
 """
 from __future__ import annotations
 
@@ -17,10 +23,12 @@ import socket
 import time
 from typing import Callable
 
+from ..identity import host_identity
 from ..memory import RELAXED, SEQ_CST, Counter, fence
 from .strategy import WaitStrategy
 
 _sender: socket.socket | None = None
+_FIRST_POLL = 50e-6  # the remote-poll backoff starts here and doubles up to poll_interval
 
 
 def _send_socket() -> socket.socket:
@@ -39,16 +47,19 @@ def wake_address(epoch: int, consumer: str) -> bytes:
 class Doorbell:
     """Producer side of a consumer's doorbell: ``ring()`` after publishing records."""
 
-    __slots__ = ("_parked", "_address")
+    __slots__ = ("_parked", "_address", "_me")
 
     def __init__(self, parked: Counter, address: bytes) -> None:
         self._parked = parked
         self._address = address
+        self._me = host_identity()
 
     def ring(self) -> None:
-        """Wake the consumer if (and only if) it is parked. No syscall when it is awake."""
+        """Wake the consumer if (and only if) it is parked on this host. No syscall when it is
+        awake; nothing at all when it parks on another host (it polls)."""
         fence(SEQ_CST)
-        if self._parked.load(RELAXED) and self._parked.exchange(0, SEQ_CST):
+        me = self._me
+        if self._parked.load(RELAXED) == me and self._parked.cas(me, 0, SEQ_CST) == me:
             try:
                 _send_socket().sendto(b"\x01", self._address)
             except OSError:
@@ -58,11 +69,21 @@ class Doorbell:
 class DoorbellReceiver:
     """Consumer side: owns the wake-up socket and implements the wait strategies."""
 
-    def __init__(self, parked: Counter, address: bytes) -> None:
+    def __init__(self, parked: Counter, address: bytes, poll_interval: float = 1e-3) -> None:
+        if not poll_interval > 0:
+            raise ValueError("poll_interval must be > 0 seconds")
         self._parked = parked
+        self._me = host_identity()
+        self.poll_interval = poll_interval
+        #: Set by the channel when a producer may be on another host: park by polling.
+        self.remote_peers = False
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self._sock.setblocking(False)
-        self._sock.bind(address)
+        try:
+            self._sock.setblocking(False)
+            self._sock.bind(address)
+        except BaseException:
+            self._sock.close()
+            raise
         self._parked.store(0, SEQ_CST)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._waiter: asyncio.Future | None = None
@@ -89,11 +110,26 @@ class DoorbellReceiver:
 
     def _park_begin(self, ready: Callable[[], bool]) -> bool:
         """Announce we are parking; True if records slipped in and we must not sleep."""
-        self._parked.store(1, SEQ_CST)
+        self._parked.store(self._me, SEQ_CST)
         if ready():
             self._parked.store(0, SEQ_CST)
             return True
         return False
+
+    def _steps(self, remaining: float, idle: bool):
+        """How long each sleep of a park lasts: one sleep for the whole timeout, or (with
+        peers on other hosts) a backoff from 50 us up to ``poll_interval``."""
+        if not self.remote_peers:
+            yield remaining
+            return
+        step = self.poll_interval if idle else min(_FIRST_POLL, self.poll_interval)
+        end = time.perf_counter() + remaining
+        while True:
+            left = end - time.perf_counter()
+            if left <= 0:
+                return
+            yield min(step, left)
+            step = min(step * 2, self.poll_interval)
 
     async def wait_async(self, ready: Callable[[], bool], strategy: WaitStrategy, timeout: float,
                          idle: bool = False) -> bool:
@@ -101,6 +137,7 @@ class DoorbellReceiver:
 
         ``idle=True`` (the previous wait timed out with nothing to do) parks at once, so a
         consumer that wakes periodically for housekeeping does not spin on every wake-up.
+        Cancellation propagates at once (no ``wait_for``, which can swallow a cancel).
         """
         if ready():
             return True
@@ -133,11 +170,16 @@ class DoorbellReceiver:
                 self._loop.remove_reader(self._sock.fileno())
             loop.add_reader(self._sock.fileno(), self._on_readable)
             self._loop = loop
-        self._waiter = loop.create_future()
         try:
-            await asyncio.wait_for(asyncio.shield(self._waiter), remaining)
-        except asyncio.TimeoutError:
-            pass
+            for step in self._steps(remaining, idle):
+                waiter = self._waiter = loop.create_future()
+                timer = loop.call_later(step, _settle, waiter)
+                try:
+                    await waiter
+                finally:
+                    timer.cancel()
+                if ready() or self._park_begin(ready):  # a local producer may have cleared it
+                    return True
         finally:
             self._waiter = None
             self._parked.store(0, SEQ_CST)
@@ -166,8 +208,16 @@ class DoorbellReceiver:
         if self._park_begin(ready):
             return True
         try:
-            select.select([self._sock], [], [], remaining)
-            self._drain()
+            for step in self._steps(remaining, idle):
+                select.select([self._sock], [], [], step)
+                self._drain()
+                if ready() or self._park_begin(ready):
+                    return True
         finally:
             self._parked.store(0, SEQ_CST)
         return ready()
+
+
+def _settle(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)

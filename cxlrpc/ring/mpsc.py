@@ -4,14 +4,15 @@ A producer claims space with a CAS on the tail, writes an uncommitted header car
 producer id, copies the payload, then release-stores the committed header.  The consumer
 stops at an uncommitted record and zeroes what it consumes, so every header a producer
 has not yet written reads as zero.  A record whose producer died between claim and commit
-is turned into padding by :meth:`MpscRing.unblock` once the caller knows the producer is
-dead, so one crash never stalls the ring.
+is turned into padding by :meth:`MpscRing.unblock` once the caller proves the producer dead
+(never by time alone), so one crash never stalls the ring and a slow producer never loses
+a record it goes on to commit.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Collection, Sequence
 
-from ..memory import ACQ_REL, ACQUIRE, RELAXED, RELEASE
+from ..memory import ACQ_REL, ACQUIRE, RELEASE, Counter
 from .base import COUNTER_LIMIT, RingBase
 from .record import (
     COMMITTED,
@@ -20,12 +21,32 @@ from .record import (
     KIND_PADDING,
     LENGTH_MASK,
     MAX_PRODUCER_ID,
+    TAG_MASK,
+    TAG_SHIFT,
     header_producer,
+    header_tag,
 )
 
 
+class ClaimRevoked(RuntimeError):
+    """The consumer turned this producer's claim into padding (it judged the producer dead):
+    nothing was committed, and the producer must stop using the ring under that identity."""
+
+
+#: A claim word holding no position (positions stay below 2**62).
+NO_CLAIM = 1 << 63
+
+
 class MpscRing(RingBase):
-    """Many producers (each with an id below 65536), one consumer."""
+    """Many producers (each with an id below 65536), one consumer.
+
+    Producers that want a stalled claim of theirs never to be mistaken for a dead one pass a
+    ``claim`` counter of their own (one writer: them): it holds the tail they are claiming
+    at, so the consumer can tell a live claimant whose header is not written yet.  Headers
+    are written and committed by CAS from the value the producer expects, so a producer
+    whose claim the consumer already padded learns it (:class:`ClaimRevoked`) and never
+    commits into space that was reclaimed.
+    """
 
     _multi_producer = True
 
@@ -33,10 +54,18 @@ class MpscRing(RingBase):
         """Append one record; False when the ring is full (backpressure, nothing written)."""
         return self.try_push_parts((data,), producer)
 
-    def try_push_parts(self, parts: Sequence[bytes | memoryview], producer: int = 0) -> bool:
-        """Claim, fill and commit one record made of ``parts`` concatenated."""
-        if not 0 <= producer <= MAX_PRODUCER_ID:
-            raise ValueError("producer id must fit in 16 bits")
+    def try_push_parts(self, parts: Sequence[bytes | memoryview], producer: int = 0, tag: int = 0,
+                       claim: Counter | None = None,
+                       revoked: Callable[[], bool] | None = None) -> bool:
+        """Claim, fill and commit one record made of ``parts`` concatenated.
+
+        False when the ring is full.  ``revoked()`` (asked only when a header CAS fails or the
+        head passed the claim) tells whether the consumer may have judged this producer dead;
+        then :class:`ClaimRevoked` is raised and nothing is committed.  Otherwise the failure
+        is garbage over the ring, and the record is written like any other.
+        """
+        if not 0 <= producer <= MAX_PRODUCER_ID or not 0 <= tag <= TAG_MASK:
+            raise ValueError("producer id must fit in 16 bits and tag in 6")
         length = 0
         for p in parts:
             length += len(p)
@@ -48,37 +77,85 @@ class MpscRing(RingBase):
         while True:
             tail = tail_ctr.load(ACQUIRE)
             if tail & 7 or tail >= COUNTER_LIMIT:
-                return False  # garbage tail: the consumer resets it
+                return self._give_up(claim)  # garbage tail: the consumer resets it
             idx = tail & mask
             to_end = cap - idx
             need = size if size <= to_end else to_end + size
             if tail + need - self._head_cache > cap or self._head_cache > tail:
                 head = self._head.load(ACQUIRE)
                 if not self.valid_head(head, tail):
-                    return False  # garbage head: the consumer republishes its own
+                    return self._give_up(claim)  # garbage head: the consumer republishes its own
                 self._head_cache = head
                 if tail + need - head > cap:
-                    return False
+                    return self._give_up(claim)
+            if claim is not None:
+                claim.store(tail, RELEASE)  # visible before the claim below is
             if tail_ctr.cas(tail, tail + need, ACQ_REL) == tail:
                 break
-        store, data = self.mem.store, self.data
-        tag = (producer << 32) | length
+        data = self.data
+        word = (tag << TAG_SHIFT) | (KIND_DATA << 48) | (producer << 32) | length
         if need != size:
-            # Our record goes to the start: the uncommitted header goes first, so the
-            # whole claim is attributable to us before the padding makes it reachable.
-            store(data, (KIND_DATA << 48) | tag, RELEASE)
-            store(data + idx, COMMITTED | (KIND_PADDING << 48) | (producer << 32) | (to_end - HEADER_SIZE), RELEASE)
+            # Our record goes to the start: its uncommitted header goes first, so the whole
+            # claim is attributable to us before the padding makes it reachable.
+            written = [(data, tail + to_end, word)]
+            self._open(written, revoked)
+            written.append((data + idx, tail, COMMITTED | (KIND_PADDING << 48) | (producer << 32)
+                            | (to_end - HEADER_SIZE)))
+            self._open(written, revoked)
             idx = 0
         else:
-            store(data + idx, (KIND_DATA << 48) | tag, RELEASE)
+            written = [(data + idx, tail, word)]
+            self._open(written, revoked)
+        if revoked is not None and revoked():  # judged dead meanwhile: copy nothing
+            self._revoke(written, "the consumer reclaimed this claim before its payload was copied")
         start = data + idx + HEADER_SIZE
         buf = self.buf
         for p in parts:
             n = len(p)
             buf[start:start + n] = p
             start += n
-        store(data + idx, COMMITTED | (KIND_DATA << 48) | tag, RELEASE)
+        if (self.mem.cas(data + idx, word, word | COMMITTED, ACQ_REL) != word
+                and revoked is not None and revoked()):
+            # Padded and consumed while we copied: our bytes lie in free space.  Clear them
+            # unless the tail came close enough to a lap that someone may claim them anew.
+            if self._tail.load(ACQUIRE) + self.capacity // 2 <= tail + need - size + self.capacity:
+                self.mem.zero(data + idx + HEADER_SIZE, size - HEADER_SIZE)
+            raise ClaimRevoked("the consumer reclaimed this claim before it was committed")
         return True
+
+    def _open(self, written: list[tuple[int, int, int]], revoked: Callable[[], bool] | None) -> None:
+        """CAS the last header of ``written`` in over what lies there: zero, or garbage over
+        free space.  Committed padding there, or a lost CAS, is the consumer's verdict that
+        we are dead if ``revoked()`` agrees; otherwise it is garbage and is overwritten."""
+        addr, _, value = written[-1]
+        load, cas = self.mem.load, self.mem.cas
+        for _ in range(4):
+            observed = load(addr, ACQUIRE)
+            if observed and revoked is not None and revoked():
+                self._revoke(written[:-1], "the consumer reclaimed this claim before its header was written")
+            if cas(addr, observed, value, ACQ_REL) == observed:
+                return
+        # garbage keeps landing here: give up on this header, like any record garbage hits
+
+    def _revoke(self, written: list[tuple[int, int, int]], why: str) -> None:
+        """Undo the headers we wrote where the consumer already passed (free space must read
+        zero), then raise :class:`ClaimRevoked`."""
+        head = self._head.load(ACQUIRE)
+        for addr, pos, value in written:
+            if pos < head:
+                self.mem.cas(addr, value, 0, ACQ_REL)
+        raise ClaimRevoked(why)
+
+    @staticmethod
+    def _give_up(claim: Counter | None) -> bool:
+        if claim is not None:
+            claim.store(NO_CLAIM, RELEASE)  # a claim we lost must not look like ours
+        return False
+
+    @property
+    def head_position(self) -> int:
+        """Consumer only: where the next record starts (monotonic)."""
+        return self._head_local
 
     def blocked_producer(self) -> int | None:
         """The producer id of the uncommitted record at the head, -1 if its header is not
@@ -92,14 +169,17 @@ class MpscRing(RingBase):
             return None
         return header_producer(word) if word else -1
 
-    def unblock(self, producer_dead: Callable[[int], bool], force: bool = False) -> bool:
+    def unblock(self, producer_dead: Callable[[int, int], bool],
+                live_claims: Callable[[], Collection[int]] | None = None) -> bool:
         """Consumer only: turn a dead producer's uncommitted record at the head into padding.
 
-        ``producer_dead(id)`` tells whether the producer that wrote the header is gone.  A
-        header still zero (the producer died between its claim and its first store) is only
-        cleared with ``force=True``, which the caller passes after the head has been stuck
-        for longer than any live producer takes; the gap then extends to the next written
-        header (or the tail, or the end of the buffer).  Returns True if it unblocked.
+        ``producer_dead(id, tag)`` tells whether the producer that wrote the header is gone.
+        A header still zero (its producer claimed but wrote nothing yet) is cleared only when
+        ``live_claims`` is given and none of the positions it returns (the claim words of the
+        producers still alive, read after the tail) is the head; the gap then extends to the
+        next written header, live claim, the tail or the end of the buffer.  The padding is
+        written by CAS, so a producer writing at that moment wins or learns it lost.  Returns
+        True if it unblocked.
         """
         head = self._head_local
         tail = self._tail.load(ACQUIRE)
@@ -111,19 +191,27 @@ class MpscRing(RingBase):
             return False
         to_end = self.capacity - idx
         if word:
-            if not producer_dead(header_producer(word)):
+            if not producer_dead(header_producer(word), header_tag(word)):
                 return False
             size = HEADER_SIZE + (((word & LENGTH_MASK) + 7) & ~7)
             if size > to_end or head + size > tail:
                 size = min(to_end, tail - head)
-        elif force:
+        elif live_claims is not None:
+            claims = live_claims()
+            if head in claims:
+                return False
             limit = min(to_end, tail - head)
+            later = [c - head for c in claims if head < c < head + limit]
+            if later:
+                limit = min(later)
             size = HEADER_SIZE
             load = self.mem.load
-            while size < limit and load(self.data + idx + size, RELAXED) == 0:
+            while size < limit and load(self.data + idx + size, ACQUIRE) == 0:
                 size += HEADER_SIZE
         else:
             return False
-        self.mem.store(self.data + idx, COMMITTED | (KIND_PADDING << 48) | (size - HEADER_SIZE), RELEASE)
+        pad = COMMITTED | (KIND_PADDING << 48) | (size - HEADER_SIZE)
+        if self.mem.cas(self.data + idx, word, pad, ACQ_REL) != word:
+            return False  # the producer wrote (or committed) meanwhile: look again later
         self.dropped += 1
         return True

@@ -7,6 +7,8 @@ A record is an 8-byte header word followed by the payload, padded to 8 bytes::
     bits  0..31  payload length
     bits 32..47  producer id (MPSC: who claimed the record, for dead-producer unblocking)
     bits 48..55  kind: DATA or PADDING (padding fills the end of the buffer on wrap-around)
+    bits 56..61  producer tag (MPSC: e.g. the low bits of the producer's connection generation,
+                 so a record of a slot's previous holder is told from its current holder's)
     bit  62      COMMITTED: the payload is complete and may be read
 
 Header words are stored atomically (release on commit) through :mod:`cxlrpc.memory`.
@@ -23,6 +25,8 @@ KIND_PADDING = 2
 COMMITTED = 1 << 62
 LENGTH_MASK = 0xFFFFFFFF
 MAX_PRODUCER_ID = 0xFFFF
+TAG_SHIFT = 56
+TAG_MASK = 0x3F
 
 
 def align8(n: int) -> int:
@@ -30,13 +34,17 @@ def align8(n: int) -> int:
     return (n + 7) & ~7
 
 
-def make_header(length: int, kind: int, producer: int, committed: bool) -> int:
+def make_header(length: int, kind: int, producer: int, committed: bool, tag: int = 0) -> int:
     """Pack a record header word."""
-    return (COMMITTED if committed else 0) | (kind << 48) | (producer << 32) | length
+    return (COMMITTED if committed else 0) | (tag << TAG_SHIFT) | (kind << 48) | (producer << 32) | length
 
 
 def header_producer(word: int) -> int:
     return (word >> 32) & 0xFFFF
+
+
+def header_tag(word: int) -> int:
+    return (word >> TAG_SHIFT) & TAG_MASK
 
 
 def ring_size(capacity: int) -> int:

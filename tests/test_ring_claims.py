@@ -1,0 +1,224 @@
+"""MpscRing claim protocol: a producer held between its claim and its commit is never padded
+while it is alive, and a producer whose claim was padded (judged dead) never commits.
+
+Producers run in a thread and are held at exact points of ``try_push_parts`` (after the tail
+CAS, or between header and copy), deterministically, while the consumer runs ``unblock``.
+"""
+from __future__ import annotations
+
+import mmap
+import threading
+
+import pytest
+
+from cxlrpc.memory import RELEASE, AtomicMemory
+from cxlrpc.ring import ClaimRevoked, MpscRing
+from cxlrpc.ring.mpsc import NO_CLAIM
+
+from ring_env import Env as _Env, payload
+
+pytestmark = pytest.mark.timeout(30)
+LIVE, OTHER = 3, 4
+TAG = 5
+
+
+class Gate:
+    """A point a producer thread stops at until the test opens it."""
+
+    def __init__(self) -> None:
+        self.reached = threading.Event()
+        self.opened = threading.Event()
+
+    def stop_here(self) -> None:
+        self.reached.set()
+        assert self.opened.wait(10), "the test never opened the gate"
+
+
+class HeldAfterClaim:
+    """Stands in for the ring's tail counter: a successful CAS (the claim) stops at the gate."""
+
+    def __init__(self, real, gate: Gate) -> None:
+        self.real, self.gate = real, gate
+
+    def load(self, order):
+        return self.real.load(order)
+
+    def store(self, value, order):
+        self.real.store(value, order)
+
+    def cas(self, expected, desired, order):
+        old = self.real.cas(expected, desired, order)
+        if old == expected:
+            self.gate.stop_here()
+        return old
+
+
+class HeldBeforeCopy(tuple):
+    """Record parts whose second iteration (the copy, after the header is written) stops at the gate."""
+
+    def __new__(cls, parts, gate: Gate):
+        self = super().__new__(cls, parts)
+        self.gate, self.iterations = gate, 0
+        return self
+
+    def __iter__(self):
+        self.iterations += 1
+        if self.iterations == 2:
+            self.gate.stop_here()
+        return super().__iter__()
+
+
+class HeldCommit(tuple):
+    """Record parts whose copy (second iteration) reports the gate, then waits: the copy of a
+    producer frozen mid-payload.  The copy itself then lands after the consumer padded it."""
+
+    def __new__(cls, ring: MpscRing, gate: Gate, parts):
+        self = super().__new__(cls, parts)
+        self.gate, self.iterations = gate, 0
+        return self
+
+    def __iter__(self):
+        self.iterations += 1
+        items = list(super().__iter__())
+        if self.iterations == 2:
+            yield items[0][:0]  # the copy loop starts ...
+            self.gate.stop_here()  # ... and is frozen here
+        yield from items
+
+
+class Setup:
+    """A ring plus one claim word per producer (as channel slots hold them)."""
+
+    def __init__(self, cap: int = 4096) -> None:
+        self.env = _Env(MpscRing, cap)
+        self.ring: MpscRing = self.env.ring
+        self.words = mmap.mmap(-1, 4096)
+        self.mem = AtomicMemory(self.words)
+        self.claims = {p: self.mem.counter(p * 128) for p in (LIVE, OTHER)}
+        for c in self.claims.values():
+            c.store(NO_CLAIM, RELEASE)
+        self.dead: set[int] = set()  # producers the consumer may treat as dead
+
+    def producer_dead(self, producer: int, tag: int) -> bool:
+        return producer in self.dead or tag != TAG
+
+    def live_claims(self) -> list[int]:
+        return [c.load(0) for p, c in self.claims.items() if p not in self.dead]
+
+    def push_in_thread(self, parts, producer: int = LIVE) -> tuple[threading.Thread, dict]:
+        out: dict = {}
+
+        def run() -> None:
+            try:
+                out["ok"] = self.ring.try_push_parts(parts, producer, TAG, self.claims[producer],
+                                                     lambda: producer in self.dead)
+            except ClaimRevoked as exc:
+                out["revoked"] = exc
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        return t, out
+
+    def unblock(self) -> bool:
+        return self.ring.unblock(self.producer_dead, self.live_claims)
+
+
+def test_live_producer_held_after_its_claim_is_never_padded():
+    """Header still zero, producer alive: unblock() refuses however often it runs; the record then arrives."""
+    s, gate = Setup(), Gate()
+    real = s.ring._tail
+    s.ring._tail = HeldAfterClaim(real, gate)
+    rec = payload(1, 200)
+    t, out = s.push_in_thread((rec,))
+    assert gate.reached.wait(10)
+    s.ring._tail = real
+    assert s.ring.blocked_producer() == -1
+    for _ in range(50):  # housekeeping runs again and again while the producer is held
+        assert not s.unblock()
+    gate.opened.set()
+    t.join(10)
+    assert out == {"ok": True}
+    assert s.ring.pop() == rec
+    assert s.ring.dropped == 0
+
+
+def test_live_producer_held_between_header_and_commit_is_never_padded():
+    s, gate = Setup(), Gate()
+    rec = payload(2, 300)
+    t, out = s.push_in_thread(HeldBeforeCopy((rec[:100], rec[100:]), gate))
+    assert gate.reached.wait(10)
+    assert s.ring.blocked_producer() == LIVE
+    for _ in range(50):
+        assert not s.unblock()
+    gate.opened.set()
+    t.join(10)
+    assert out == {"ok": True}
+    assert s.ring.pop() == rec
+
+
+@pytest.mark.parametrize("held", ["after-claim", "before-copy"])
+def test_padded_claim_is_revoked_and_never_committed(held):
+    """The consumer judges the held producer dead and pads its claim; when the producer resumes
+    it raises ClaimRevoked, commits nothing, and the ring goes on exactly (free space stays zero)."""
+    s, gate = Setup(), Gate()
+    rec = payload(3, 256)
+    real = s.ring._tail
+    if held == "after-claim":
+        s.ring._tail = HeldAfterClaim(real, gate)
+        parts = (rec,)
+    else:
+        parts = HeldBeforeCopy((rec,), gate)
+    t, out = s.push_in_thread(parts)
+    assert gate.reached.wait(10)
+    s.ring._tail = real
+    assert not s.unblock()  # alive: left alone
+    if held == "before-copy":
+        gate.opened.set()  # it copies and commits in the window: the record arrives whole
+        t.join(10)
+        assert out == {"ok": True} and s.ring.pop() == rec
+        gate, rec = Gate(), payload(5, 256)
+        t, out = s.push_in_thread(HeldCommit(s.ring, gate, (rec,)))
+        assert gate.reached.wait(10)
+    s.dead.add(LIVE)  # its slot was reaped: the consumer may pad it now
+    assert s.unblock()
+    assert s.ring.poll(lambda v: None) == 0  # the padding is consumed, nothing delivered
+    assert not s.ring.readable()
+    gate.opened.set()
+    t.join(10)
+    assert "revoked" in out and "ok" not in out, out
+    data = s.env.buf[s.ring.data:s.ring.data + s.ring.capacity]
+    assert not any(data), "the revoked producer left bytes in free space"
+    # the revoked producer left nothing behind: the next records of a live producer are exact
+    s.dead.clear()
+    later = [payload(10 + i, 100 + 37 * i) for i in range(40)]
+    got = []
+    for r in later:
+        while not s.ring.try_push_parts((r,), OTHER, TAG, s.claims[OTHER]):
+            got += s.ring.pop_batch()
+    got += s.ring.pop_batch()
+    assert got == later
+    assert s.ring.dropped == 1
+
+
+def test_gap_of_a_dead_claim_stops_at_the_next_live_claim():
+    """A dead producer's zero-header claim is padded only up to where a live producer's claim starts."""
+    s = Setup()
+    dead_at = s.ring.head_position
+    s.claims[OTHER].store(dead_at, RELEASE)  # OTHER claims 64 bytes and dies before writing
+    assert s.ring._tail.cas(dead_at, dead_at + 64, 0) == dead_at
+    s.dead.add(OTHER)
+    gate = Gate()
+    real = s.ring._tail
+    s.ring._tail = HeldAfterClaim(real, gate)
+    rec = payload(4, 40)
+    t, out = s.push_in_thread((rec,))  # LIVE claims right behind it and is held
+    assert gate.reached.wait(10)
+    s.ring._tail = real
+    assert s.unblock()  # pads the dead claim only
+    assert s.ring.poll(lambda v: None) == 0
+    assert s.ring.head_position == dead_at + 64 == s.claims[LIVE].load(0)
+    assert not s.unblock()  # the live claim at the head is left alone
+    gate.opened.set()
+    t.join(10)
+    assert out == {"ok": True}
+    assert s.ring.pop() == rec

@@ -165,8 +165,7 @@ class ServerChannel:
             self.slot_heartbeat.append(mem.counter(base + _SLOT_HEARTBEAT))
             self.slot_claim.append(mem.counter(base + _SLOT_CLAIM))
             self.slot_ack.append(mem.counter(base + _SLOT_ACK))
-            self.client_bells.append(Doorbell(mem.counter(base + _SLOT_PARKED),
-                                              wake_address(region.epoch, f"c{i}")))
+            self.client_bells.append(Doorbell(mem.counter(base + _SLOT_PARKED), b""))
         self.bell = DoorbellReceiver(mem.counter(CONTROL + _SERVER_PARKED),
                                      wake_address(region.epoch, "server"), poll_interval)
         self._liveness = [Liveness(0.0) for _ in range(geo.slots)]
@@ -232,12 +231,27 @@ class ServerChannel:
         return [self.slot_claim[i].load(ACQUIRE) for i in range(self.geo.slots)
                 if self.slot_state[i].load(ACQUIRE) & 1]
 
+    def ring_client(self, slot: int, gen: int) -> None:
+        """Wake the holder ``gen`` of ``slot`` if it is parked (each holder has its own socket,
+        so a departing holder that still has its socket never blocks the next one)."""
+        bell = self.client_bells[slot]
+        if bell.target != gen:
+            bell.retarget(client_wake_address(self.region.epoch, slot, gen), gen)
+        bell.ring()
+
     def close(self) -> None:
         """Mark the server closed and wake every parked client so it sees that at once."""
         self.state.store(STATE_CLOSED, RELEASE)
-        for bell in self.client_bells:
-            bell.ring()
+        for slot in range(self.geo.slots):
+            gen = self.slot_generation(slot)
+            if gen >= 0:
+                self.ring_client(slot, gen)
         self.bell.close()
+
+
+def client_wake_address(epoch: int, slot: int, gen: int) -> bytes:
+    """The wake-up socket address of one holder (generation) of a slot."""
+    return wake_address(epoch, f"c{slot}.{gen}")
 
 
 def pid_dead_here(pid: int) -> bool:
@@ -269,7 +283,7 @@ class ClientChannel:
                 continue
             try:
                 self._take(i, gen, st, poll_interval)
-            except OSError:  # the wake-up address is still bound by the slot's last holder
+            except OSError:  # e.g. the wake-up address is bound (a holder of the same generation)
                 st.cas(claimed, claimed & ~1, ACQ_REL)
                 busy += 1
                 continue
@@ -286,7 +300,7 @@ class ClientChannel:
         base = geo.slot(slot)
         # the wake-up socket first: binding is the step that can fail
         self.bell = DoorbellReceiver(mem.counter(base + _SLOT_PARKED),
-                                     wake_address(self.region.epoch, f"c{slot}"), poll_interval)
+                                     client_wake_address(self.region.epoch, slot, gen), poll_interval)
         self.bell.remote_peers = not self.server_local
         self.slot, self.gen, self._slot_state = slot, gen, state
         self.tag = gen & TAG_MASK

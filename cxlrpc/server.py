@@ -299,7 +299,7 @@ class Server:
             ring = chan.responses[slot]
             head = fr.HEADER.pack(fr.RESPONSE, fr.RAW, 0, slot, f.gen, f.call_id, 0.0, 0)
             if fr.HEADER_SIZE + len(result) <= ring.max_payload and ring.try_push_parts((head, result)):
-                chan.client_bells[slot].ring()
+                chan.ring_client(slot, f.gen)
                 return
         self._reply(f, result)
 
@@ -359,7 +359,7 @@ class Server:
             head, body = fr.header(fr.ERROR, fr.RAW, code, slot, gen, call_id, 0.0, b""), msg
         if slot in self._backlog or not ring.try_push_parts((head, body)):
             self._backlog.setdefault(slot, []).append((gen, head, bytes(body)))
-        chan.client_bells[slot].ring()
+        chan.ring_client(slot, gen)
 
     def _flush_backlog(self) -> None:
         """Retry responses that met a full response ring (backpressure, never loss)."""
@@ -367,15 +367,17 @@ class Server:
         for slot in list(self._backlog):
             queue = self._backlog[slot]
             ring = chan.responses[slot]
+            holder = chan.slot_generation(slot)
             while queue:
                 gen, head, body = queue[0]
-                if chan.slot_generation(slot) != gen:
+                if holder != gen:
                     queue.pop(0)
                     continue
                 if not ring.try_push_parts((head, body)):
                     break
                 queue.pop(0)
-            chan.client_bells[slot].ring()
+            if holder >= 0:
+                chan.ring_client(slot, holder)
             if not queue:
                 del self._backlog[slot]
 

@@ -206,7 +206,7 @@ def counting_client(url: str, **kwargs):
     return _counting_client_cls(url, **kwargs)
 
 
-def _claim_and_die_main(url: str, write_header: bool) -> None:
+def _claim_and_die_main(url: str, write_header: bool, claimed) -> None:
     import cxlrpc
     from cxlrpc.memory import ACQ_REL, ACQUIRE, RELEASE
     from cxlrpc.ring.record import KIND_DATA, KIND_PADDING, make_header
@@ -225,6 +225,7 @@ def _claim_and_die_main(url: str, write_header: bool) -> None:
         chan.claim.store(tail, RELEASE)
         if ring._tail.cas(tail, tail + need, ACQ_REL) == tail:
             break
+    claimed.value = tail  # shared memory: visible at once, unlike a queue's feeder thread
     if write_header:  # ...write the uncommitted header (and half the payload)...
         header = make_header(length, KIND_DATA, chan.slot, False, chan.tag)
         if need != size:
@@ -237,15 +238,18 @@ def _claim_and_die_main(url: str, write_header: bool) -> None:
     os.kill(os.getpid(), signal.SIGKILL)  # ...and die before the commit
 
 
-def claim_and_die(url: str, write_header: bool = True) -> None:
+def claim_and_die(url: str, write_header: bool = True) -> int:
     """A child attaches a blocking client, claims request-ring space (optionally writes the
-    uncommitted header) and SIGKILLs itself before committing. Returns once it is reaped."""
-    proc = CTX.Process(target=_claim_and_die_main, args=(url, write_header), daemon=True)
+    uncommitted header) and SIGKILLs itself before committing. Returns, once it is reaped,
+    the request-ring position it claimed."""
+    claimed = CTX.Value("q", -1, lock=False)
+    proc = CTX.Process(target=_claim_and_die_main, args=(url, write_header, claimed), daemon=True)
     proc.start()
-    proc.join(30)
     try:
-        if proc.exitcode != -signal.SIGKILL:
-            raise RuntimeError(f"claim-and-die child ended with {proc.exitcode}, not SIGKILL")
+        proc.join(30)
+        if proc.exitcode != -signal.SIGKILL or claimed.value < 0:
+            raise RuntimeError(f"claim-and-die child ended with {proc.exitcode}, not SIGKILL after a claim")
+        return claimed.value
     finally:
         stop(proc)
 

@@ -47,12 +47,17 @@ def wake_address(epoch: int, consumer: str) -> bytes:
 class Doorbell:
     """Producer side of a consumer's doorbell: ``ring()`` after publishing records."""
 
-    __slots__ = ("_parked", "_address", "_me")
+    __slots__ = ("_parked", "_address", "_me", "target")
 
-    def __init__(self, parked: Counter, address: bytes) -> None:
+    def __init__(self, parked: Counter, address: bytes, target: object = None) -> None:
         self._parked = parked
         self._address = address
         self._me = host_identity()
+        self.target = target  # what the address was made for (e.g. a slot's generation)
+
+    def retarget(self, address: bytes, target: object) -> None:
+        """Ring another consumer's socket from now on (a slot's new holder)."""
+        self._address, self.target = address, target
 
     def ring(self) -> None:
         """Wake the consumer if (and only if) it is parked on this host. No syscall when it is

@@ -155,3 +155,25 @@ def test_reaped_but_alive_client_learns_it(url):
         finally:
             os.kill(child.pid, signal.SIGCONT)
             stop(child)
+
+
+async def test_kvservice_on_files_and_a_pool_that_cannot_be_made(tmp_path):
+    """kvservice on file:// regions restarts on its own files; where the default pool path
+    cannot hold a pool (a device's sysfs file has no sibling to create) the error says to pass
+    pool_url=, and the service region is left free."""
+    from kvservice import KVClient, KVServer
+
+    url = f"file://{tmp_path}/kv"
+    for value in (b"first", b"second"):
+        async with KVServer(url, pool_size=1 << 20):
+            async with KVClient.connect(url) as kv:
+                await kv.put(b"k", value)
+                assert await kv.get_bytes(b"k") == value
+    (tmp_path / "dev").mkdir()
+    (tmp_path / "dev" / "kv.pool").mkdir()  # not a file: stands in for a path no pool fits
+    bad = KVServer(f"file://{tmp_path}/dev/kv", pool_size=1 << 20)
+    with pytest.raises(cxlrpc.RegionError, match="pool_url="):
+        await bad.start()
+    async with KVServer(f"file://{tmp_path}/dev/kv", pool_size=1 << 20,
+                        pool_url=f"file://{tmp_path}/pool"):
+        pass

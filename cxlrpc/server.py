@@ -221,20 +221,29 @@ class Server:
         Returns the head position when the request ring is blocked by a live producer."""
         chan = self._chan
         for slot, gen in chan.reap(self.client_timeout, now):
-            self._backlog.pop(slot, None)
-            for key, task in list(self._tasks.items()):
-                if key[0] == slot and key[1] == gen:
-                    task.cancel()
-            peer = Peer(slot, gen)
-            for callback in self._on_disconnect:
-                try:
-                    callback(peer)
-                except Exception:
-                    logger.exception("on_disconnect callback failed for %s", peer)
+            self._departed(slot, gen)
         ring = chan.requests
         if ring.blocked_producer() is None or ring.unblock(chan.producer_dead, chan.live_claims):
             return None
         return ring.head_position
+
+    def _departed(self, slot: int, gen: int) -> None:
+        """A slot's holder left (detached, reaped, or replaced by a new holder): cancel its
+        handlers, drop its replies, tell the on_disconnect callbacks."""
+        queue = self._backlog.get(slot)
+        if queue:
+            queue[:] = [entry for entry in queue if entry[0] != gen]
+            if not queue:
+                del self._backlog[slot]
+        for key, task in list(self._tasks.items()):
+            if key[0] == slot and key[1] == gen:
+                task.cancel()
+        peer = Peer(slot, gen)
+        for callback in self._on_disconnect:
+            try:
+                callback(peer)
+            except Exception:
+                logger.exception("on_disconnect callback failed for %s", peer)
 
     def _on_request(self, view: memoryview) -> None:
         """One request record; nothing a peer sends may stop the reader."""
@@ -256,7 +265,11 @@ class Server:
         if slot >= chan.geo.slots or chan.slot_state[slot].load(ACQUIRE) != (f.gen << 1) | 1:
             self._drop()  # garbage, or a request from the slot's previous holder
             return
-        chan.seen[slot] = f.gen
+        seen = chan.seen[slot]
+        if seen != f.gen:
+            chan.seen[slot] = f.gen
+            if seen is not None:  # a new holder already: its predecessor left unseen
+                self._departed(slot, seen)
         if f.kind != fr.REQUEST:
             if f.kind == fr.CANCEL:
                 task = self._tasks.get((slot, f.gen, f.call_id))

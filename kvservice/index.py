@@ -9,13 +9,16 @@ eviction or a newer commit (retired) -> it is freed once no lease holds it. Leas
 puts end by release/commit/abort, by timeout in ``expire()``, or by ``release_owner``.
 
 Eviction and fairness. Victims are live blocks without a lease, least recently used first.
-A put evicts when (a) it would take its namespace over its quota: only that namespace's own
-blocks, just enough to fit, and nothing at all if they cannot make room (QuotaExceeded); or
-(b) the pool would go over the high watermark (down to the low watermark) or the allocation
-fails: first the putting namespace's own blocks, then blocks of other namespaces that have no
-quota or are over their quota (an over-quota namespace only down to its quota), oldest access
-first across them. A namespace within its quota is never evicted by another namespace's put.
-If no eligible victim is left and nothing fits, the put raises PoolFull.
+A quota is a namespace's guaranteed share of the pool and its ceiling. A put evicts when (a) it
+would take its namespace over its quota: only that namespace's own blocks, just enough to fit,
+and nothing at all if they cannot make room (QuotaExceeded); or (b) the pool would go over the
+high watermark (down to the low watermark) or the allocation fails. In case (b) a put that
+stays within its namespace's quota evicts first the unprotected blocks of other namespaces
+(those without a quota, or over theirs, only down to it), oldest access first across them, and
+its own blocks last: its share is guaranteed against data that has none. Any other put evicts
+its own blocks first, then the others' unprotected ones. A namespace within its quota is never
+evicted by another namespace's put. If no eligible victim is left and nothing fits, the put
+raises PoolFull.
 """
 from __future__ import annotations
 
@@ -211,6 +214,7 @@ class KVIndex:
         _check_owner(owner)
         space = self._ns.get(ns)
         quota = space.quota if space is not None else None
+        guaranteed = quota is not None and space.used + nbytes <= quota
         if quota is not None:
             over = space.used + nbytes - quota
             if over > 0:
@@ -220,10 +224,11 @@ class KVIndex:
                                         f"quota of {quota} ({space.used} held)")
                 self._evict(victims)
         if self._alloc.used + nbytes > self._high:
-            self._evict(self._plan(ns, math.ceil(self._alloc.used + nbytes - self._low)))
+            need = math.ceil(self._alloc.used + nbytes - self._low)
+            self._evict(self._plan(ns, need, own_first=not guaranteed))
         offset = self._alloc.alloc(size)
         while offset is None:
-            victims = self._plan(ns, nbytes)
+            victims = self._plan(ns, nbytes, own_first=not guaranteed)
             if not victims:
                 raise PoolFull(f"no {nbytes}-byte range free and nothing evictable for {ns!r}")
             self._evict(victims)
@@ -419,15 +424,17 @@ class KVIndex:
         self._lease_timers.push(expires_at, record, len(self._leases))
         return Lease(record.id, block.offset, block.size, block.version, expires_at)
 
-    def _plan(self, ns: str, need: int, others: bool = True) -> list[_Block]:
-        """Victims freeing ``need`` bytes if possible: own LRU first, then eligible others' LRU."""
+    def _plan(self, ns: str, need: int, others: bool = True, own_first: bool = True) -> list[_Block]:
+        """Victims freeing ``need`` bytes if possible: own LRU and eligible others' LRU, in the
+        order ``own_first`` says."""
         own = self._ns.get(ns)
         ordered: Iterable[_Block] = self._evictable(own, math.inf) if own is not None else ()
         if others:
-            rivals = [self._evictable(s, math.inf if s.quota is None else s.used - s.quota)
-                      for s in self._ns.values()
-                      if s is not own and (s.quota is None or s.used > s.quota)]
-            ordered = itertools.chain(ordered, heapq.merge(*rivals, key=attrgetter("last_access")))
+            rivals = heapq.merge(*(self._evictable(s, math.inf if s.quota is None else s.used - s.quota)
+                                   for s in self._ns.values()
+                                   if s is not own and (s.quota is None or s.used > s.quota)),
+                                 key=attrgetter("last_access"))
+            ordered = itertools.chain(ordered, rivals) if own_first else itertools.chain(rivals, ordered)
         victims: list[_Block] = []
         freed = 0
         for block in ordered:

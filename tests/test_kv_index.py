@@ -569,3 +569,24 @@ def test_random_operations_keep_invariants(ops):
     stats = idx.stats()
     assert stats["pool_used"] == 0 and stats["leases"] == stats["pending_puts"] == 0
     assert stats["namespaces"] == {"q": {"bytes": 0, "entries": 0, "quota": 3 * U}}
+
+
+def test_quota_is_a_guaranteed_share_against_namespaces_without_one():
+    """A namespace within its quota grows to it by evicting others' unprotected (quota-less)
+    blocks before its own; without a quota the old rule holds (own blocks first)."""
+    idx, clock = make(8)
+    for k in "123456":
+        clock.now += 1
+        put(idx, "b", k)
+    idx.set_quota("a", 4 * U)
+    for k in "wxyz":
+        clock.now += 1
+        put(idx, "a", k)
+    assert keys(idx, "a", "wxyz") == list("wxyz")  # its whole share
+    assert keys(idx, "b", "123456") == ["3", "4", "5", "6"]  # b's oldest paid
+    clock.now += 1
+    with pytest.raises(QuotaExceeded):  # and the share is a ceiling too
+        idx.begin_put("a", "over", 5 * U)
+    put(idx, "b", "7")  # b (no quota) now evicts its own oldest, never a's share
+    assert keys(idx, "a", "wxyz") == list("wxyz")
+    assert keys(idx, "b", "1234567") == ["4", "5", "6", "7"]

@@ -6,7 +6,7 @@ does the memory copies between them; each client drives those generators its own
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Generator, Iterable, Mapping
+from collections.abc import Callable, Generator, Iterable, Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -28,9 +28,13 @@ class KeyNotFound(KeyError, cxlrpc.NotFound):
 
 
 class _Call(NamedTuple):
+    """One RPC a generator needs. ``undo(result)`` names the one-way call that takes back what
+    the RPC created on the server, should its caller be cancelled while it is in flight."""
+
     method: str
     arg: Any = None
     response_type: Any = None
+    undo: Callable[[Any], "_Call"] | None = None
 
 
 _Steps = Generator[_Call, Any, Any]
@@ -38,6 +42,11 @@ _Steps = Generator[_Call, Any, Any]
 
 def _single(call: _Call) -> _Steps:
     return (yield call)
+
+
+def _abort(tickets: list[w.PutTicket]) -> _Call:
+    """Undo of a begin: free the reservations it made."""
+    return _Call("abort", w.Tickets([t.ticket_id for t in tickets]))
 
 
 class _Ops:
@@ -53,11 +62,12 @@ class _Ops:
         datas = [as_bytes(v) for v in items.values()]
         if not all(datas):
             raise ValueError("empty values are not stored")
+        undo = lambda versions: _Call("undo", w.Undo(ns, keys, versions))
         if sum(map(len, datas)) <= self.inline_limit:
-            yield _Call("inline", w.Inline(ns, keys, datas, ttl))
+            yield _Call("inline", w.Inline(ns, keys, datas, ttl), list[int], undo)
             return
         tickets = yield _Call("begin", w.Begin(ns, keys, [len(d) for d in datas], ttl),
-                              list[w.PutTicket])
+                              list[w.PutTicket], _abort)
         ids = [t.ticket_id for t in tickets]
         try:
             for ticket, data in zip(tickets, datas):
@@ -65,12 +75,12 @@ class _Ops:
         except BaseException:
             yield _Call("abort", w.Tickets(ids))
             raise
-        yield _Call("commit", w.Tickets(ids))
+        yield _Call("commit", w.Tickets(ids), list[int], undo)
 
     def _begin_put(self, key: Key, size: int, ns: str, ttl: float | None,
                    driver: Any) -> _Steps:
         (ticket,) = yield _Call("begin", w.Begin(ns, [normalize_key(key)], [size], ttl),
-                                list[w.PutTicket])
+                                list[w.PutTicket], _abort)
         ids = w.Tickets([ticket.ticket_id])
         return PendingPut(self.pool.slice(ticket.offset, ticket.size),
                           lambda: driver(_single(_Call("commit", ids))),
@@ -218,18 +228,56 @@ class KVClient(_Ops):
         await self.close()
 
     async def _drive(self, steps: _Steps) -> Any:
+        """Run an operation's RPCs. Cancellation (``asyncio.wait_for``, task.cancel) leaves
+        nothing behind: a reservation is aborted, a put that committed anyway is undone."""
         call = self.rpc.call
         try:
             step = next(steps)
             while True:
                 try:
-                    result = await call(step.method, step.arg, response_type=step.response_type)
+                    if step.undo is None:
+                        result = await call(step.method, step.arg, response_type=step.response_type)
+                    else:
+                        result = await self._undoable(step)
                 except Exception as exc:
                     step = steps.throw(exc)
                 else:
                     step = steps.send(result)
         except StopIteration as done:
             return done.value
+
+    async def _undoable(self, step: _Call) -> Any:
+        """Call ``step`` so that, if we are cancelled meanwhile, its reply is still awaited and
+        what it created on the server is taken back by ``step.undo``."""
+        task = self._loop.create_task(self.rpc.call(step.method, step.arg,
+                                                    response_type=step.response_type))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(lambda t: self._take_back(step, t))
+            raise
+
+    def _take_back(self, step: _Call, task: asyncio.Task) -> None:
+        if task.cancelled() or task.exception() is not None:
+            return  # it created nothing (or the server is gone, and reclaims it all)
+        undo = step.undo(task.result())
+        try:
+            self.rpc.send_nowait(undo.method, undo.arg)
+        except cxlrpc.ResourceExhausted:  # ring full: wait for room in the background
+            self._spawn(self._quiet_call(undo))
+        except cxlrpc.RpcError:
+            pass  # closed or server gone: its reservations die with our slot
+
+    async def _quiet_call(self, step: _Call) -> None:
+        try:
+            await self.rpc.call(step.method, step.arg)
+        except cxlrpc.RpcError:
+            pass
+
+    def _spawn(self, coro: Any) -> None:
+        task = self._loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _release(self, lease_id: int) -> None:
         if self._closed:
@@ -246,15 +294,8 @@ class KVClient(_Ops):
     def _flush(self) -> None:
         ids, self._releases = self._releases, []
         if ids and not self._closed:
-            task = self._loop.create_task(self._send_release(ids))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-
-    async def _send_release(self, ids: list[int]) -> None:
-        try:
-            await self.rpc.call("release", w.Release(ids))
-        except cxlrpc.RpcError:
-            pass  # the server ends the leases anyway: on expiry, or when it sees us gone
+            # the server ends the leases anyway: on expiry, or when it sees us gone
+            self._spawn(self._quiet_call(_Call("release", w.Release(ids))))
 
 
 class _Connecting:

@@ -278,6 +278,16 @@ class KVIndex:
         self._drop_ticket(ticket)
         return True
 
+    def remove_version(self, ns: str, key: str | bytes, version: int) -> bool:
+        """Hide ``key`` if its live value is ``version`` (taking back one put); False otherwise."""
+        self._expire(self._clock())
+        space = self._ns.get(_check_ns(ns))
+        block = space.entries.get(normalize_key(key)) if space is not None else None
+        if block is None or block.version != version:
+            return False
+        self._unlink(block)
+        return True
+
     # ---- reads ------------------------------------------------------------------------------
 
     def get(self, ns: str, key: str | bytes, lease_s: float | None = None,

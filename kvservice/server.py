@@ -60,8 +60,8 @@ class KVServer:
         self.rpc.on_disconnect(self.index.release_owner)
         self._pool: Pool | None = None
         self._expirer: asyncio.Task | None = None
-        for name in ("hello", "begin", "inline", "commit", "abort", "get", "release", "exists",
-                     "remove", "lookup_prefix", "stats"):
+        for name in ("hello", "begin", "inline", "commit", "abort", "undo", "get", "release",
+                     "exists", "remove", "lookup_prefix", "stats"):
             self.rpc.add_method(name, _guard(getattr(self, "_" + name)))
 
     # ---- lifetime ------------------------------------------------------------------------
@@ -125,15 +125,14 @@ class KVServer:
             raise ValueError("keys and sizes differ in length")
         return self._begin_all(req.ns, req.keys, req.sizes, req.ttl, cxlrpc.current_peer())
 
-    def _inline(self, req: w.Inline) -> None:
+    def _inline(self, req: w.Inline) -> list[int]:
         if len(req.keys) != len(req.values):
             raise ValueError("keys and values differ in length")
         owner = cxlrpc.current_peer()
         tickets = self._begin_all(req.ns, req.keys, [len(v) for v in req.values], req.ttl, owner)
         for ticket, value in zip(tickets, req.values):
             self._pool.write(ticket.offset, memoryview(value))
-        for ticket in tickets:
-            self.index.commit_put(ticket.ticket_id, owner)
+        return [self.index.commit_put(ticket.ticket_id, owner) for ticket in tickets]
 
     def _begin_all(self, ns: str, keys: list[bytes], sizes: list[int], ttl: float | None,
                    owner: cxlrpc.Peer) -> list[PutTicket]:
@@ -148,16 +147,25 @@ class KVServer:
             raise
         return tickets
 
-    def _commit(self, req: w.Tickets) -> None:
+    def _commit(self, req: w.Tickets) -> list[int]:
+        """Publish the tickets' values; their versions (what an undo names)."""
         owner = cxlrpc.current_peer()
         lost = []
+        versions = []
         for ticket_id in req.ids:
             try:
-                self.index.commit_put(ticket_id, owner)
+                versions.append(self.index.commit_put(ticket_id, owner))
             except KeyError:
                 lost.append(ticket_id)
         if lost:
             raise cxlrpc.NotFound(f"put tickets {lost} expired or unknown: not committed")
+        return versions
+
+    def _undo(self, req: w.Undo) -> None:
+        if len(req.keys) != len(req.versions):
+            raise ValueError("keys and versions differ in length")
+        for key, version in zip(req.keys, req.versions):
+            self.index.remove_version(req.ns, key, version)
 
     def _abort(self, req: w.Tickets) -> None:
         owner = cxlrpc.current_peer()

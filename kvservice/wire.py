@@ -11,7 +11,7 @@ import msgspec
 
 from kvservice.index import Lease, PutTicket
 
-__all__ = ["Hello", "Begin", "Inline", "Tickets", "Get", "Release", "Key", "Keys", "Lease",
+__all__ = ["Hello", "Begin", "Inline", "Tickets", "Undo", "Get", "Release", "Key", "Keys", "Lease",
            "PutTicket", "encode", "decode"]
 
 T = TypeVar("T")
@@ -48,6 +48,15 @@ class Tickets(msgspec.Struct, array_like=True, frozen=True):
     """Put tickets to commit (phase two) or abort."""
 
     ids: list[int]
+
+
+class Undo(msgspec.Struct, array_like=True, frozen=True):
+    """Take back puts whose caller was cancelled after they committed: each key is removed
+    if it still holds the version that put created (a newer value is left alone)."""
+
+    ns: str
+    keys: list[bytes]
+    versions: list[int]
 
 
 class Get(msgspec.Struct, array_like=True, frozen=True):

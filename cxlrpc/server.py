@@ -20,7 +20,7 @@ from .channel import KIND_RPC, Geometry, ServerChannel
 from .doorbell import WaitStrategy, resolve
 from .errors import RpcError, StatusCode
 from .memory import ACQ_REL, ACQUIRE
-from .region import Region, parse_url
+from .region import Region, RegionError, parse_url
 
 Handler = Callable[..., Any]
 _NO_ARG = object()
@@ -125,7 +125,16 @@ class Server:
         """Create the region (replacing a stale one left by a dead server) and start serving."""
         if self._region is not None:
             raise RuntimeError("server already started")
-        self._region = Region.acquire(self.url, self.size, KIND_RPC, self.mode, self.client_timeout + 1.0)
+        try:
+            self._region = Region.acquire(self.url, self.size, KIND_RPC, self.mode,
+                                          self.client_timeout + 1.0)
+        except RegionError as exc:
+            if "never resized" not in str(exc):
+                raise
+            g = self.geometry
+            raise RegionError(f"{exc}: {g.slots} slots x response_capacity={g.response_capacity} "
+                              f"+ request_capacity={g.request_capacity}; lower slots= or the "
+                              f"capacities to fit") from exc
         # beat from the start: a racing server sees this region being created, not abandoned
         self._beater = threading.Thread(target=self._beat, name="cxlrpc-server-heartbeat", daemon=True)
         self._beater.start()

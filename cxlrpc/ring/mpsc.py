@@ -94,28 +94,34 @@ class MpscRing(RingBase):
                 break
         data = self.data
         word = (tag << TAG_SHIFT) | (KIND_DATA << 48) | (producer << 32) | length
+        cas = self.mem.cas
         if need != size:
             # Our record goes to the start: its uncommitted header goes first, so the whole
             # claim is attributable to us before the padding makes it reachable.
             written = [(data, tail + to_end, word)]
-            self._open(written, revoked)
-            written.append((data + idx, tail, COMMITTED | (KIND_PADDING << 48) | (producer << 32)
-                            | (to_end - HEADER_SIZE)))
-            self._open(written, revoked)
+            if cas(data, 0, word, ACQ_REL) != 0:
+                self._open(written, revoked)
+            pad = COMMITTED | (KIND_PADDING << 48) | (producer << 32) | (to_end - HEADER_SIZE)
+            written.append((data + idx, tail, pad))
+            if cas(data + idx, 0, pad, ACQ_REL) != 0:
+                self._open(written, revoked)
             idx = 0
         else:
-            written = [(data + idx, tail, word)]
-            self._open(written, revoked)
-        if revoked is not None and revoked():  # judged dead meanwhile: copy nothing
-            self._revoke(written, "the consumer reclaimed this claim before its payload was copied")
+            written = None
+            if cas(data + idx, 0, word, ACQ_REL) != 0:
+                self._open([(data + idx, tail, word)], revoked)
+        # The consumer passes a claim only by padding it (it judged us dead): then our header
+        # went into free space, and nothing may be copied or committed there.
+        if revoked is not None and self._head.load(ACQUIRE) > tail and revoked():
+            self._revoke(written or [(data + idx, tail, word)],
+                         "the consumer passed this claim before its header was written")
         start = data + idx + HEADER_SIZE
         buf = self.buf
         for p in parts:
             n = len(p)
             buf[start:start + n] = p
             start += n
-        if (self.mem.cas(data + idx, word, word | COMMITTED, ACQ_REL) != word
-                and revoked is not None and revoked()):
+        if cas(data + idx, word, word | COMMITTED, ACQ_REL) != word and revoked is not None and revoked():
             # Padded and consumed while we copied: our bytes lie in free space.  Clear them
             # unless the tail came close enough to a lap that someone may claim them anew.
             if self._tail.load(ACQUIRE) + self.capacity // 2 <= tail + need - size + self.capacity:
@@ -124,9 +130,9 @@ class MpscRing(RingBase):
         return True
 
     def _open(self, written: list[tuple[int, int, int]], revoked: Callable[[], bool] | None) -> None:
-        """CAS the last header of ``written`` in over what lies there: zero, or garbage over
-        free space.  Committed padding there, or a lost CAS, is the consumer's verdict that
-        we are dead if ``revoked()`` agrees; otherwise it is garbage and is overwritten."""
+        """Slow path of a header CAS that found something other than zero: garbage over free
+        space (overwritten), or the consumer's padding because it judged us dead (then, if
+        ``revoked()`` agrees, :class:`ClaimRevoked`)."""
         addr, _, value = written[-1]
         load, cas = self.mem.load, self.mem.cas
         for _ in range(4):

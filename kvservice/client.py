@@ -6,6 +6,7 @@ does the memory copies between them; each client drives those generators its own
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import Callable, Generator, Iterable, Mapping
 from typing import Any, NamedTuple
 
@@ -105,7 +106,9 @@ class _Ops:
 
     def _block(self, lease: w.Lease) -> Block:
         view = self.pool.slice(lease.offset, lease.size)  # a bad offset from the server raises
-        return Block(view, lease.version, lambda: self._release(lease.lease_id))
+        pool, offset, version = self.pool, lease.offset, lease.version
+        return Block(view, version, lambda: self._release(lease.lease_id),
+                     lambda: pool.holds(offset, version))
 
     def _release(self, lease_id: int) -> None:
         raise NotImplementedError
@@ -119,11 +122,7 @@ class _Ops:
     @staticmethod
     def _copy_into(block: Block, out: Any) -> int:
         with block:
-            dst = memoryview(out).cast("B")
-            if len(dst) < block.size:
-                raise ValueError(f"buffer of {len(dst)} bytes is too small for {block.size}")
-            dst[:block.size] = block.view()
-            return block.size
+            return block.copy_into(out)
 
     def _key_call(self, method: str, key: Key, ns: str) -> _Steps:
         return (yield _Call(method, w.Key(ns, normalize_key(key))))
@@ -142,7 +141,9 @@ class _Ops:
 class KVClient(_Ops):
     """asyncio client: ``async with KVClient.connect("shm://kv") as kv: await kv.put(k, v)``.
 
-    Lease releases are sent in the background, batched (a block's ``with`` exit cannot await).
+    Lease releases are one-way messages (a block's ``with`` exit cannot await); the lease of a
+    block still held is renewed at half its life, so a held block never lapses while this
+    client lives.
     """
 
     def __init__(self, rpc: cxlrpc.Client, hello: w.Hello, pool: Pool) -> None:
@@ -279,6 +280,21 @@ class KVClient(_Ops):
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def _block(self, lease: w.Lease) -> Block:
+        block = super()._block(lease)
+        self._loop.call_later(lease.duration / 2, self._renew, lease, weakref.ref(block))
+        return block
+
+    def _renew(self, lease: w.Lease, ref: "weakref.ref[Block]") -> None:
+        block = ref()
+        if block is None or block.released or self._closed:
+            return
+        try:
+            self.rpc.send_nowait("renew", w.Renew([lease.lease_id], lease.duration))
+        except cxlrpc.RpcError:
+            pass  # ring full or server gone: the block's checks tell if it lapses
+        self._loop.call_later(lease.duration / 2, self._renew, lease, ref)
+
     def _release(self, lease_id: int) -> None:
         if self._closed:
             return
@@ -310,7 +326,7 @@ class _Connecting:
         rpc = await cxlrpc.connect(self._url, **self._options)
         try:
             hello = await rpc.call("hello", response_type=w.Hello)
-            pool = Pool.open(hello.pool_url, hello.pool_size, hello.epoch)
+            pool = Pool.open(hello.pool_url, hello.pool_size, hello.epoch, hello.alignment)
         except BaseException:
             await rpc.close()
             raise
@@ -328,7 +344,10 @@ class _Connecting:
 
 
 class SyncKVClient(_Ops):
-    """Blocking client with KVClient's methods; a block's ``with`` exit releases synchronously."""
+    """Blocking client with KVClient's methods; a block's ``with`` exit releases synchronously.
+
+    Its leases are not renewed (no event loop runs here): a block held past its lease may
+    lapse, and its checks then raise LeaseExpired."""
 
     @classmethod
     def connect(cls, url: str, **options: Any) -> "SyncKVClient":
@@ -336,7 +355,7 @@ class SyncKVClient(_Ops):
         rpc = cxlrpc.connect_sync(url, **options)
         try:
             hello = rpc.call("hello", response_type=w.Hello)
-            pool = Pool.open(hello.pool_url, hello.pool_size, hello.epoch)
+            pool = Pool.open(hello.pool_url, hello.pool_size, hello.epoch, hello.alignment)
         except BaseException:
             rpc.close()
             raise

@@ -54,13 +54,15 @@ class PutTicket(msgspec.Struct, frozen=True):
 
 
 class Lease(msgspec.Struct, frozen=True):
-    """A reader's right to read ``size`` bytes at ``offset`` until ``expires_at`` (server clock)."""
+    """A reader's right to read ``size`` bytes at ``offset`` until ``expires_at`` (server clock),
+    that is for ``duration`` seconds unless renewed."""
 
     lease_id: int
     offset: int
     size: int
     version: int
     expires_at: float
+    duration: float
 
 
 _PENDING, _LIVE, _RETIRED, _FREED = range(4)
@@ -97,12 +99,13 @@ class _Ticket:
 
 
 class _LeaseRec:
-    __slots__ = ("id", "block", "owner")
+    __slots__ = ("id", "block", "owner", "expires_at")
 
-    def __init__(self, id: int, block: _Block, owner: Hashable | None) -> None:
+    def __init__(self, id: int, block: _Block, owner: Hashable | None, expires_at: float) -> None:
         self.id = id
         self.block = block
         self.owner = owner
+        self.expires_at = expires_at
 
 
 class _Namespace:
@@ -170,14 +173,24 @@ class KVIndex:
 
     def __init__(self, allocator: PoolAllocator, *, high_watermark: float = 0.9,
                  low_watermark: float = 0.8, default_lease_s: float = 10.0,
-                 put_timeout_s: float = 30.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 max_lease_s: float = 60.0, put_timeout_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic,
+                 on_publish: Callable[[int, int], None] | None = None,
+                 on_free: Callable[[int], None] | None = None) -> None:
+        """``on_publish(offset, version)`` runs when a value becomes live, ``on_free(offset)``
+        before its block can be handed out again (the server marks the pool with them, so
+        readers can tell reused bytes)."""
         if not 0 < low_watermark <= high_watermark <= 1:
             raise ValueError("need 0 < low_watermark <= high_watermark <= 1")
         self._alloc = allocator
         self._high = high_watermark * allocator.capacity
         self._low = low_watermark * allocator.capacity
-        self._default_lease_s = _positive("default_lease_s", default_lease_s)
+        self._max_lease_s = _positive("max_lease_s", max_lease_s)
+        if not math.isfinite(max_lease_s):
+            raise ValueError("max_lease_s must be finite: a lease must end if its holder vanishes")
+        self._default_lease_s = min(_positive("default_lease_s", default_lease_s), max_lease_s)
+        self._on_publish = on_publish
+        self._on_free = on_free
         self._put_timeout_s = _positive("put_timeout_s", put_timeout_s)
         self._clock = clock
         self._ns: dict[str, _Namespace] = {}
@@ -261,6 +274,8 @@ class KVIndex:
         block.state = _LIVE
         block.version = next(self._versions)
         block.created = block.last_access = now
+        if self._on_publish is not None:
+            self._on_publish(block.offset, block.version)
         space.entries[block.key] = block
         self._entries += 1
         if ticket.ttl is not None:
@@ -325,6 +340,20 @@ class KVIndex:
             return False
         self._end_lease(lease)
         return True
+
+    def renew(self, lease_id: int, owner: Hashable | None = None,
+              lease_s: float | None = None) -> float | None:
+        """Extend a lease by ``lease_s`` (its holder still reads it); the new expiry, or None if
+        the lease already ended (or belongs to another owner)."""
+        now = self._clock()
+        self._expire(now)
+        lease = self._leases.get(lease_id)
+        if lease is None or (owner is not None and lease.owner != owner):
+            self._counters["stale_releases"] += 1
+            return None
+        lease.expires_at = now + self._lease_s(lease_s)
+        self._lease_timers.push(lease.expires_at, lease, len(self._leases))
+        return lease.expires_at
 
     def exists(self, ns: str, key: str | bytes) -> bool:
         """Whether ``key`` has a live value; takes no lease, bumps no LRU, counts no hit or miss."""
@@ -400,6 +429,8 @@ class KVIndex:
     def _expire(self, now: float) -> int:
         n = 0
         for lease in self._lease_timers.pop_due(now):
+            if lease.expires_at > now:
+                continue  # renewed: a later timer entry holds its new expiry
             self._end_lease(lease)
             self._counters["lease_expirations"] += 1
             n += 1
@@ -414,7 +445,12 @@ class KVIndex:
         return n
 
     def _lease_s(self, lease_s: float | None) -> float:
-        return self._default_lease_s if lease_s is None else _positive("lease_s", lease_s)
+        if lease_s is None:
+            return self._default_lease_s
+        if _positive("lease_s", lease_s) > self._max_lease_s:
+            raise ValueError(f"lease_s {lease_s} exceeds the server's max_lease_s "
+                             f"{self._max_lease_s}: renew a lease instead of asking for a long one")
+        return lease_s
 
     def _lease(self, ns: str, key: bytes, duration: float, owner: Hashable | None,
                now: float) -> Lease | None:
@@ -427,12 +463,12 @@ class KVIndex:
         space.entries.move_to_end(key)
         block.last_access = now
         block.leases += 1
-        record = _LeaseRec(next(self._ids), block, owner)
+        expires_at = now + duration
+        record = _LeaseRec(next(self._ids), block, owner, expires_at)
         self._leases[record.id] = record
         self._own(owner, record.id)
-        expires_at = now + duration
         self._lease_timers.push(expires_at, record, len(self._leases))
-        return Lease(record.id, block.offset, block.size, block.version, expires_at)
+        return Lease(record.id, block.offset, block.size, block.version, expires_at, duration)
 
     def _plan(self, ns: str, need: int, others: bool = True, own_first: bool = True) -> list[_Block]:
         """Victims freeing ``need`` bytes if possible: own LRU and eligible others' LRU, in the
@@ -484,6 +520,8 @@ class KVIndex:
     def _free(self, block: _Block) -> None:
         if block.state == _RETIRED:
             self._retired -= 1
+        if block.state != _PENDING and self._on_free is not None:
+            self._on_free(block.offset)
         block.state = _FREED
         self._alloc.free(block.offset)
         space = self._ns[block.ns]

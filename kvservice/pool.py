@@ -1,19 +1,30 @@
 """The pool region holding the values, and the views clients read and write it through.
 
-The pool is a cxlrpc region (kind 2): the region header, then ``capacity`` bytes of blocks at
-offsets the metadata server hands out. Every offset a client is given is range-checked here.
+The pool is a cxlrpc region (kind 2): the region header, a version table (one u64 per
+``alignment`` bytes of pool), then ``capacity`` bytes of blocks at offsets the metadata server
+hands out. The server writes a live block's version into the table entry of its first unit
+when it commits it and zero before the block can be reused, so a reader holding a lease that
+lapsed learns it (:class:`LeaseExpired`) instead of reading another key's bytes: it checks the
+entry after copying (as a seqlock reader does) and whenever it hands out a view. Every offset
+a client is given is range-checked here.
 """
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from cxlrpc.memory import fence
+from cxlrpc.memory import ACQUIRE, RELEASE, fence
 from cxlrpc.region import HEADER_SIZE, Region, RegionError, parse_url
 
 POOL_KIND = 2
+_PAGE = 4096
+
+
+class LeaseExpired(RuntimeError):
+    """A block's lease ended and its bytes may belong to another value now: read it again."""
 
 
 def pool_url_for(url: str) -> str:
@@ -38,31 +49,64 @@ def as_bytes(value: Any) -> memoryview:
 class Pool:
     """A mapped pool region; ``slice(offset, size)`` is a bounds-checked view of a block."""
 
-    def __init__(self, region: Region, capacity: int) -> None:
-        if region.size < HEADER_SIZE + capacity:
+    def __init__(self, region: Region, capacity: int, alignment: int) -> None:
+        if alignment < 8 or alignment & (alignment - 1) or capacity % alignment:
+            raise RegionError(f"pool alignment {alignment} must be a power of two >= 8 dividing {capacity}")
+        table = self.table_size(capacity, alignment)
+        if region.size < HEADER_SIZE + table + capacity:
             raise RegionError(f"pool {region.url} is {region.size} bytes, too small for {capacity}")
         self.region = region
         self.capacity = capacity
-        self.data = region.buf[HEADER_SIZE:HEADER_SIZE + capacity]
+        self.alignment = alignment
+        self._versions = HEADER_SIZE  # the table's offset in the region
+        self._mem = region.mem
+        self.data = region.buf[HEADER_SIZE + table:HEADER_SIZE + table + capacity]
+
+    @staticmethod
+    def table_size(capacity: int, alignment: int) -> int:
+        """Bytes of the version table for a pool (page-rounded)."""
+        return -(-(capacity // alignment) * 8 // _PAGE) * _PAGE
 
     @classmethod
-    def create(cls, url: str, capacity: int, mode: int = 0o600, stale_after: float = 2.0) -> "Pool":
+    def create(cls, url: str, capacity: int, alignment: int, mode: int = 0o600,
+               stale_after: float = 2.0) -> "Pool":
         """Create the pool region, or take over one whose owner is gone or closed it."""
-        region = Region.acquire(url, HEADER_SIZE + capacity, POOL_KIND, mode, stale_after)
+        table = cls.table_size(capacity, alignment)
+        region = Region.acquire(url, HEADER_SIZE + table + capacity, POOL_KIND, mode, stale_after)
+        region.mem.zero(HEADER_SIZE, table)  # a taken-over pool keeps its old versions
         region.publish()
-        return cls(region, capacity)
+        return cls(region, capacity, alignment)
 
     @classmethod
-    def open(cls, url: str, capacity: int, epoch: int) -> "Pool":
+    def open(cls, url: str, capacity: int, epoch: int, alignment: int) -> "Pool":
         """Map the pool a server advertised; RegionError unless its epoch matches (not a stale one)."""
         region = Region.open(url, kind=POOL_KIND)
         try:
             if region.epoch != epoch:
                 raise RegionError(f"pool {url} has epoch {region.epoch}, the server expects {epoch}")
-            return cls(region, capacity)
+            return cls(region, capacity, alignment)
         except BaseException:
             region.close()
             raise
+
+    def _entry(self, offset: int) -> int:
+        if not 0 <= offset < self.capacity or offset % self.alignment:
+            raise RegionError(f"block offset {offset} is not a unit of the pool")
+        return self._versions + offset // self.alignment * 8
+
+    def publish(self, offset: int, version: int) -> None:
+        """Server: the block at ``offset`` now holds ``version`` (after its bytes were written)."""
+        self._mem.store(self._entry(offset), version, RELEASE)
+
+    def clear(self, offset: int) -> None:
+        """Server: the block at ``offset`` is freed (before it can be handed out again)."""
+        self._mem.store(self._entry(offset), 0, RELEASE)
+
+    def holds(self, offset: int, version: int) -> bool:
+        """Client: does the block at ``offset`` still hold ``version``? Call it after reading:
+        the fence orders the reads before the check."""
+        fence()
+        return self._mem.load(self._entry(offset), ACQUIRE) == version
 
     def slice(self, offset: int, size: int) -> memoryview:
         """The ``size`` bytes at ``offset``; RegionError if the range is not inside the pool."""
@@ -92,22 +136,42 @@ class Pool:
 class Block:
     """A leased value read in place: ``view()`` / ``array()``; use ``with`` to end the lease.
 
-    After :meth:`release` every view handed out is released (using one raises ValueError); an
-    array from :meth:`array` cannot be revoked and must not be read after the block ends.
+    ``view()``, ``array()`` and the copies (``tobytes``, ``copy_into``) raise
+    :class:`LeaseExpired` once the lease lapsed and the pool reused the block; the copies check
+    after copying, so a copy they return is never torn. A view already handed out cannot be
+    revoked: call :meth:`check` after reading through it. After :meth:`release` every view
+    handed out is released (using one raises ValueError); an array from :meth:`array` cannot
+    be revoked and must not be read after the block ends.
     """
 
     def __init__(self, view: memoryview, version: int = 0,
-                 on_release: Callable[[], None] | None = None) -> None:
+                 on_release: Callable[[], None] | None = None,
+                 valid: Callable[[], bool] | None = None) -> None:
         self._view: memoryview | None = view.toreadonly()
         self._views: list[memoryview] = [view]
         self.size = len(view)
         self.version = version
-        self._on_release = on_release
+        self._valid = valid
+        # ends the lease on release(), or when a block nobody released is garbage-collected
+        self._finalizer = weakref.finalize(self, on_release) if on_release is not None else None
+        if self._finalizer is not None:
+            self._finalizer.atexit = False
+
+    @property
+    def released(self) -> bool:
+        return self._view is None
+
+    def check(self) -> None:
+        """Raise LeaseExpired if the block no longer holds this value."""
+        if self._valid is not None and not self._valid():
+            raise LeaseExpired(f"the lease on this block (version {self.version}) ended and "
+                               f"the pool reused its bytes")
 
     def view(self) -> memoryview:
         """A read-only memoryview of the value (into the pool: no copy)."""
         if self._view is None:
             raise ValueError("block already released")
+        self.check()
         return self._view
 
     def array(self, dtype: Any = np.uint8, shape: Any = None) -> np.ndarray:
@@ -118,8 +182,19 @@ class Block:
         return arr if shape is None else arr.reshape(shape)
 
     def tobytes(self) -> bytes:
-        """A copy of the value."""
-        return self.view().tobytes()
+        """A copy of the value (checked after the copy)."""
+        data = self.view().tobytes()
+        self.check()
+        return data
+
+    def copy_into(self, out: Any) -> int:
+        """Copy the value into the writable buffer ``out`` (checked after the copy); its size."""
+        dst = memoryview(out).cast("B")
+        if len(dst) < self.size:
+            raise ValueError(f"buffer of {len(dst)} bytes is too small for {self.size}")
+        dst[:self.size] = self.view()
+        self.check()
+        return self.size
 
     def release(self) -> None:
         """End the lease (idempotent) and release the views into the pool."""
@@ -132,8 +207,8 @@ class Block:
                 view.release()
             except BufferError:
                 pass  # an array still exports it; see the class docstring
-        if self._on_release is not None:
-            self._on_release()
+        if self._finalizer is not None:
+            self._finalizer()
 
     def __enter__(self) -> "Block":
         return self

@@ -44,7 +44,8 @@ class KVServer:
 
     def __init__(self, url: str, pool_size: int, *, pool_url: str | None = None,
                  alignment: int = 4096, inline_limit: int = INLINE_LIMIT,
-                 default_lease_s: float = 10.0, put_timeout_s: float = 30.0,
+                 default_lease_s: float = 10.0, max_lease_s: float = 60.0,
+                 put_timeout_s: float = 30.0,
                  expire_interval: float = 0.5, high_watermark: float = 0.9,
                  low_watermark: float = 0.8, **rpc_options: Any) -> None:
         self.url = url
@@ -53,15 +54,19 @@ class KVServer:
         self.pool_size = -(-pool_size // alignment) * alignment
         self.inline_limit = inline_limit
         self.expire_interval = expire_interval
+        self.alignment = alignment
         self.index = KVIndex(PoolAllocator(self.pool_size, alignment),
                              high_watermark=high_watermark, low_watermark=low_watermark,
-                             default_lease_s=default_lease_s, put_timeout_s=put_timeout_s)
+                             default_lease_s=default_lease_s, max_lease_s=max_lease_s,
+                             put_timeout_s=put_timeout_s,
+                             on_publish=lambda offset, version: self._pool.publish(offset, version),
+                             on_free=lambda offset: self._pool.clear(offset))
         self.rpc = cxlrpc.Server(url, **rpc_options)
         self.rpc.on_disconnect(self.index.release_owner)
         self._pool: Pool | None = None
         self._expirer: asyncio.Task | None = None
         for name in ("hello", "begin", "inline", "commit", "abort", "undo", "get", "release",
-                     "exists", "remove", "lookup_prefix", "stats"):
+                     "renew", "exists", "remove", "lookup_prefix", "stats"):
             self.rpc.add_method(name, _guard(getattr(self, "_" + name)))
 
     # ---- lifetime ------------------------------------------------------------------------
@@ -69,7 +74,7 @@ class KVServer:
         """Create the service region, then the pool (before any request can be served)."""
         await self.rpc.start()  # fails if a live server owns the name, so the pool is ours
         try:
-            self._pool = Pool.create(self.pool_url, self.pool_size, self.rpc.mode,
+            self._pool = Pool.create(self.pool_url, self.pool_size, self.alignment, self.rpc.mode,
                                      self.rpc.client_timeout + 1.0)
         except BaseException as exc:
             await self.rpc.close()
@@ -118,7 +123,8 @@ class KVServer:
 
     # ---- handlers (plain functions: they run inline in cxlrpc's reader) -------------------
     def _hello(self) -> w.Hello:
-        return w.Hello(self.pool_url, self.pool_size, self._pool.region.epoch, self.inline_limit)
+        return w.Hello(self.pool_url, self.pool_size, self._pool.region.epoch, self.inline_limit,
+                       self.alignment)
 
     def _begin(self, req: w.Begin) -> list[PutTicket]:
         if len(req.keys) != len(req.sizes):
@@ -179,6 +185,11 @@ class KVServer:
         owner = cxlrpc.current_peer()
         for lease_id in req.ids:
             self.index.release(lease_id, owner)
+
+    def _renew(self, req: w.Renew) -> None:
+        owner = cxlrpc.current_peer()
+        for lease_id in req.ids:
+            self.index.renew(lease_id, owner, req.lease_s)
 
     def _exists(self, req: w.Key) -> bool:
         return self.index.exists(req.ns, req.key)

@@ -11,19 +11,21 @@ import msgspec
 
 from kvservice.index import Lease, PutTicket
 
-__all__ = ["Hello", "Begin", "Inline", "Tickets", "Undo", "Get", "Release", "Key", "Keys", "Lease",
+__all__ = ["Hello", "Begin", "Inline", "Tickets", "Undo", "Get", "Release", "Renew", "Key", "Keys", "Lease",
            "PutTicket", "encode", "decode"]
 
 T = TypeVar("T")
 
 
 class Hello(msgspec.Struct, frozen=True):
-    """What a client needs to map the pool: where it is, its size, epoch and the inline limit."""
+    """What a client needs to map the pool: where it is, its size, epoch and block alignment,
+    and the inline limit."""
 
     pool_url: str
     pool_size: int
     epoch: int
     inline_limit: int
+    alignment: int
 
 
 class Begin(msgspec.Struct, array_like=True, frozen=True):
@@ -71,6 +73,13 @@ class Release(msgspec.Struct, array_like=True, frozen=True):
     """End leases (the client batches them)."""
 
     ids: list[int]
+
+
+class Renew(msgspec.Struct, array_like=True, frozen=True):
+    """Extend leases whose blocks are still held (one-way; the client renews at half-life)."""
+
+    ids: list[int]
+    lease_s: float
 
 
 class Key(msgspec.Struct, array_like=True, frozen=True):

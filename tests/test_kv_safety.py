@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import math
 
 import pytest
 
-from kvservice import KVClient, KVServer
+import cxlrpc
+from kvservice import KVClient, KVServer, LeaseExpired, SyncKVClient
 
 MiB = 1 << 20
 pytestmark = pytest.mark.timeout(60)
@@ -67,3 +70,63 @@ async def test_cancelled_puts_leave_nothing_behind_and_never_commit(url, size):
             assert stats["entries"] == len(timeouts) - cancelled, (present, cancelled)
             await kv.put(b"big", b"x" * (12 * MiB))  # the pool is not pinned by abandoned puts
             assert (await kv.get_bytes(b"big"))[:1] == b"x"
+
+
+async def _fill(url: str, count: int, size: int) -> None:
+    """Another client fills the pool with fresh keys (evicting what no lease protects)."""
+    async with KVClient.connect(url) as other:
+        for i in range(count):
+            await other.put(b"fill-%d" % i, bytes([i % 251 + 1]) * size)
+
+
+async def test_block_read_after_its_lease_lapsed_raises_instead_of_returning_other_bytes(url):
+    """A blocking client holds a Block past its lease (not renewed) while another client fills
+    the pool: every access then raises LeaseExpired; none returns another key's bytes."""
+    async with KVServer(url, pool_size=4 * MiB, default_lease_s=0.3, expire_interval=0.05) as server:
+        async with KVClient.connect(url) as kv:
+            await kv.put(b"mine", b"\xaa" * MiB)
+        sync = await asyncio.to_thread(SyncKVClient.connect, url)
+        try:
+            block = await asyncio.to_thread(sync.get, b"mine")
+            assert block.tobytes() == b"\xaa" * MiB
+            await asyncio.sleep(0.5)  # the scenario: the lease lapses while the block is held
+            await _fill(url, 12, MiB)
+            assert not server.index.exists("", b"mine")  # it was evicted and its bytes reused
+            for read in (block.view, block.tobytes, lambda: block.copy_into(bytearray(MiB)),
+                         block.array, block.check):
+                with pytest.raises(LeaseExpired):
+                    read()
+            block.release()
+        finally:
+            await asyncio.to_thread(sync.close)
+
+
+async def test_held_block_is_renewed_and_keeps_its_bytes(url):
+    """The asyncio client renews a held block's lease: held for 4 lease lives while the pool
+    is refilled, it is never evicted and reads back its own bytes."""
+    async with KVServer(url, pool_size=4 * MiB, default_lease_s=0.3, expire_interval=0.05) as server:
+        async with KVClient.connect(url) as kv:
+            await kv.put(b"mine", b"\xbb" * MiB)
+            with await kv.get(b"mine") as block:
+                for _ in range(4):
+                    await asyncio.sleep(0.3)
+                    await _fill(url, 4, MiB)
+                assert block.tobytes() == b"\xbb" * MiB
+                assert server.stats()["leases"] == 1
+            assert await until(lambda: server.stats()["leases"] == 0, 2.0)
+
+
+async def test_dropped_block_releases_its_lease_and_leases_are_bounded(url):
+    async with KVServer(url, pool_size=4 * MiB, default_lease_s=30.0, max_lease_s=60.0) as server:
+        async with KVClient.connect(url) as kv:
+            await kv.put(b"k", b"v" * 50_000)
+            block = await kv.get(b"k")
+            assert server.stats()["leases"] == 1
+            del block  # never released by the user: collected
+            gc.collect()
+            assert await until(lambda: server.stats()["leases"] == 0, 2.0), server.stats()
+            for bad in (math.inf, 61.0, 0.0, -1.0):
+                with pytest.raises(cxlrpc.InvalidArgument):
+                    await kv.get(b"k", lease_s=bad)
+            with await kv.get(b"k", lease_s=60.0) as block:
+                assert len(block) == 50_000

@@ -1,4 +1,5 @@
-"""``python -m kvservice serve --name kv --pool-size 8GiB`` runs a server; ``stats --name kv`` prints its stats."""
+"""``python -m kvservice serve --name kv --pool-size 8GiB [--quota NS=SIZE ...]`` runs a server;
+``stats --name kv`` prints its stats."""
 from __future__ import annotations
 
 import argparse
@@ -22,30 +23,58 @@ def parse_size(text: str) -> int:
     return int(m.group(1)) * _UNITS[m.group(2)]
 
 
+def parse_quota(text: str) -> tuple[str, int]:
+    """``NS=SIZE`` (``llama=2GiB``; ``=1GiB`` for the default namespace) -> (ns, bytes)."""
+    ns, sep, size = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"bad quota {text!r}: use NAMESPACE=SIZE, e.g. llama=2GiB")
+    return ns, parse_size(size)
+
+
+def _url(args: argparse.Namespace) -> str:
+    return args.url or f"shm://{args.name}"
+
+
 async def _serve(args: argparse.Namespace) -> None:
-    server = KVServer(f"shm://{args.name}", args.pool_size)
+    server = KVServer(_url(args), args.pool_size, pool_url=args.pool_url, slots=args.slots,
+                      alignment=args.alignment, default_lease_s=args.lease,
+                      max_lease_s=args.max_lease)
+    for ns, quota in args.quota:
+        server.set_quota(ns, quota)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, lambda: loop.create_task(server.close()))
     async with server:
-        print(f"kvservice: serving shm://{args.name}, pool {server.pool_url} of {server.pool_size} bytes",
-              flush=True)
+        print(f"kvservice: serving {_url(args)}, pool {server.pool_url} of {server.pool_size} bytes"
+              + "".join(f", quota {ns or '(default)'}={q}" for ns, q in args.quota), flush=True)
         await server.serve_forever()
 
 
 async def _stats(args: argparse.Namespace) -> None:
-    async with KVClient.connect(f"shm://{args.name}") as kv:
-        print(json.dumps(await kv.stats(), indent=2))
+    async with KVClient.connect(_url(args)) as kv:
+        print(json.dumps(await kv.stats(args.namespace), indent=2))
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m kvservice", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run a KV server until SIGINT/SIGTERM")
-    serve.add_argument("--name", required=True, help="service region name (shm://NAME)")
-    serve.add_argument("--pool-size", type=parse_size, default=parse_size("1GiB"))
     stats = sub.add_parser("stats", help="print a running server's stats as JSON")
-    stats.add_argument("--name", required=True)
+    for cmd in (serve, stats):
+        where = cmd.add_mutually_exclusive_group(required=True)
+        where.add_argument("--name", help="service region name (shm://NAME)")
+        where.add_argument("--url", help="service region URL (shm://NAME or file:///PATH)")
+    serve.add_argument("--pool-size", type=parse_size, default=parse_size("1GiB"))
+    serve.add_argument("--pool-url", default=None,
+                       help="pool region URL (default: the service URL + '.pool'; a device needs its own)")
+    serve.add_argument("--quota", type=parse_quota, action="append", default=[], metavar="NS=SIZE",
+                       help="guaranteed share and ceiling of a namespace (repeatable)")
+    serve.add_argument("--slots", type=int, default=64, help="client slots (default 64)")
+    serve.add_argument("--alignment", type=parse_size, default=4096,
+                       help="block unit in bytes (default 4096; lower it for small values)")
+    serve.add_argument("--lease", type=float, default=10.0, help="default lease seconds (10)")
+    serve.add_argument("--max-lease", type=float, default=60.0, help="longest lease a client may ask (60)")
+    stats.add_argument("--namespace", default=None, help="only this namespace's usage")
     args = p.parse_args(argv)
     cxlrpc.run(_serve(args) if args.command == "serve" else _stats(args))
 

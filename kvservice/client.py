@@ -134,8 +134,8 @@ class _Ops:
             return 0
         return (yield _Call("lookup_prefix", w.Keys(ns, keys)))
 
-    def _stats(self) -> _Steps:
-        return (yield _Call("stats"))
+    def _stats(self, namespace: str | None) -> _Steps:
+        return (yield _Call("stats", namespace))
 
 
 class KVClient(_Ops):
@@ -208,9 +208,9 @@ class KVClient(_Ops):
         """Number of leading full chunks of ``token_ids`` whose chunk_keys are present."""
         return await self._drive(self._lookup_prefix(token_ids, chunk_size, namespace))
 
-    async def stats(self) -> dict[str, Any]:
-        """The server's counters and per-namespace usage."""
-        return await self._drive(self._stats())
+    async def stats(self, namespace: str | None = None) -> dict[str, Any]:
+        """The server's counters and per-namespace usage (only ``namespace``'s when given)."""
+        return await self._drive(self._stats(namespace))
 
     async def close(self) -> None:
         """Send pending lease releases, detach and unmap the pool."""
@@ -406,9 +406,9 @@ class SyncKVClient(_Ops):
         """Number of leading full chunks of ``token_ids`` present."""
         return self._drive(self._lookup_prefix(token_ids, chunk_size, namespace))
 
-    def stats(self) -> dict[str, Any]:
-        """The server's counters and per-namespace usage."""
-        return self._drive(self._stats())
+    def stats(self, namespace: str | None = None) -> dict[str, Any]:
+        """The server's counters and per-namespace usage (only ``namespace``'s when given)."""
+        return self._drive(self._stats(namespace))
 
     def close(self) -> None:
         """Detach and unmap the pool."""

@@ -39,7 +39,10 @@ class KVServer:
     """A KV-cache store at ``url`` whose values live in a pool region of ``pool_size`` bytes.
 
     ``async with KVServer("shm://kv", pool_size=8 << 30): ...``; extra keyword arguments go
-    to :class:`cxlrpc.Server`. Values up to ``inline_limit`` bytes may travel in the put request.
+    to :class:`cxlrpc.Server` (its defaults here: 64 client slots, 256 KiB reply rings, as
+    replies are small metadata). Values up to ``inline_limit`` bytes may travel in the put
+    request. Blocks are whole units of ``alignment`` bytes (a 100-byte value takes 4 KiB with
+    the default; KV-cache chunks are 64 KiB and up): lower it for small values.
     """
 
     def __init__(self, url: str, pool_size: int, *, pool_url: str | None = None,
@@ -61,6 +64,8 @@ class KVServer:
                              put_timeout_s=put_timeout_s,
                              on_publish=lambda offset, version: self._pool.publish(offset, version),
                              on_free=lambda offset: self._pool.clear(offset))
+        rpc_options.setdefault("slots", 64)  # two TP-8 pods and their helpers
+        rpc_options.setdefault("response_capacity", 256 << 10)
         self.rpc = cxlrpc.Server(url, **rpc_options)
         self.rpc.on_disconnect(self.index.release_owner)
         self._pool: Pool | None = None
@@ -200,5 +205,9 @@ class KVServer:
     def _lookup_prefix(self, req: w.Keys) -> int:
         return self.index.lookup_prefix(req.ns, req.keys)
 
-    def _stats(self) -> dict[str, Any]:
-        return self.stats()
+    def _stats(self, namespace: str | None = None) -> dict[str, Any]:
+        stats = self.stats()
+        if namespace is not None:
+            mine = stats["namespaces"].get(namespace)
+            stats["namespaces"] = {} if mine is None else {namespace: mine}
+        return stats

@@ -364,3 +364,30 @@ async def test_stats_command(url, name):
 def test_block_over_plain_bytes():
     block = Block(memoryview(b"\x01\x00\x02\x00"))
     assert block.array(np.uint16).tolist() == [1, 2] and len(block) == 4
+
+
+async def test_serve_command_with_quotas_and_stats_of_one_namespace(tmp_path):
+    """`serve` takes the service URL, pool, slots and quotas as flags; `stats --namespace` shows
+    that namespace only."""
+    url = f"file://{tmp_path}/kv"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kvservice", "serve", "--url", url, "--pool-size", "8MiB",
+        "--quota", "a=2MiB", "--quota", "=1MiB", "--slots", "4", cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        line = await asyncio.wait_for(proc.stdout.readline(), 30)
+        assert b"quota a=2097152" in line, line
+        async with KVClient.connect(url) as kv:
+            await kv.put("k", b"v" * 10, namespace="b")
+            mine = await kv.stats("a")
+            assert mine["namespaces"] == {"a": {"bytes": 0, "entries": 0, "quota": 2 * MiB}}
+            assert set((await kv.stats())["namespaces"]) == {"a", "", "b"}
+        out = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kvservice", "stats", "--url", url, "--namespace", "b", cwd=ROOT,
+            stdout=asyncio.subprocess.PIPE)
+        text, _ = await asyncio.wait_for(out.communicate(), 30)
+        assert '"b"' in text.decode() and '"a"' not in text.decode()
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+            await asyncio.wait_for(proc.wait(), 10)

@@ -5,14 +5,29 @@ Shared counters are 8-byte aligned u64 words updated with real atomic instructio
 binds a :class:`Counter` once per field and calls ``load``/``store``/``cas``/``fetch_add``
 on it; it never packs a published field with ``struct``.
 
-Only hardware-coherent memory is supported (POSIX shm, coherent CXL.mem); a
-flush/invalidate hook for non-coherent pools would live here.
+Memory without cross-host cache coherence (most multi-host CXL pools today) needs more:
+a writer writes back the lines it published before the store that publishes them, and a
+reader invalidates the lines it is about to read.  :meth:`AtomicMemory.writeback` and
+:meth:`AtomicMemory.invalidate` do that; on coherent memory they are no-ops and
+``AtomicMemory.flushing`` is False, so callers skip them on the hot path.  The instructions
+(clwb/clflushopt + fences) come from the small native module ``cxlrpc._flush``; a simulator
+region (``sim://``) supplies its own implementation instead.
 """
 from __future__ import annotations
 
 import ctypes
+from typing import Callable
 
 import atomicshm
+
+try:
+    from . import _flush as _native
+except ImportError:  # built by the package where a C compiler exists
+    _native = None
+
+#: Coherence modes a region can be in (stored in its header).
+HARDWARE, FLUSH = "hardware", "flush"
+COHERENCE_MODES = (HARDWARE, FLUSH)
 
 RELAXED: int = atomicshm.RELAXED
 ACQUIRE: int = atomicshm.ACQUIRE
@@ -33,7 +48,8 @@ class AtomicMemory:
     at ``off``; they are the extension's bound methods, so a call costs no Python frame.
     """
 
-    __slots__ = ("_view", "size", "load", "store", "cas", "fetch_add", "exchange")
+    __slots__ = ("_view", "size", "load", "store", "cas", "fetch_add", "exchange", "flushing",
+                 "_writeback", "_invalidate")
 
     def __init__(self, buffer) -> None:
         view = atomicshm.AtomicView(buffer)
@@ -44,6 +60,40 @@ class AtomicMemory:
         self.cas = view.cas_u64
         self.fetch_add = view.fetch_add_u64
         self.exchange = view.exchange_u64
+        #: True when lines must be written back / invalidated explicitly (no coherence).
+        self.flushing = False
+        self._writeback: Callable[[int, int], None] | None = None
+        self._invalidate: Callable[[int, int], None] | None = None
+
+    def use_flushes(self, writeback: Callable[[int, int], None] | None = None,
+                    invalidate: Callable[[int, int], None] | None = None) -> None:
+        """Switch to non-coherent operation: the given (offset, length) hooks, or the CPU's
+        own write-back/invalidate instructions over this buffer's addresses."""
+        if writeback is None or invalidate is None:
+            native = require_native_flush()
+            base = self._view.address
+            writeback = lambda offset, length: native.writeback(base + offset, length)
+            invalidate = lambda offset, length: native.invalidate(base + offset, length)
+        self._writeback, self._invalidate = writeback, invalidate
+        self.flushing = True
+
+    def writeback(self, offset: int, length: int) -> None:
+        """Write the lines of ``[offset, offset+length)`` back to memory, then fence (before the
+        store that publishes them). A no-op on coherent memory."""
+        if self.flushing:
+            self._check(offset, length)
+            self._writeback(offset, length)
+
+    def invalidate(self, offset: int, length: int) -> None:
+        """Drop the lines of ``[offset, offset+length)`` from this CPU's caches, then fence
+        (before reading what another host wrote there). A no-op on coherent memory."""
+        if self.flushing:
+            self._check(offset, length)
+            self._invalidate(offset, length)
+
+    def _check(self, offset: int, length: int) -> None:
+        if offset < 0 or length < 0 or offset + length > self.size:
+            raise ValueError(f"range ({offset}, {length}) outside a {self.size}-byte buffer")
 
     def zero(self, offset: int, length: int) -> None:
         """memset ``length`` bytes at ``offset`` to zero (no source buffer to read, unlike a copy)."""
@@ -64,6 +114,22 @@ class AtomicMemory:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def require_native_flush():
+    """The native write-back/invalidate module, or a clear error when it was not built."""
+    if _native is None:
+        raise RuntimeError("coherence='flush' needs the native module cxlrpc._flush, which was not "
+                           "built (it needs a C compiler at install time: apt-get install gcc, "
+                           "then pip install -e . again)")
+    return _native
+
+
+def check_coherence(mode: str) -> str:
+    """Validate a coherence mode name."""
+    if mode not in COHERENCE_MODES:
+        raise ValueError(f"coherence must be one of {COHERENCE_MODES}, got {mode!r}")
+    return mode
 
 
 def fence(order: int = SEQ_CST) -> None:

@@ -1,5 +1,7 @@
-"""Named shared regions: ``shm://NAME`` (POSIX shared memory) and ``file:///PATH`` (any
-mmap-able file, e.g. a DAX device, a PCI BAR's sysfs resource, a file on a DAX mount).
+"""Named shared regions: ``shm://NAME`` (POSIX shared memory), ``file:///PATH`` (any
+mmap-able file, e.g. a DAX device, a PCI BAR's sysfs resource, a file on a DAX mount) and
+``sim://NAME`` (shared memory seen through a per-process cache simulator: memory without
+coherence, for tests; see :mod:`cxlrpc.simulator`).
 
 Every region starts with a fixed header (magic, layout version, size, creation epoch, kind,
 owner hints, the owner's host identity, heartbeat and open/closed state) validated on open.
@@ -22,7 +24,9 @@ from dataclasses import dataclass
 import posix_ipc
 
 from .identity import host_identity
-from .memory import ACQ_REL, ACQUIRE, RELAXED, RELEASE, AtomicMemory
+from .memory import ACQ_REL, ACQUIRE, FLUSH, HARDWARE, RELAXED, RELEASE, AtomicMemory, check_coherence
+from .memory import _native as _native_flush
+from .simulator import CacheSim
 
 MAGIC = int.from_bytes(b"CXLRPC\x00\x01", "little")
 LAYOUT_VERSION = 2
@@ -34,7 +38,10 @@ _MAGIC, _VERSION, _SIZE, _EPOCH, _KIND, _PID, _CREATED_NS, _IDENTITY = 0, 8, 16,
 _HOST, _HOST_LEN = 64, 64
 HEARTBEAT_OFFSET = 128  # owner's heartbeat counter, its own cache lines
 _OWNER_STATE = 256      # OWNER_LIVE while the owner serves, OWNER_CLOSED after a clean close
+_COHERENCE = 264        # how openers must treat the memory: _CODES below
 OWNER_LIVE, OWNER_CLOSED = 1, 2
+_CODES = {HARDWARE: 1, FLUSH: 2}
+_MODES = {code: mode for mode, code in _CODES.items()}
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 
@@ -59,6 +66,7 @@ class RegionInfo:
     owner_host: str
     owner_identity: int
     closed: bool
+    coherence: str
     created: float
     heartbeat: int
 
@@ -75,35 +83,53 @@ def parse_url(url: str) -> tuple[str, str]:
         if not path.startswith("/"):
             raise RegionError(f"file:// URLs need an absolute path, got {url!r}")
         return "file", path
-    raise RegionError(f"unsupported region URL {url!r}: expected shm://NAME or file:///PATH")
+    if url.startswith("sim://"):
+        name = url[len("sim://"):]
+        if not _NAME_RE.match(name):
+            raise RegionError(f"bad sim region name {name!r}: use 1-200 of [A-Za-z0-9._-]")
+        return "sim", "/" + SHM_PREFIX + "sim." + name
+    raise RegionError(f"unsupported region URL {url!r}: expected shm://NAME, file:///PATH or sim://NAME")
 
 
 class Region:
     """A mapped shared region: ``buf`` is the whole mapping, ``mem`` its atomic accessor."""
 
-    def __init__(self, url: str, backend: str, path: str, mapping: mmap.mmap, size: int) -> None:
+    def __init__(self, url: str, backend: str, path: str, mapping: mmap.mmap | CacheSim,
+                 size: int) -> None:
         self.url = url
         self.backend = backend
         self.path = path
-        self._mmap = mapping
+        self._sim = mapping if isinstance(mapping, CacheSim) else None
+        self._mmap = mapping.cache if self._sim is not None else mapping
         self.size = size
-        self.buf = memoryview(mapping)
-        self.mem = AtomicMemory(mapping)
+        self.buf = memoryview(self._mmap)
+        self.mem = AtomicMemory(self._mmap)
+        if self._sim is not None:
+            self.mem.use_flushes(self._sim.writeback, self._sim.invalidate)
         self.heartbeat = self.mem.counter(HEARTBEAT_OFFSET)
         self.epoch = self.mem.load(_EPOCH, ACQUIRE)
         self.kind = self.mem.load(_KIND, ACQUIRE)
+        self.coherence = _MODES.get(self.mem.load(_COHERENCE, ACQUIRE), HARDWARE)
+        if self._sim is None and self.coherence == FLUSH:
+            self.mem.use_flushes()  # the CPU's write-back/invalidate instructions
+            self.mem.invalidate(0, size)  # lines cached from an earlier mapping are stale
         self.closed = False
 
     # ------------------------------------------------------------------ creation
     @classmethod
-    def create(cls, url: str, size: int, kind: int, mode: int = 0o600) -> "Region":
+    def create(cls, url: str, size: int, kind: int, mode: int = 0o600,
+               coherence: str = HARDWARE) -> "Region":
         """Create a new region (owner-only by default); FileExistsError if the name is taken.
 
-        The caller fills its layout, then calls :meth:`publish` to make it openable.
+        ``coherence`` is stored in the header so every opener treats the memory alike:
+        ``"hardware"`` (one host, or coherent CXL) or ``"flush"`` (no cross-host coherence:
+        published lines are written back and read lines invalidated). ``sim://`` regions are
+        always ``"flush"``. The caller fills its layout, then calls :meth:`publish`.
         """
         backend, path = parse_url(url)
         size = _check_size(size)
-        if backend == "shm":
+        coherence = FLUSH if backend == "sim" else check_coherence(coherence)
+        if backend in ("shm", "sim"):
             try:
                 shm = posix_ipc.SharedMemory(path, posix_ipc.O_CREX, mode=mode, size=size)
             except posix_ipc.ExistentialError as exc:
@@ -114,11 +140,13 @@ class Region:
                 shm.close_fd()
         else:
             mapping = _map_new_file(path, size, mode)
-        return cls._claim(url, backend, path, mapping, kind, observed_epoch=0)
+        if backend == "sim":
+            mapping = CacheSim(mapping)
+        return cls._claim(url, backend, path, mapping, kind, observed_epoch=0, coherence=coherence)
 
     @classmethod
     def acquire(cls, url: str, size: int, kind: int, mode: int = 0o600,
-                stale_after: float = 2.0) -> "Region":
+                stale_after: float = 2.0, coherence: str = HARDWARE) -> "Region":
         """Create the region, or take over an existing one nobody serves any more.
 
         An existing region is taken when it was closed cleanly, when its owner is a dead
@@ -131,9 +159,10 @@ class Region:
         backend, path = parse_url(url)
         size = _check_size(size)
         try:
-            return cls.create(url, size, kind, mode)
+            return cls.create(url, size, kind, mode, coherence)
         except FileExistsError:
-            pass
+            if backend == "sim" or coherence == FLUSH:
+                raise  # taking over decides by a CAS, which no two hosts share without coherence
         mapping, actual = _map_existing(url, backend, path)
         try:
             epoch = _takeover_epoch(url, mapping, stale_after)
@@ -145,31 +174,32 @@ class Region:
                 mapping.close()
                 raise RegionError(f"{url} is {actual} bytes, this server needs {size}; existing "
                                   f"files and devices are never resized")
-            return cls._claim(url, backend, path, mapping, kind, epoch)
+            return cls._claim(url, backend, path, mapping, kind, epoch, coherence=coherence)
         # shm: win the old segment, then replace it with one of the size this server needs.
         old = cls._claim(url, backend, path, mapping, kind, epoch, init=False)
         old.close()
         unlink_shm(path)
-        return cls.create(url, size, kind, mode)
+        return cls.create(url, size, kind, mode, coherence)
 
     @classmethod
-    def _claim(cls, url: str, backend: str, path: str, mapping: mmap.mmap, kind: int,
-               observed_epoch: int, init: bool = True) -> "Region":
+    def _claim(cls, url: str, backend: str, path: str, mapping: mmap.mmap | CacheSim, kind: int,
+               observed_epoch: int, init: bool = True, coherence: str = HARDWARE) -> "Region":
         """Win the region by a CAS of its epoch word from ``observed_epoch``, then initialise it."""
         epoch = (time.time_ns() << 16 | secrets.randbits(16)) & ((1 << 63) - 1) or 1
-        with AtomicMemory(mapping) as mem:
+        raw = mapping.cache if isinstance(mapping, CacheSim) else mapping
+        with AtomicMemory(raw) as mem:
             won = mem.cas(_EPOCH, observed_epoch, epoch, ACQ_REL) == observed_epoch
             if won:
                 mem.store(_MAGIC, 0, RELEASE)  # openers now see an unpublished region
         if not won:
             mapping.close()
             raise FileExistsError(f"region {url} was taken over by another process first")
-        region = cls(url, backend, path, mapping, len(mapping))
+        region = cls(url, backend, path, mapping, len(raw))
         if init:
-            region._init_header(kind)
+            region._init_header(kind, coherence)
         return region
 
-    def _init_header(self, kind: int) -> None:
+    def _init_header(self, kind: int, coherence: str) -> None:
         mem = self.mem
         self.buf[_VERSION:_EPOCH] = bytes(_EPOCH - _VERSION)
         self.buf[_EPOCH + 8:HEADER_SIZE] = bytes(HEADER_SIZE - _EPOCH - 8)
@@ -180,17 +210,25 @@ class Region:
         mem.store(_CREATED_NS, time.time_ns(), RELAXED)
         mem.store(_IDENTITY, host_identity(), RELAXED)
         mem.store(_OWNER_STATE, OWNER_LIVE, RELEASE)
+        mem.store(_COHERENCE, _CODES[coherence], RELEASE)
         host = socket.gethostname().encode()[:_HOST_LEN]
         self.buf[_HOST:_HOST + len(host)] = host
         self.kind = kind
+        if coherence == FLUSH and not mem.flushing:
+            mem.use_flushes()
+        self.coherence = coherence
 
     def publish(self) -> None:
-        """Make the region visible to openers: the magic is the last word written."""
+        """Make the region visible to openers: the magic is the last word written (after
+        everything before it is written back, on memory without coherence)."""
+        self.mem.writeback(0, self.size)
         self.mem.store(_MAGIC, MAGIC, RELEASE)
+        self.mem.writeback(_MAGIC, 8)
 
     def mark_closed(self) -> None:
         """Owner only: record a clean close, so the next server takes the region at once."""
         self.mem.store(_OWNER_STATE, OWNER_CLOSED, RELEASE)
+        self.mem.writeback(_OWNER_STATE, 8)
 
     # ------------------------------------------------------------------ opening
     @classmethod
@@ -199,7 +237,14 @@ class Region:
         backend, path = parse_url(url)
         mapping, actual = _map_existing(url, backend, path)
         try:
-            _validate_header(url, mapping, actual, kind)
+            if backend == "sim":
+                mapping = CacheSim(mapping)  # a cold cache: a fresh copy of the memory
+                _validate_header(url, mapping.cache, actual, kind)
+            else:
+                if _native_flush is not None:  # the header may be another host's, uncached
+                    with AtomicMemory(mapping) as mem:
+                        _native_flush.invalidate(mem._view.address, HEADER_SIZE)
+                _validate_header(url, mapping, actual, kind)
         except BaseException:
             mapping.close()
             raise
@@ -235,13 +280,16 @@ class Region:
         self.mem.close()
         self.buf.release()
         try:
-            self._mmap.close()
+            if self._sim is not None:
+                self._sim.close()
+            else:
+                self._mmap.close()
         except BufferError:
             pass  # a caller still holds a view into the region; the GC unmaps it later
 
     def unlink(self) -> None:
         """Remove the shm segment's name (mappings stay valid). File regions are kept."""
-        if self.backend == "shm":
+        if self.backend in ("shm", "sim"):
             unlink_shm(self.path)
 
     def __enter__(self) -> "Region":
@@ -303,6 +351,7 @@ def _info(url: str, mem: AtomicMemory, buf: memoryview) -> RegionInfo:
         kind=mem.load(_KIND, ACQUIRE), owner_pid=mem.load(_PID, ACQUIRE), owner_host=host,
         owner_identity=mem.load(_IDENTITY, ACQUIRE),
         closed=mem.load(_OWNER_STATE, ACQUIRE) == OWNER_CLOSED,
+        coherence=_MODES.get(mem.load(_COHERENCE, ACQUIRE), HARDWARE),
         created=mem.load(_CREATED_NS, ACQUIRE) / 1e9, heartbeat=mem.load(HEARTBEAT_OFFSET, ACQUIRE),
     )
 
@@ -358,7 +407,7 @@ def _takeover_epoch(url: str, mapping: mmap.mmap, stale_after: float) -> int:
 
 def _map_existing(url: str, backend: str, path: str) -> tuple[mmap.mmap, int]:
     """Map an existing region whole: its size is the object's (a segment's or a file's)."""
-    if backend == "shm":
+    if backend in ("shm", "sim"):
         try:
             shm = posix_ipc.SharedMemory(path)
         except posix_ipc.ExistentialError as exc:

@@ -49,6 +49,11 @@ class RingBase:
         self.data = offset + CONTROL_SIZE
         self._tail = mem.counter(offset + TAIL_OFFSET)
         self._head = mem.counter(offset + HEAD_OFFSET)
+        self._tail_at, self._head_at = offset + TAIL_OFFSET, offset + HEAD_OFFSET
+        #: Memory without coherence: every published line is written back, every line read
+        #: from the other side invalidated first (see cxlrpc.memory).  Checked inline, so the
+        #: coherent hot path pays one attribute test per site.
+        self._flushing = mem.flushing
         self._head_local = self._head.load(ACQUIRE)  # consumer's own copy of its counter
         self._head_cache = self._head_local  # producer's last valid view of the head
         self.dropped = 0  # corrupt records or counters the consumer discarded
@@ -58,11 +63,26 @@ class RingBase:
         self.mem.zero(self.data, self.capacity)
         self._tail.store(0, RELEASE)
         self._head.store(0, RELEASE)
+        self.mem.writeback(self._tail_at, self.data + self.capacity - self._tail_at)
         self._head_local = self._head_cache = 0
 
     def attach(self) -> None:
         """Adopt the ring's published counters (a process taking over an existing ring)."""
+        self.mem.invalidate(self._head_at, 8)
         self._head_local = self._head_cache = self._head.load(ACQUIRE)
+
+    def _span(self, op: Callable[[int, int], None], start: int, end: int) -> None:
+        """Write back or invalidate the data bytes of positions [start, end) (wrapping)."""
+        while start < end:
+            idx = start & self.mask
+            n = min(end - start, self.capacity - idx)
+            op(self.data + idx, n)
+            start += n
+
+    def _store_head(self, head: int) -> None:
+        """Publish the consumer's head (off the hot path: repairs)."""
+        self._head.store(head, RELEASE)
+        self.mem.writeback(self._head_at, 8)
 
     def valid_head(self, head: int, tail: int) -> bool:
         """A head a producer may trust: aligned, at most one lap behind ``tail``, not ahead."""
@@ -71,6 +91,8 @@ class RingBase:
     # ------------------------------------------------------------------ consumer
     def readable(self) -> bool:
         """True when the tail is ahead of the head (records claimed, maybe not yet committed)."""
+        if self._flushing:
+            self.mem.invalidate(self._tail_at, 8)
         return self._tail.load(ACQUIRE) != self._head_local
 
     def poll(self, handler: Callable[[memoryview], object], limit: int = 1 << 30) -> int:
@@ -80,15 +102,19 @@ class RingBase:
         Returns the number of payloads handled.
         """
         head = self._head_local
+        if self._flushing:
+            self.mem.invalidate(self._tail_at, 8)
         tail = self._tail.load(ACQUIRE)
         if tail == head:
             if self._head.load(RELAXED) != head:
-                self._head.store(head, RELEASE)  # repair garbage written over our counter
+                self._store_head(head)  # repair garbage written over our counter
             return 0
         cap = self.capacity
         if tail - head > cap or tail < head or tail & 7:
             self._bad_tail(tail)
             return 0
+        if self._flushing:
+            self._span(self.mem.invalidate, head, tail)
         mask, data, load = self.mask, self.data, self.mem.load
         buf = self.buf
         pos = head
@@ -132,6 +158,8 @@ class RingBase:
             self._zero(head, pos)
         self._head_local = pos
         self._head.store(pos, RELEASE)
+        if self._flushing:
+            self.mem.writeback(self._head_at, 8)
 
     def _zero(self, start: int, end: int) -> None:
         cap, data = self.capacity, self.data
@@ -157,12 +185,12 @@ class RingBase:
         head = self._head_local
         if not self._multi_producer and not tail & 7 and tail < COUNTER_LIMIT:
             self._head_local = tail
-            self._head.store(tail, RELEASE)
+            self._store_head(tail)
             return
         if self._multi_producer:
             self.mem.zero(self.data, self.capacity)
         self._tail.cas(tail, head, ACQ_REL)
-        self._head.store(head, RELEASE)  # and repair our own counter, in case it was hit too
+        self._store_head(head)  # and repair our own counter, in case it was hit too
 
     def free_space(self) -> int:
         """Bytes a producer could claim now (a snapshot)."""

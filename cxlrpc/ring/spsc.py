@@ -26,15 +26,22 @@ class SpscRing(RingBase):
 
     def attach(self) -> None:
         super().attach()
+        self.mem.invalidate(self._tail_at, 8)
         self._tail_local = self._tail.load(ACQUIRE)
 
     def skip_to_tail(self) -> None:
         """Consumer only: discard everything published so far (a new holder of the ring)."""
+        self.mem.invalidate(self._tail_at, 8)
         tail = self._tail.load(ACQUIRE)
         if tail & 7 or tail >= (1 << 62):
             tail = self._head.load(ACQUIRE)  # garbage tail: the producer republishes its own
         self._head_local = tail
-        self._head.store(tail, RELEASE)
+        self._store_head(tail)
+
+    def _store_tail(self, tail: int) -> None:
+        """Publish the producer's tail (off the hot path: repairs)."""
+        self._tail.store(tail, RELEASE)
+        self.mem.writeback(self._tail_at, 8)
 
     def _reserve(self, tail: int, length: int) -> int:
         """Write any wrap padding and the header for a ``length`` record at ``tail``.
@@ -49,16 +56,20 @@ class SpscRing(RingBase):
         to_end = cap - idx
         need = size if size <= to_end else to_end + size
         if tail + need - self._head_cache > cap:
+            if self._flushing:
+                self.mem.invalidate(self._head_at, 8)
             head = self._head.load(ACQUIRE)
             if not self.valid_head(head, tail):
                 if not head & 7 and tail < head <= tail + cap and tail == self._tail_local:
                     # The consumer ran past our tail over garbage: resume where it stands.
                     self._tail_local = self._head_cache = head
-                self._tail.store(self._tail_local, RELEASE)  # repair a garbage tail
+                self._store_tail(self._tail_local)  # repair a garbage tail
                 return -1
             self._head_cache = head
             if tail + need - head > cap:
-                self._tail.store(tail, RELEASE)
+                # republish what we published (repairs garbage over it), never the running
+                # tail of a batch whose records are not written back yet
+                self._store_tail(self._tail_local)
                 return -1
         store = self.mem.store
         if need != size:
@@ -86,8 +97,12 @@ class SpscRing(RingBase):
             n = len(p)
             buf[start:start + n] = p
             start += n
+        if self._flushing:
+            self._span(self.mem.writeback, tail, new_tail)
         self._tail_local = new_tail
         self._tail.store(new_tail, RELEASE)
+        if self._flushing:
+            self.mem.writeback(self._tail_at, 8)
         return True
 
     def try_push_batch(self, records: Iterable[bytes | memoryview]) -> int:
@@ -105,6 +120,10 @@ class SpscRing(RingBase):
             tail = new_tail
             count += 1
         if count:
+            if self._flushing:
+                self._span(self.mem.writeback, self._tail_local, tail)
             self._tail_local = tail
             self._tail.store(tail, RELEASE)
+            if self._flushing:
+                self.mem.writeback(self._tail_at, 8)
         return count

@@ -1,0 +1,140 @@
+"""Memory without cache coherence: the simulator's semantics, the SPSC ring's write-back and
+invalidate discipline across processes under it, a mutation test showing that removing any
+one guarded flush or invalidate call from the ring makes the transfer fail, and flush mode on
+real memory with the CPU's instructions."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cxlrpc.memory import ACQUIRE, RELEASE, _native
+from cxlrpc.region import HEADER_SIZE, Region
+from cxlrpc.ring import SpscRing, ring_size
+
+from nc_ring_peer import guarded_sites, ring_offsets
+
+pytestmark = pytest.mark.timeout(120)
+PEER = str(Path(__file__).with_name("nc_ring_peer.py"))
+CAPACITY = 4096
+COUNT = 2000
+
+
+def test_simulator_shows_only_written_back_lines_and_only_after_invalidate(name):
+    url = f"sim://{name}"
+    a = Region.create(url, 1 << 16, kind=9)
+    try:
+        a.publish()
+        b = Region.open(url)
+        try:
+            assert a.coherence == b.coherence == "flush"
+            a.mem.store(8192, 7, RELEASE)
+            b.mem.invalidate(8192, 8)
+            assert b.mem.load(8192, ACQUIRE) == 0  # not written back: still in a's cache
+            a.mem.writeback(8192, 8)
+            assert b.mem.load(8192, ACQUIRE) == 0  # written back, but b reads its stale line
+            b.mem.invalidate(8192, 8)
+            assert b.mem.load(8192, ACQUIRE) == 7
+            # lines move whole: b writes another word of the same line and writes it back,
+            # clobbering a's newer value there (one writer per line, or updates are lost)
+            a.mem.store(8192, 8, RELEASE)
+            a.mem.writeback(8192, 8)
+            b.mem.store(8200, 1, RELEASE)
+            b.mem.writeback(8200, 8)
+            a.mem.invalidate(8192, 64)
+            assert a.mem.load(8192, ACQUIRE) == 7 and a.mem.load(8200, ACQUIRE) == 1
+        finally:
+            b.close()
+    finally:
+        a.unlink()
+        a.close()
+
+
+def _transfer(url: str, mutation: str | None = None, eviction: float = 0.05,
+              gate: bool = True) -> tuple[str, str]:
+    """Run the two peers over the region's rings; what each printed."""
+    args = [url, str(CAPACITY), str(COUNT), str(eviction), str(int(gate)),
+            *([mutation] if mutation else [])]
+    peers = [subprocess.Popen([sys.executable, PEER, role, *args], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for role in ("send", "echo")]
+    try:
+        outs = [p.communicate(timeout=60) for p in peers]
+    finally:
+        for p in peers:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    errors = "".join(err for _, err in outs)
+    assert not errors, f"a peer crashed (not a transfer failure): {errors}"
+    return outs[0][0].strip(), outs[1][0].strip()
+
+
+def _ring_region(url: str, **kw) -> Region:
+    off_a, off_b = ring_offsets(CAPACITY)
+    region = Region.create(url, off_b + ring_size(CAPACITY), kind=9, **kw)
+    for off in (off_a, off_b):
+        SpscRing(region.buf, region.mem, off, CAPACITY).reset()
+    region.publish()
+    return region
+
+
+@pytest.mark.parametrize("gate", [True, False], ids=["readable-then-poll", "poll"])
+@pytest.mark.parametrize("eviction", [0.05, 0.0])
+def test_spsc_transfer_is_exact_under_the_simulator(name, gate, eviction):
+    """Lock-step transfer both ways, with (or without) random evictions making partial writes
+    visible in any order."""
+    region = _ring_region(f"sim://{name}")
+    try:
+        assert _transfer(region.url, eviction=eviction, gate=gate) == (f"ok {COUNT}", f"ok {COUNT}")
+    finally:
+        region.unlink()
+        region.close()
+
+
+SITES = guarded_sites()
+
+
+def test_the_mutation_test_sees_every_guarded_site():
+    assert len(SITES) == 9, SITES  # poll x2, readable, release, reserve, push x2, batch x2
+
+
+@pytest.mark.parametrize("site", [f"{f}:{n}" for f, n in SITES])
+def test_removing_any_flush_or_invalidate_breaks_the_transfer(name, site):
+    """The simulator has teeth: without that one call, records arrive corrupt or not at all in
+    at least one of the two read paths (no random evictions here: they would eventually
+    publish a forgotten line)."""
+    region = _ring_region(f"sim://{name}")
+    try:
+        outcomes = [_transfer(region.url, site, eviction=0.0, gate=gate) for gate in (True, False)]
+        failed = [sent for sent, _ in outcomes if not sent.startswith("ok")]
+        assert failed, f"removing {site} went unnoticed: {outcomes}"
+        assert all(f.startswith(("bad", "timeout")) for f in failed), outcomes
+    finally:
+        region.unlink()
+        region.close()
+
+
+@pytest.mark.skipif(_native is None, reason="cxlrpc._flush was not built (no C compiler)")
+def test_flush_mode_on_shared_memory_uses_the_cpu_instructions(name):
+    """coherence='flush' on a shm region: stored in the header, adopted by openers, and the
+    ring transfer is exact with the real clwb/clflushopt path."""
+    region = _ring_region(f"shm://{name}", coherence="flush")
+    try:
+        assert region.mem.flushing and region.info().coherence == "flush"
+        with Region.open(region.url) as other:
+            assert other.coherence == "flush" and other.mem.flushing
+        assert _transfer(region.url) == (f"ok {COUNT}", f"ok {COUNT}")
+    finally:
+        region.unlink()
+        region.close()
+
+
+def test_hardware_mode_is_the_default_and_costs_nothing(url):
+    region = _ring_region(url)
+    try:
+        assert region.coherence == "hardware" and not region.mem.flushing
+    finally:
+        region.unlink()
+        region.close()

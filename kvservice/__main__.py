@@ -60,6 +60,8 @@ def main(argv: list[str] | None = None) -> None:
     sub = p.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run a KV server until SIGINT/SIGTERM")
     stats = sub.add_parser("stats", help="print a running server's stats as JSON")
+    sub.add_parser("mooncake-shim-path",
+                   help="print the directory to put on PYTHONPATH for `from mooncake.store import ...`")
     for cmd in (serve, stats):
         where = cmd.add_mutually_exclusive_group(required=True)
         where.add_argument("--name", help="service region name (shm://NAME)")
@@ -76,6 +78,10 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--max-lease", type=float, default=60.0, help="longest lease a client may ask (60)")
     stats.add_argument("--namespace", default=None, help="only this namespace's usage")
     args = p.parse_args(argv)
+    if args.command == "mooncake-shim-path":
+        from kvservice.compat import mooncake_shim_path
+        print(mooncake_shim_path())
+        return
     cxlrpc.run(_serve(args) if args.command == "serve" else _stats(args))
 
 

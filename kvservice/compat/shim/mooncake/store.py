@@ -1,0 +1,12 @@
+"""``mooncake.store`` backed by kvservice: ``setup()``'s ``master_server_addr`` is the kvservice
+URL (``shm://NAME`` or ``file:///PATH``). See :mod:`kvservice.compat.mooncake`."""
+from kvservice.compat.mooncake import (  # noqa: F401
+    DEFAULT_KV_LEASE_TTL,
+    BufferHandle,
+    ErrorCode,
+    MooncakeDistributedStore,
+    ReplicateConfig,
+)
+
+__all__ = ["MooncakeDistributedStore", "ReplicateConfig", "BufferHandle", "ErrorCode",
+           "DEFAULT_KV_LEASE_TTL"]

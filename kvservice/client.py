@@ -47,7 +47,7 @@ def _single(call: _Call) -> _Steps:
 
 def _abort(tickets: list[w.PutTicket]) -> _Call:
     """Undo of a begin: free the reservations it made."""
-    return _Call("abort", w.Tickets([t.ticket_id for t in tickets]))
+    return _Call("abort", w.Tickets([t.ticket_id for t in tickets if t.ticket_id]))
 
 
 class _Ops:
@@ -58,25 +58,43 @@ class _Ops:
         self.pool = pool
         self.inline_limit = hello.inline_limit
 
-    def _put(self, items: Mapping[Key, Any], ns: str, ttl: float | None) -> _Steps:
+    def _put(self, items: Mapping[Key, Any], ns: str, ttl: float | None,
+             if_absent: bool = False) -> _Steps:
+        """Store the items; whether each was stored (False: ``if_absent`` and the key had a value)."""
         keys = [normalize_key(k) for k in items]
         datas = [as_bytes(v) for v in items.values()]
         if not all(datas):
             raise ValueError("empty values are not stored")
-        undo = lambda versions: _Call("undo", w.Undo(ns, keys, versions))
         if sum(map(len, datas)) <= self.inline_limit:
-            yield _Call("inline", w.Inline(ns, keys, datas, ttl), list[int], undo)
-            return
-        tickets = yield _Call("begin", w.Begin(ns, keys, [len(d) for d in datas], ttl),
+            versions = yield _Call("inline", w.Inline(ns, keys, datas, ttl, if_absent), list[int],
+                                   lambda versions: _Call("undo", w.Undo(ns, keys, versions)))
+            return [v != 0 for v in versions]
+        tickets = yield _Call("begin", w.Begin(ns, keys, [len(d) for d in datas], ttl, if_absent),
                               list[w.PutTicket], _abort)
-        ids = [t.ticket_id for t in tickets]
+        todo = [(key, ticket, data) for key, ticket, data in zip(keys, tickets, datas) if ticket.ticket_id]
+        if not todo:
+            return [False] * len(keys)
+        ids = [ticket.ticket_id for _, ticket, _ in todo]
         try:
-            for ticket, data in zip(tickets, datas):
+            for _, ticket, data in todo:
                 self.pool.write(ticket.offset, data)
         except BaseException:
             yield _Call("abort", w.Tickets(ids))
             raise
-        yield _Call("commit", w.Tickets(ids), list[int], undo)
+        written = [key for key, _, _ in todo]
+        versions = yield _Call("commit", w.Tickets(ids), list[int],
+                               lambda versions: _Call("undo", w.Undo(ns, written, versions)))
+        stored = dict(zip(written, versions))
+        return [bool(stored.get(key)) for key in keys]
+
+    def _remove_keys(self, keys: Iterable[Key], ns: str, force: bool) -> _Steps:
+        return (yield _Call("remove_keys", w.RemoveKeys(ns, [normalize_key(k) for k in keys], force)))
+
+    def _remove_matching(self, pattern: str | None, ns: str, force: bool) -> _Steps:
+        return (yield _Call("remove_matching", w.RemoveMatching(ns, pattern, force)))
+
+    def _keys_call(self, method: str, keys: Iterable[Key], ns: str) -> _Steps:
+        return (yield _Call(method, w.Keys(ns, [normalize_key(k) for k in keys])))
 
     def _begin_put(self, key: Key, size: int, ns: str, ttl: float | None,
                    driver: Any) -> _Steps:
@@ -163,14 +181,17 @@ class KVClient(_Ops):
         """A blocking client (use ``with``); options go to :func:`cxlrpc.connect_sync`."""
         return SyncKVClient.connect(url, **options)
 
-    async def put(self, key: Key, value: Any, namespace: str = "", ttl: float | None = None) -> None:
-        """Store ``value`` (bytes-like or numpy array); returns once every reader can see it."""
-        await self._drive(self._put({key: value}, namespace, ttl))
+    async def put(self, key: Key, value: Any, namespace: str = "", ttl: float | None = None,
+                  if_absent: bool = False) -> bool:
+        """Store ``value`` (bytes-like or numpy array); returns once every reader can see it.
+        ``if_absent``: keep an existing value instead (then False), decided by the server."""
+        return (await self._drive(self._put({key: value}, namespace, ttl, if_absent)))[0]
 
     async def batch_put(self, items: Mapping[Key, Any], namespace: str = "",
-                        ttl: float | None = None) -> None:
-        """Store several values with one RPC to reserve and one to commit (all or none reserved)."""
-        await self._drive(self._put(items, namespace, ttl))
+                        ttl: float | None = None, if_absent: bool = False) -> list[bool]:
+        """Store several values with one RPC to reserve and one to commit (all or none reserved);
+        whether each was stored."""
+        return await self._drive(self._put(items, namespace, ttl, if_absent))
 
     async def begin_put(self, key: Key, size: int, namespace: str = "",
                         ttl: float | None = None) -> PendingPut:
@@ -202,6 +223,24 @@ class KVClient(_Ops):
     async def remove(self, key: Key, namespace: str = "") -> bool:
         """Hide ``key`` now (readers holding leases keep their bytes); False if it was absent."""
         return await self._drive(self._key_call("remove", key, namespace))
+
+    async def batch_remove(self, keys: Iterable[Key], namespace: str = "",
+                           force: bool = True) -> list[int]:
+        """Remove several keys: REMOVED, ABSENT or LEASED (kept, unless ``force``) for each."""
+        return await self._drive(self._remove_keys(keys, namespace, force))
+
+    async def remove_matching(self, pattern: str | None, namespace: str = "",
+                              force: bool = True) -> int:
+        """Remove the keys a regular expression finds a match in (all keys: None); how many."""
+        return await self._drive(self._remove_matching(pattern, namespace, force))
+
+    async def batch_exists(self, keys: Iterable[Key], namespace: str = "") -> list[bool]:
+        """``exists`` for several keys in one RPC."""
+        return await self._drive(self._keys_call("exists_keys", keys, namespace))
+
+    async def lookup_keys(self, keys: Iterable[Key], namespace: str = "") -> int:
+        """How many leading ``keys`` are present (one RPC), e.g. chunk keys of a prefix."""
+        return await self._drive(self._keys_call("lookup_prefix", keys, namespace))
 
     async def lookup_prefix(self, token_ids: Iterable[int] | np.ndarray, chunk_size: int = 256,
                             namespace: str = "") -> int:
@@ -361,14 +400,15 @@ class SyncKVClient(_Ops):
             raise
         return cls(rpc, hello, pool)
 
-    def put(self, key: Key, value: Any, namespace: str = "", ttl: float | None = None) -> None:
-        """Store ``value``; returns once every reader can see it."""
-        self._drive(self._put({key: value}, namespace, ttl))
+    def put(self, key: Key, value: Any, namespace: str = "", ttl: float | None = None,
+            if_absent: bool = False) -> bool:
+        """Store ``value``; returns once every reader can see it (see KVClient.put)."""
+        return self._drive(self._put({key: value}, namespace, ttl, if_absent))[0]
 
     def batch_put(self, items: Mapping[Key, Any], namespace: str = "",
-                  ttl: float | None = None) -> None:
-        """Store several values (one RPC to reserve, one to commit)."""
-        self._drive(self._put(items, namespace, ttl))
+                  ttl: float | None = None, if_absent: bool = False) -> list[bool]:
+        """Store several values (one RPC to reserve, one to commit); whether each was stored."""
+        return self._drive(self._put(items, namespace, ttl, if_absent))
 
     def begin_put(self, key: Key, size: int, namespace: str = "",
                   ttl: float | None = None) -> PendingPut:
@@ -400,6 +440,22 @@ class SyncKVClient(_Ops):
     def remove(self, key: Key, namespace: str = "") -> bool:
         """Hide ``key`` now; False if it was absent."""
         return self._drive(self._key_call("remove", key, namespace))
+
+    def batch_remove(self, keys: Iterable[Key], namespace: str = "", force: bool = True) -> list[int]:
+        """Remove several keys: REMOVED, ABSENT or LEASED (kept, unless ``force``) for each."""
+        return self._drive(self._remove_keys(keys, namespace, force))
+
+    def remove_matching(self, pattern: str | None, namespace: str = "", force: bool = True) -> int:
+        """Remove the keys a regular expression finds a match in (all keys: None); how many."""
+        return self._drive(self._remove_matching(pattern, namespace, force))
+
+    def batch_exists(self, keys: Iterable[Key], namespace: str = "") -> list[bool]:
+        """``exists`` for several keys in one RPC."""
+        return self._drive(self._keys_call("exists_keys", keys, namespace))
+
+    def lookup_keys(self, keys: Iterable[Key], namespace: str = "") -> int:
+        """How many leading ``keys`` are present (one RPC)."""
+        return self._drive(self._keys_call("lookup_prefix", keys, namespace))
 
     def lookup_prefix(self, token_ids: Iterable[int] | np.ndarray, chunk_size: int = 256,
                       namespace: str = "") -> int:

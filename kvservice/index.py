@@ -25,6 +25,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import re
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator
@@ -35,6 +36,10 @@ import msgspec
 
 from kvservice.allocator import PoolAllocator
 from kvservice.keys import normalize_key
+
+
+#: What :meth:`KVIndex.remove_keys` says of each key.
+REMOVED, ABSENT, LEASED = 0, 1, 2
 
 
 class PoolFull(Exception):
@@ -89,13 +94,15 @@ class _Block:
 
 
 class _Ticket:
-    __slots__ = ("id", "block", "owner", "ttl")
+    __slots__ = ("id", "block", "owner", "ttl", "if_absent")
 
-    def __init__(self, id: int, block: _Block, owner: Hashable | None, ttl: float | None) -> None:
+    def __init__(self, id: int, block: _Block, owner: Hashable | None, ttl: float | None,
+                 if_absent: bool = False) -> None:
         self.id = id
         self.block = block
         self.owner = owner
         self.ttl = ttl
+        self.if_absent = if_absent
 
 
 class _LeaseRec:
@@ -211,16 +218,20 @@ class KVIndex:
     # ---- puts -------------------------------------------------------------------------------
 
     def begin_put(self, ns: str, key: str | bytes, size: int, ttl: float | None = None,
-                  owner: Hashable | None = None) -> PutTicket:
+                  owner: Hashable | None = None, if_absent: bool = False) -> PutTicket | None:
         """Reserve ``size`` bytes for a value of ``key``, evicting as the fairness rule allows.
 
         The value stays invisible until ``commit_put``; an uncommitted ticket is freed after
         ``put_timeout_s``. Raises PoolFull (or its subclass QuotaExceeded) when there is no room.
+        ``if_absent``: None (nothing reserved) when the key has a live value; the commit also
+        keeps an existing value should one appear meanwhile.
         """
         now = self._clock()
         self._expire(now)
         _check_ns(ns)
         key = normalize_key(key)
+        if if_absent and self._live(ns, key) is not None:
+            return None
         nbytes = self._alloc.rounded(size)
         if ttl is not None:
             _positive("ttl", ttl)
@@ -247,14 +258,15 @@ class KVIndex:
             self._evict(victims)
             offset = self._alloc.alloc(size)
         self._namespace(ns).used += nbytes  # fetched again: eviction may have dropped it
-        ticket = _Ticket(next(self._ids), _Block(ns, key, offset, size, nbytes), owner, ttl)
+        ticket = _Ticket(next(self._ids), _Block(ns, key, offset, size, nbytes), owner, ttl, if_absent)
         self._tickets[ticket.id] = ticket
         self._own(owner, ticket.id)
         self._ticket_timers.push(now + self._put_timeout_s, ticket, len(self._tickets))
         return PutTicket(ticket.id, offset, size)
 
     def commit_put(self, ticket_id: int, owner: Hashable | None = None) -> int:
-        """Publish a pending value, atomically replacing the key's old one; return its version.
+        """Publish a pending value, atomically replacing the key's old one; return its version
+        (0 for an ``if_absent`` put whose key got a value meanwhile: nothing published).
 
         Raises KeyError if the ticket is unknown, committed, aborted or expired, or (when
         ``owner`` is given) belongs to another owner.
@@ -264,11 +276,14 @@ class KVIndex:
         ticket = self._tickets.get(ticket_id)
         if ticket is None or (owner is not None and ticket.owner != owner):
             raise KeyError(f"unknown or expired put ticket {ticket_id!r}")
-        del self._tickets[ticket_id]
-        self._disown(ticket.owner, ticket.id)
         block = ticket.block
         space = self._ns[block.ns]
         old = space.entries.get(block.key)
+        if old is not None and ticket.if_absent:
+            self._drop_ticket(ticket)
+            return 0
+        del self._tickets[ticket_id]
+        self._disown(ticket.owner, ticket.id)
         if old is not None:
             self._unlink(old)
         block.state = _LIVE
@@ -292,6 +307,47 @@ class KVIndex:
             return False
         self._drop_ticket(ticket)
         return True
+
+    def remove_keys(self, ns: str, keys: list[str | bytes], force: bool = True) -> list[int]:
+        """Hide each key (as ``remove``): REMOVED, ABSENT, or LEASED when a lease holds its
+        value and not ``force`` (then it stays)."""
+        self._expire(self._clock())
+        _check_ns(ns)
+        out = []
+        for key in [normalize_key(k) for k in keys]:
+            block = self._live(ns, key)
+            if block is None:
+                out.append(ABSENT)
+            elif block.leases and not force:
+                out.append(LEASED)
+            else:
+                self._unlink(block)
+                out.append(REMOVED)
+        return out
+
+    def remove_matching(self, ns: str, pattern: bytes | None, force: bool = True) -> int:
+        """Hide every key of ``ns`` in which the regular expression ``pattern`` finds a match
+        (every key when None), except leased ones unless ``force``; how many."""
+        self._expire(self._clock())
+        space = self._ns.get(_check_ns(ns))
+        if space is None:
+            return 0
+        search = re.compile(pattern).search if pattern is not None else None
+        victims = [b for k, b in space.entries.items()
+                   if (search is None or search(k)) and (force or not b.leases)]
+        for block in victims:
+            self._unlink(block)
+        return len(victims)
+
+    def exists_keys(self, ns: str, keys: list[str | bytes]) -> list[bool]:
+        """``exists`` of each key, in one call."""
+        self._expire(self._clock())
+        space = self._ns.get(_check_ns(ns))
+        return [space is not None and normalize_key(k) in space.entries for k in keys]
+
+    def _live(self, ns: str, key: bytes) -> _Block | None:
+        space = self._ns.get(ns)
+        return space.entries.get(key) if space is not None else None
 
     def remove_version(self, ns: str, key: str | bytes, version: int) -> bool:
         """Hide ``key`` if its live value is ``version`` (taking back one put); False otherwise."""

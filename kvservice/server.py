@@ -7,6 +7,7 @@ calling cxlrpc peer and dropped when that peer detaches or dies.
 import asyncio
 import contextlib
 import functools
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +19,7 @@ from cxlrpc.region import RegionError
 from kvservice.pool import Pool, pool_url_for
 
 INLINE_LIMIT = 32 << 10  # measured: inline wins below ~32 KiB, two-phase from 64 KiB
+_EXISTS = PutTicket(0, 0, 0)  # begin's answer for an if_absent key that has a value
 
 
 def _guard(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -71,7 +73,8 @@ class KVServer:
         self._pool: Pool | None = None
         self._expirer: asyncio.Task | None = None
         for name in ("hello", "begin", "inline", "commit", "abort", "undo", "get", "release",
-                     "renew", "exists", "remove", "lookup_prefix", "stats"):
+                     "renew", "exists", "exists_keys", "remove", "remove_keys", "remove_matching",
+                     "lookup_prefix", "stats"):
             self.rpc.add_method(name, _guard(getattr(self, "_" + name)))
 
     # ---- lifetime ------------------------------------------------------------------------
@@ -132,29 +135,36 @@ class KVServer:
                        self.alignment)
 
     def _begin(self, req: w.Begin) -> list[PutTicket]:
+        """A ticket per key; ticket id 0 (nothing reserved) for an if_absent key that exists."""
         if len(req.keys) != len(req.sizes):
             raise ValueError("keys and sizes differ in length")
-        return self._begin_all(req.ns, req.keys, req.sizes, req.ttl, cxlrpc.current_peer())
+        tickets = self._begin_all(req.ns, req.keys, req.sizes, req.ttl, cxlrpc.current_peer(),
+                                  req.if_absent)
+        return [_EXISTS if t is None else t for t in tickets]
 
     def _inline(self, req: w.Inline) -> list[int]:
+        """The version of each value stored (0: an if_absent key that had a value)."""
         if len(req.keys) != len(req.values):
             raise ValueError("keys and values differ in length")
         owner = cxlrpc.current_peer()
-        tickets = self._begin_all(req.ns, req.keys, [len(v) for v in req.values], req.ttl, owner)
+        tickets = self._begin_all(req.ns, req.keys, [len(v) for v in req.values], req.ttl, owner,
+                                  req.if_absent)
         for ticket, value in zip(tickets, req.values):
-            self._pool.write(ticket.offset, memoryview(value))
-        return [self.index.commit_put(ticket.ticket_id, owner) for ticket in tickets]
+            if ticket is not None:
+                self._pool.write(ticket.offset, memoryview(value))
+        return [0 if t is None else self.index.commit_put(t.ticket_id, owner) for t in tickets]
 
     def _begin_all(self, ns: str, keys: list[bytes], sizes: list[int], ttl: float | None,
-                   owner: cxlrpc.Peer) -> list[PutTicket]:
-        """Reserve a block per key, all or none."""
-        tickets: list[PutTicket] = []
+                   owner: cxlrpc.Peer, if_absent: bool = False) -> list[PutTicket | None]:
+        """Reserve a block per key, all or none (None for an if_absent key that exists)."""
+        tickets: list[PutTicket | None] = []
         try:
             for key, size in zip(keys, sizes):
-                tickets.append(self.index.begin_put(ns, key, size, ttl, owner))
+                tickets.append(self.index.begin_put(ns, key, size, ttl, owner, if_absent))
         except BaseException:
             for ticket in tickets:
-                self.index.abort_put(ticket.ticket_id, owner)
+                if ticket is not None:
+                    self.index.abort_put(ticket.ticket_id, owner)
             raise
         return tickets
 
@@ -201,6 +211,19 @@ class KVServer:
 
     def _remove(self, req: w.Key) -> bool:
         return self.index.remove(req.ns, req.key)
+
+    def _remove_keys(self, req: w.RemoveKeys) -> list[int]:
+        return self.index.remove_keys(req.ns, req.keys, req.force)
+
+    def _remove_matching(self, req: w.RemoveMatching) -> int:
+        try:
+            pattern = None if req.pattern is None else re.compile(req.pattern.encode()).pattern
+        except re.error as exc:
+            raise ValueError(f"bad regular expression {req.pattern!r}: {exc}") from None
+        return self.index.remove_matching(req.ns, pattern, req.force)
+
+    def _exists_keys(self, req: w.Keys) -> list[bool]:
+        return self.index.exists_keys(req.ns, req.keys)
 
     def _lookup_prefix(self, req: w.Keys) -> int:
         return self.index.lookup_prefix(req.ns, req.keys)

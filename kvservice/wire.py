@@ -11,7 +11,7 @@ import msgspec
 
 from kvservice.index import Lease, PutTicket
 
-__all__ = ["Hello", "Begin", "Inline", "Tickets", "Undo", "Get", "Release", "Renew", "Key", "Keys", "Lease",
+__all__ = ["Hello", "Begin", "Inline", "Tickets", "Undo", "Get", "Release", "Renew", "RemoveKeys", "RemoveMatching", "Key", "Keys", "Lease",
            "PutTicket", "encode", "decode"]
 
 T = TypeVar("T")
@@ -35,6 +35,7 @@ class Begin(msgspec.Struct, array_like=True, frozen=True):
     keys: list[bytes]
     sizes: list[int]
     ttl: float | None = None
+    if_absent: bool = False  # reserve nothing for (and never replace) a key that has a value
 
 
 class Inline(msgspec.Struct, array_like=True, frozen=True):
@@ -44,6 +45,7 @@ class Inline(msgspec.Struct, array_like=True, frozen=True):
     keys: list[bytes]
     values: list[bytes]
     ttl: float | None = None
+    if_absent: bool = False
 
 
 class Tickets(msgspec.Struct, array_like=True, frozen=True):
@@ -73,6 +75,24 @@ class Release(msgspec.Struct, array_like=True, frozen=True):
     """End leases (the client batches them)."""
 
     ids: list[int]
+
+
+class RemoveKeys(msgspec.Struct, array_like=True, frozen=True):
+    """Remove keys; the reply says REMOVED, ABSENT or LEASED (kept: a lease holds it, no force)
+    for each."""
+
+    ns: str
+    keys: list[bytes]
+    force: bool = True
+
+
+class RemoveMatching(msgspec.Struct, array_like=True, frozen=True):
+    """Remove the keys of a namespace a regular expression finds a match in (all when None);
+    the reply is how many."""
+
+    ns: str
+    pattern: str | None
+    force: bool = True
 
 
 class Renew(msgspec.Struct, array_like=True, frozen=True):

@@ -8,7 +8,7 @@ import math
 import pytest
 
 import cxlrpc
-from kvservice import KVClient, KVServer, LeaseExpired, SyncKVClient
+from kvservice import ABSENT, LEASED, REMOVED, KVClient, KVServer, LeaseExpired, SyncKVClient
 
 MiB = 1 << 20
 pytestmark = pytest.mark.timeout(60)
@@ -130,3 +130,31 @@ async def test_dropped_block_releases_its_lease_and_leases_are_bounded(url):
                     await kv.get(b"k", lease_s=bad)
             with await kv.get(b"k", lease_s=60.0) as block:
                 assert len(block) == 50_000
+
+
+async def test_if_absent_put_batch_remove_with_leases_remove_matching_and_batch_exists(url):
+    """Server-side semantics the Mooncake facade builds on, decided atomically by the server."""
+    async with KVServer(url, pool_size=8 * MiB) as server:
+        async with KVClient.connect(url) as a, KVClient.connect(url) as b:
+            for size in (100, 100_000):  # inline and two-phase
+                k = b"k%d" % size
+                assert await a.put(k, b"1" * size, if_absent=True) is True
+                assert await b.put(k, b"2" * size, if_absent=True) is False
+                assert await b.get_bytes(k) == b"1" * size  # the first value stays
+                assert await b.put(k, b"3" * size) is True  # a plain put replaces
+            assert await a.batch_put({b"x1": b"a", b"k100": b"b"}, if_absent=True) == [True, False]
+            held = await b.get(b"x1")  # another client's lease
+            assert await a.batch_remove([b"x1", b"nope"], force=False) == [LEASED, ABSENT]
+            assert await a.exists(b"x1")
+            assert await a.batch_remove([b"x1"], force=True) == [REMOVED]
+            assert held.tobytes() == b"a"  # the reader keeps its bytes
+            held.release()
+            await a.batch_put({b"log-1": b"1", b"log-2": b"2", b"keep": b"3"})
+            assert await a.batch_exists([b"log-1", b"keep", b"gone"]) == [True, True, False]
+            assert await a.lookup_keys([b"log-1", b"log-2", b"gone", b"keep"]) == 2
+            assert await a.remove_matching("^log-") == 2
+            assert await a.batch_exists([b"log-1", b"log-2", b"keep"]) == [False, False, True]
+            with pytest.raises(cxlrpc.InvalidArgument, match="regular expression"):
+                await a.remove_matching("(")
+            assert await a.remove_matching(None) >= 1
+            assert server.stats()["entries"] == 0

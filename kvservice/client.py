@@ -105,8 +105,8 @@ class _Ops:
                           lambda: driver(_single(_Call("commit", ids))),
                           lambda: driver(_single(_Call("abort", ids))))
 
-    def _get(self, keys: Iterable[Key], ns: str, lease_s: float | None) -> _Steps:
-        leases = yield _Call("get", w.Get(ns, [normalize_key(k) for k in keys], lease_s),
+    def _get(self, keys: Iterable[Key], ns: str, lease_s: float | None, hold_s: float = 0.0) -> _Steps:
+        leases = yield _Call("get", w.Get(ns, [normalize_key(k) for k in keys], lease_s, hold_s),
                              list[w.Lease | None])
         blocks: list[Block | None] = []
         try:
@@ -203,9 +203,10 @@ class KVClient(_Ops):
         return self._one(key, await self._drive(self._get([key], namespace, lease_s)))
 
     async def batch_get(self, keys: Iterable[Key], namespace: str = "",
-                        lease_s: float | None = None) -> list[Block | None]:
-        """Lease several values in one RPC; None for each missing key."""
-        return await self._drive(self._get(keys, namespace, lease_s))
+                        lease_s: float | None = None, hold_s: float = 0.0) -> list[Block | None]:
+        """Lease several values in one RPC; None for each missing key. ``hold_s``: the leases
+        keep blocking removal and eviction that long after the get, released or not."""
+        return await self._drive(self._get(keys, namespace, lease_s, hold_s))
 
     async def get_bytes(self, key: Key, namespace: str = "") -> bytes:
         """A copy of ``key``'s value."""
@@ -420,9 +421,9 @@ class SyncKVClient(_Ops):
         return self._one(key, self._drive(self._get([key], namespace, lease_s)))
 
     def batch_get(self, keys: Iterable[Key], namespace: str = "",
-                  lease_s: float | None = None) -> list[Block | None]:
-        """Lease several values in one RPC; None for each missing key."""
-        return self._drive(self._get(keys, namespace, lease_s))
+                  lease_s: float | None = None, hold_s: float = 0.0) -> list[Block | None]:
+        """Lease several values in one RPC; None for each missing key (``hold_s``: see KVClient)."""
+        return self._drive(self._get(keys, namespace, lease_s, hold_s))
 
     def get_bytes(self, key: Key, namespace: str = "") -> bytes:
         """A copy of ``key``'s value."""

@@ -106,13 +106,15 @@ class _Ticket:
 
 
 class _LeaseRec:
-    __slots__ = ("id", "block", "owner", "expires_at")
+    __slots__ = ("id", "block", "owner", "expires_at", "hold_until")
 
-    def __init__(self, id: int, block: _Block, owner: Hashable | None, expires_at: float) -> None:
+    def __init__(self, id: int, block: _Block, owner: Hashable | None, expires_at: float,
+                 hold_until: float = 0.0) -> None:
         self.id = id
         self.block = block
         self.owner = owner
         self.expires_at = expires_at
+        self.hold_until = hold_until
 
 
 class _Namespace:
@@ -373,15 +375,19 @@ class KVIndex:
         return lease
 
     def batch_get(self, ns: str, keys: list[str | bytes], lease_s: float | None = None,
-                  owner: Hashable | None = None) -> list[Lease | None]:
-        """``get`` of each key, with None for a miss instead of KeyError."""
+                  owner: Hashable | None = None, hold_s: float = 0.0) -> list[Lease | None]:
+        """``get`` of each key, with None for a miss instead of KeyError. ``hold_s``: each lease
+        outlives its release until that long after the get (Mooncake's read lease: removal and
+        eviction stay blocked for a while after a read)."""
         now = self._clock()
         self._expire(now)
         _check_ns(ns)
         _check_owner(owner)
         duration = self._lease_s(lease_s)
+        if hold_s:
+            self._lease_s(hold_s)  # bounded like a lease
         wanted = [normalize_key(k) for k in keys]  # validate all before granting any lease
-        return [self._lease(ns, k, duration, owner, now) for k in wanted]
+        return [self._lease(ns, k, max(duration, hold_s), owner, now, now + hold_s) for k in wanted]
 
     def release(self, lease_id: int, owner: Hashable | None = None) -> bool:
         """End a lease, freeing its block if it was the last holder of a hidden one.
@@ -390,10 +396,15 @@ class KVIndex:
         (when ``owner`` is given) belongs to another owner.
         """
         self._expire(self._clock())
+        now = self._clock()
         lease = self._leases.get(lease_id)
         if lease is None or (owner is not None and lease.owner != owner):
             self._counters["stale_releases"] += 1
             return False
+        if lease.hold_until > now:  # a held read lease lasts its hold, then expires
+            lease.expires_at = lease.hold_until
+            self._lease_timers.push(lease.expires_at, lease, len(self._leases))
+            return True
         self._end_lease(lease)
         return True
 
@@ -509,7 +520,7 @@ class KVIndex:
         return lease_s
 
     def _lease(self, ns: str, key: bytes, duration: float, owner: Hashable | None,
-               now: float) -> Lease | None:
+               now: float, hold_until: float = 0.0) -> Lease | None:
         space = self._ns.get(ns)
         block = space.entries.get(key) if space is not None else None
         if block is None:
@@ -520,7 +531,7 @@ class KVIndex:
         block.last_access = now
         block.leases += 1
         expires_at = now + duration
-        record = _LeaseRec(next(self._ids), block, owner, expires_at)
+        record = _LeaseRec(next(self._ids), block, owner, expires_at, hold_until)
         self._leases[record.id] = record
         self._own(owner, record.id)
         self._lease_timers.push(expires_at, record, len(self._leases))

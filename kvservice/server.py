@@ -194,7 +194,7 @@ class KVServer:
             self.index.abort_put(ticket_id, owner)
 
     def _get(self, req: w.Get) -> list[Lease | None]:
-        return self.index.batch_get(req.ns, req.keys, req.lease_s, cxlrpc.current_peer())
+        return self.index.batch_get(req.ns, req.keys, req.lease_s, cxlrpc.current_peer(), req.hold_s)
 
     def _release(self, req: w.Release) -> None:
         owner = cxlrpc.current_peer()

@@ -69,6 +69,7 @@ class Get(msgspec.Struct, array_like=True, frozen=True):
     ns: str
     keys: list[bytes]
     lease_s: float | None = None
+    hold_s: float = 0.0  # leases outlive their release this long after the get (Mooncake reads)
 
 
 class Release(msgspec.Struct, array_like=True, frozen=True):

@@ -31,6 +31,7 @@ import numpy as np
 import cxlrpc
 from cxlrpc.region import RegionError, parse_url
 from kvservice.client import KeyNotFound, SyncKVClient
+from kvservice.index import LEASED, REMOVED
 from kvservice.pool import Block, LeaseExpired
 
 logger = logging.getLogger("kvservice.compat.mooncake")
@@ -402,7 +403,8 @@ class MooncakeDistributedStore:
         return True
 
     def _leases(self, keys: Sequence[str], lease_s: float | None = None) -> list[Block | None]:
-        blocks = self._client().batch_get(keys, self._namespace, lease_s)
+        # the read lease blocks removal and eviction for kv_lease_ttl, for every client
+        blocks = self._client().batch_get(keys, self._namespace, lease_s, self._kv_lease_ttl)
         for key, block in zip(keys, blocks):
             if block is not None:
                 self._note_read(key)
@@ -423,21 +425,20 @@ class MooncakeDistributedStore:
                 codes[i] = value
             elif len(value) == 0:
                 codes[i] = ErrorCode.INVALID_PARAMS  # kvservice stores no empty values
-            elif not overwrite and (key in todo or self._exists(key)):
-                self._known[key] = None  # Mooncake: OBJECT_ALREADY_EXISTS counts as success
-            else:
-                todo[key] = value
+            elif key not in todo or overwrite:
+                todo[key] = value  # a repeated key without overwrite keeps its first value
         if not todo:
             return codes
+        if_absent = not overwrite  # decided atomically by the server (OBJECT_ALREADY_EXISTS is 0)
         try:
-            kv.batch_put(todo, self._namespace)
+            kv.batch_put(todo, self._namespace, if_absent=if_absent)
         except Exception as exc:
             if len(todo) == 1:
                 err = _code(exc)
                 return [err if k in todo else c for k, c in zip(keys, codes)]
             for key, value in todo.items():  # all or none was reserved: retry one by one
                 try:
-                    kv.put(key, value, self._namespace)
+                    kv.put(key, value, self._namespace, if_absent=if_absent)
                 except Exception as one:
                     codes[keys.index(key)] = _code(one)
         for key in todo:
@@ -734,7 +735,13 @@ class MooncakeDistributedStore:
         return self._guard(ErrorCode.INVALID_PARAMS, lambda: self._exist_code(key))
 
     def batch_is_exist(self, keys: list[str]) -> list[int]:
-        return self._guard(lambda c: [c] * len(keys), lambda: [self._exist_code(k) for k in keys])
+        """1/0 per key (one RPC), or a negative code for each."""
+        return self._guard(lambda c: [c] * len(keys), self._exist_codes, keys)
+
+    def _exist_codes(self, keys: list[str]) -> list[int]:
+        valid = [isinstance(k, str) and bool(k) for k in keys]
+        found = iter(self._client().batch_exists([k for k, ok in zip(keys, valid) if ok], self._namespace))
+        return [(1 if next(found) else 0) if ok else int(ErrorCode.INVALID_PARAMS) for ok in valid]
 
     def _exist_code(self, key: str) -> int:
         try:
@@ -758,29 +765,30 @@ class MooncakeDistributedStore:
         kv = self._client()
         if not force and self._leased(key):
             return ErrorCode.OBJECT_HAS_LEASE if kv.exists(key, self._namespace) else ErrorCode.OBJECT_NOT_FOUND
-        removed = kv.remove(key, self._namespace)
+        (status,) = kv.batch_remove([key], self._namespace, force)  # the server sees every client's leases
+        if status == LEASED:
+            return ErrorCode.OBJECT_HAS_LEASE
         self._known.pop(key, None)
         self._lease_until.pop(key, None)
-        return ErrorCode.OK if removed else ErrorCode.OBJECT_NOT_FOUND
+        return ErrorCode.OK if status == REMOVED else ErrorCode.OBJECT_NOT_FOUND
 
     def remove_by_regex(self, regex_pattern: str, force: bool = False) -> int:
-        """Remove the keys matching ``regex_pattern`` (``re.search``); how many, or a code.
-        Only keys this store put or read are candidates (kvservice cannot list keys)."""
+        """Remove every key of the store's namespace in which ``regex_pattern`` finds a match
+        (``re.search``), except keys a client holds a lease on unless ``force``; how many, or a
+        code. (The read-lease window after a ``get`` protects a key from ``remove`` only.)"""
         try:
-            pattern = re.compile(regex_pattern)
+            re.compile(regex_pattern)
         except (re.error, TypeError):
             return int(ErrorCode.INVALID_PARAMS)
-        return self._guard(ErrorCode.INVALID_PARAMS, self._remove_matching, pattern.search, force)
+        return self._guard(ErrorCode.INVALID_PARAMS, self._remove_matching, regex_pattern, force)
 
     def remove_all(self, force: bool = False) -> int:
-        """Remove every key this store put or read; how many (see remove_by_regex)."""
-        return self._guard(ErrorCode.INVALID_PARAMS, self._remove_matching, lambda k: True, force)
+        """Remove every key of the store's namespace (see remove_by_regex); how many."""
+        return self._guard(ErrorCode.INVALID_PARAMS, self._remove_matching, None, force)
 
-    def _remove_matching(self, match: Any, force: bool) -> int:
-        n = 0
-        for key in [k for k in self._known if match(k)]:
-            if self._remove_one(key, force) == ErrorCode.OK:
-                n += 1
+    def _remove_matching(self, pattern: str | None, force: bool) -> int:
+        n = self._client().remove_matching(pattern, self._namespace, force)
+        self._known = {k: None for k in self._known if pattern is not None and not re.search(pattern, k)}
         return n
 
     # ---- registered memory ----------------------------------------------------------------

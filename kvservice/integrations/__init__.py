@@ -87,18 +87,6 @@ def _float(params: dict[str, str], name: str, url: str) -> float | None:
     return value
 
 
-def leading_present(client: Any, keys: list[bytes], namespace: str) -> Any:
-    """How many of ``keys``, from the first, have live values: one ``lookup_prefix`` RPC.
-
-    The clients' public ``lookup_prefix`` takes token ids and hashes them into kvservice's own
-    chunk keys; a framework that hashes its own chunks needs the same server call over its
-    keys, which is what this drives (on a KVClient it returns a coroutine)."""
-    from kvservice import wire as w
-    from kvservice.client import _Call, _single
-
-    return client._drive(_single(_Call("lookup_prefix", w.Keys(namespace, keys))))
-
-
 def writable_bytes(obj: Any, size: int | None = None) -> memoryview:
     """A flat writable byte view of ``obj``: a buffer (numpy array, bytearray, memoryview), a
     CPU tensor (through ``data_ptr()``, no torch import), or an int address with ``size``."""

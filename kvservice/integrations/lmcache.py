@@ -38,7 +38,7 @@ from lmcache.v1.storage_backend.connector import ConnectorAdapter, ConnectorCont
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from kvservice.client import KeyNotFound, KVClient
-from kvservice.integrations import SCHEME, leading_present, parse_service_url, writable_bytes
+from kvservice.integrations import SCHEME, parse_service_url, writable_bytes
 from kvservice.pool import Block, LeaseExpired
 
 logger = logging.getLogger(__name__)
@@ -260,7 +260,7 @@ class KVServiceConnector(RemoteConnector):
         if not keys:
             return 0
         kv = await self._client()
-        return await leading_present(kv, [self._key(k).encode() for k in keys], self.namespace)
+        return await kv.lookup_keys([self._key(k).encode() for k in keys], self.namespace)
 
     def support_batched_contains(self) -> bool:
         return True

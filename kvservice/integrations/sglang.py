@@ -43,7 +43,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 
 import cxlrpc
 from kvservice.client import SyncKVClient
-from kvservice.integrations import leading_present, parse_service_url, readable_bytes, writable_bytes
+from kvservice.integrations import parse_service_url, readable_bytes, writable_bytes
 from kvservice.pool import Block, LeaseExpired
 
 logger = logging.getLogger(__name__)
@@ -237,8 +237,7 @@ class KVServiceHiCacheStorage(HiCacheStorage):
         if not keys:
             return 0
         try:
-            return int(leading_present(self.kv, [self._key(k).encode() for k in keys],
-                                       self.namespace))
+            return self.kv.lookup_keys([self._key(k).encode() for k in keys], self.namespace)
         except cxlrpc.RpcError as exc:
             logger.warning("kvservice lookup_prefix failed: %s", exc)
             return 0

@@ -429,7 +429,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_semantic_diff_against_real_mooncake(kv_url):
+def test_semantic_diff_against_real_mooncake(kv_url, monkeypatch):
     real = _real_mooncake()
     if real is None:
         pytest.skip("real Mooncake (pip install mooncake-transfer-engine-non-cuda) is not installed")
@@ -446,7 +446,11 @@ def test_semantic_diff_against_real_mooncake(kv_url):
                              f"--http_metadata_server_port={http}"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        time.sleep(2)
+        from bench.kv_backends import _wait_port  # polls until the master listens
+
+        _wait_port(port, proc, 30)
+        _wait_port(http, proc, 30)
+        monkeypatch.setenv("MC_TCP_BIND_ADDRESS", "127.0.0.1")  # its transfer engine stays on loopback
         theirs = real.MooncakeDistributedStore()
         rc = theirs.setup("127.0.0.1", f"http://127.0.0.1:{http}/metadata", 64 * MiB, 64 * MiB,
                           "tcp", "", f"127.0.0.1:{port}")

@@ -161,7 +161,7 @@ def ops_client(conn: Connection, backend: str, address: Any, items: list[dict], 
     if b.is_async:
         run_loop(_ops_async(conn, b, address, items), loop)
         return
-    if b.family != "mooncake":
+    if b.family not in ("mooncake", "mooncake-api"):
         kv = SyncKV.open(b, address)
         try:
             _ops_sync(conn, kv, items)

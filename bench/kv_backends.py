@@ -63,7 +63,9 @@ MC_MEMCPY = Backend("mc-memcpy", "Mooncake Store memcpy", "mooncake", "bench.kv_
                     "mooncake", False, {"MC_TCP_BIND_ADDRESS": "127.0.0.1"})
 MC_TCP = Backend("mc-tcp", "Mooncake Store TCP", "mooncake", "bench.kv_backends:serve_mooncake", "mooncake",
                  False, {"MC_TCP_BIND_ADDRESS": "127.0.0.1", "MC_STORE_MEMCPY": "0"})
-BACKENDS: tuple[Backend, ...] = (KV_SHM, KV_SPIN, KV_SYNC, KV_GRPC, MC_MEMCPY, MC_TCP)
+KV_MC_API = Backend("kv-mc-api", "kvservice, Mooncake API (facade)", "mooncake-api",
+                    "bench.kv_backends:serve_kv", "shm", False)
+BACKENDS: tuple[Backend, ...] = (KV_SHM, KV_SPIN, KV_SYNC, KV_GRPC, KV_MC_API, MC_MEMCPY, MC_TCP)
 BY_KEY: dict[str, Backend] = {b.key: b for b in BACKENDS}
 
 
@@ -291,8 +293,14 @@ class MooncakeKV:
         self.ptr = registered.ctypes.data
 
     @classmethod
-    def open(cls, address: dict, segment: int, local_buffer: int, out_max: int) -> "MooncakeKV":
-        from mooncake.store import MooncakeDistributedStore
+    def open(cls, address: dict | str, segment: int, local_buffer: int, out_max: int) -> "MooncakeKV":
+        """Real Mooncake (``address``: its master and metadata server), or kvservice's facade
+        (``address``: the kvservice URL, which is all a Mooncake config changes)."""
+        if isinstance(address, str):
+            from kvservice.compat.mooncake import MooncakeDistributedStore
+            address = {"metadata": "P2PHANDSHAKE", "master": address}
+        else:
+            from mooncake.store import MooncakeDistributedStore
 
         store = MooncakeDistributedStore()
         rc = store.setup("127.0.0.1", address["metadata"], segment, local_buffer, "tcp", "", address["master"])

@@ -117,10 +117,10 @@ def percentiles(lat: list[float]) -> dict[str, float]:
 
 # ---------------------------------------------------------------------------------- server
 async def serve() -> None:
-    # the default geometry (16 slots x 4 MiB response rings + a 4 MiB request ring, 68 MiB)
-    # does not fit the 64 MiB device: 2 MiB response rings make it 36 MiB
+    # 16 slots x 1 MiB reply rings (the test echoes 256 KiB) + a 4 MiB request ring: ~20 MiB,
+    # inside the 64 MiB device
     kv = KVServer(RPC_URL, pool_size=POOL_SIZE, pool_url=POOL_URL, client_timeout=CLIENT_TIMEOUT,
-                  response_capacity=2 << 20, poll_interval=POLL_INTERVAL)
+                  slots=16, response_capacity=1 << 20, poll_interval=POLL_INTERVAL)
     rpc = kv.rpc
 
     def echo(payload: bytes) -> bytes:

@@ -149,8 +149,9 @@ async def test_client_in_other_namespaces_is_served_fast_and_sees_server_death(u
         assert busy["p50_us"] < 2_000, busy
         assert local_p90_ms < 10, f"a local client suffered while a remote one was active: p90 {local_p90_ms:.1f} ms"
         # a 1 kHz timer alone costs ~1.9% of a core on this VM (each wake-up ~20 us of kernel
-        # time); poll_interval= trades that against the after-idle latency
-        assert client_cpu < 0.02 and server_cpu < 0.035, (client_cpu, server_cpu)
+        # time; more when the machine is busy); poll_interval= trades that against the
+        # after-idle latency. The bound catches a consumer that spins (tens of %), not noise.
+        assert client_cpu < 0.02 and server_cpu < 0.10, (client_cpu, server_cpu)
         assert gone["detect_s"] <= 2.0, gone
         assert "UNAVAILABLE" in gone["error"]
     finally:

@@ -1,16 +1,20 @@
 """The asyncio server: one reader task drains the request ring and dispatches to handlers.
 
-Plain-function handlers run inline (no task, no extra loop iteration); coroutine handlers
-get a task so they can be cancelled by a CANCEL frame, a deadline, or their client dying.
+Plain-function handlers run inline (no task, no extra loop iteration). Coroutine handlers
+start inline too and get a task only if they suspend, so that they can be cancelled by a
+CANCEL frame, a deadline, or their client dying; one that never awaits anything pending costs
+what a plain handler costs.
 """
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import inspect
 import itertools
 import logging
 import threading
 import time
+from asyncio.tasks import _enter_task, _leave_task
 from contextvars import ContextVar
 from typing import Any, Callable, NamedTuple
 
@@ -93,6 +97,7 @@ class Server:
         self._chan: ServerChannel | None = None
         self._reader: asyncio.Task | None = None
         self._tasks: dict[tuple[int, int, int], asyncio.Task] = {}
+        self._expired: set[tuple[int, int, int]] = set()  # calls whose deadline cancelled them
         self._backlog: dict[int, list[tuple]] = {}
         self._oneway_ids = itertools.count(1)
         self._peers: dict[int, Peer] = {}  # per slot, so a request costs no Peer allocation
@@ -299,21 +304,33 @@ class Server:
         peer = self._peers.get(slot)
         if peer is None or peer.gen != f.gen:
             peer = self._peers[slot] = Peer(slot, f.gen)
-        token = _current_peer.set(peer)
-        try:
-            if m.is_async:
-                # one-way calls share call id 0: give each its own (negative) task key
-                key = (slot, f.gen, f.call_id or -next(self._oneway_ids))
-                task = asyncio.get_running_loop().create_task(self._run_async(m, f, arg, key))
-                self._tasks[key] = task
+        if m.is_async:
+            # Run the coroutine inline up to its first suspension, in a context of its own and
+            # with a stand-in as the current task (what 3.12's eager tasks do): one that never
+            # suspends costs no task and no loop iteration.
+            ctx = contextvars.copy_context()
+            ctx.run(_current_peer.set, peer)
+            eager = _EagerTask()
+            try:
+                coro = m.fn() if arg is _NO_ARG else m.fn(arg)
+                step = ctx.run(_first_step, coro, eager)
+            except StopIteration as done:
+                result = done.value
+            except (Exception, asyncio.CancelledError) as exc:
+                self._fail(f, exc)
                 return
+            else:
+                self._suspended(coro, step, f, slot, ctx, eager)
+                return
+        else:
+            token = _current_peer.set(peer)
             try:
                 result = m.fn() if arg is _NO_ARG else m.fn(arg)
             except Exception as exc:
                 self._fail(f, exc)
                 return
-        finally:
-            _current_peer.reset(token)
+            finally:
+                _current_peer.reset(token)
         if f.call_id == fr.NO_REPLY:
             return
         # Fast path of _reply: the slot was checked above and nothing ran in between.
@@ -325,28 +342,48 @@ class Server:
                 return
         self._reply(f, result)
 
-    async def _run_async(self, m: _Method, f: fr.Frame, arg: Any, key: tuple) -> None:
+    def _suspended(self, coro: Any, step: Any, f: fr.Frame, slot: int, ctx: contextvars.Context,
+                   eager: "_EagerTask") -> None:
+        """A coroutine handler suspended: finish it in a task (in its own context, where
+        ``current_peer()`` holds), cancellable by CANCEL frames, its deadline and departure."""
+        # one-way calls share call id 0: give each its own (negative) task key
+        key = (slot, f.gen, f.call_id or -next(self._oneway_ids))
+        loop = asyncio.get_running_loop()
+        task = ctx.run(loop.create_task, self._finish(_Resumed(coro, step), f, key))  # in ctx
+        eager.task = task
+        self._tasks[key] = task
+        if f.timeout > 0:
+            timer = loop.call_later(f.timeout, self._expire_call, key)
+            task.add_done_callback(lambda _: timer.cancel())
+
+    def _expire_call(self, key: tuple) -> None:
+        task = self._tasks.get(key)
+        if task is not None:
+            self._expired.add(key)
+            task.cancel()
+
+    async def _finish(self, handler: "_Resumed", f: fr.Frame, key: tuple) -> None:
         try:
-            coro = m.fn() if arg is _NO_ARG else m.fn(arg)
-            if f.timeout > 0:
-                result = await asyncio.wait_for(coro, f.timeout)
-            else:
-                result = await coro
-        except asyncio.TimeoutError:
-            self._error(f, StatusCode.DEADLINE_EXCEEDED, "deadline exceeded in handler")
+            result = await handler
         except asyncio.CancelledError:
-            if self._closing:
+            if key in self._expired:
+                self._error(f, StatusCode.DEADLINE_EXCEEDED, "deadline exceeded in handler")
+            elif self._closing:
                 raise
-            self._error(f, StatusCode.CANCELLED, "cancelled")
+            else:
+                self._error(f, StatusCode.CANCELLED, "cancelled")
         except Exception as exc:
             self._fail(f, exc)
         else:
             self._reply(f, result)
         finally:
             self._tasks.pop(key, None)
+            self._expired.discard(key)
 
-    def _fail(self, f: fr.Frame, exc: Exception) -> None:
-        if isinstance(exc, RpcError):
+    def _fail(self, f: fr.Frame, exc: BaseException) -> None:
+        if isinstance(exc, asyncio.CancelledError):
+            self._error(f, StatusCode.CANCELLED, "cancelled")
+        elif isinstance(exc, RpcError):
             self._error(f, exc.code, exc.message)
         else:
             self._error(f, StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
@@ -407,3 +444,65 @@ class Server:
         self.dropped_frames += 1
         self._chan.dropped.fetch_add(1, ACQ_REL)
 
+
+
+class _Resumed:
+    """Awaiting it goes on driving a coroutine that already ran up to ``step`` (its first
+    suspension): what it yields goes to the task, what the task sends or throws goes back."""
+
+    __slots__ = ("_coro", "_step")
+
+    def __init__(self, coro: Any, step: Any) -> None:
+        self._coro, self._step = coro, step
+
+    def __await__(self):
+        coro, step = self._coro, self._step
+        while True:
+            try:
+                value = yield step
+            except BaseException as exc:  # cancellation (or close) of the task
+                try:
+                    step = coro.throw(exc)
+                except StopIteration as done:
+                    return done.value
+            else:
+                try:
+                    step = coro.send(value)
+                except StopIteration as done:
+                    return done.value
+
+
+class _EagerTask:
+    """The current task while a coroutine handler runs its first step inline: what it hands
+    to ``asyncio.timeout`` or a TaskGroup there (cancel, cancelling, uncancel) goes to the
+    task that carries the handler on once it suspends."""
+
+    __slots__ = ("task",)
+
+    def __init__(self) -> None:
+        self.task: asyncio.Task | None = None
+
+    def cancel(self, msg: Any = None) -> bool:
+        return self.task.cancel(msg) if self.task is not None else False
+
+    def cancelling(self) -> int:
+        return self.task.cancelling() if self.task is not None else 0
+
+    def uncancel(self) -> int:
+        return self.task.uncancel() if self.task is not None else 0
+
+    def done(self) -> bool:
+        return False
+
+
+def _first_step(coro: Any, eager: _EagerTask) -> Any:
+    """``coro.send(None)`` with ``eager`` as the loop's current task (the reader's restored)."""
+    loop = asyncio.get_running_loop()
+    reader = asyncio.current_task(loop)
+    _leave_task(loop, reader)
+    _enter_task(loop, eager)
+    try:
+        return coro.send(None)
+    finally:
+        _leave_task(loop, eager)
+        _enter_task(loop, reader)

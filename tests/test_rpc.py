@@ -366,3 +366,54 @@ async def test_handler_status_errors_reach_the_caller(url):
             with pytest.raises(cls, match=f"raised {name}") as ei:
                 await client.call("raise", name, timeout=5)
             assert ei.value.code is cls.code and isinstance(ei.value, cxlrpc.RpcError)
+
+
+async def test_async_handlers_start_inline_and_get_a_task_only_when_they_suspend(url):
+    """A coroutine handler that never waits runs inline (no task of its own); one that waits
+    goes on in a task; asyncio.timeout and context variables behave as in a task of their own."""
+    import contextvars
+
+    var: contextvars.ContextVar[str] = contextvars.ContextVar("handler_var", default="unset")
+    server = cxlrpc.Server(url)
+
+    @server.method("kind")
+    async def kind(wait: bool) -> list:
+        before = type(asyncio.current_task()).__name__
+        if wait:
+            await asyncio.sleep(0)
+        return [before, type(asyncio.current_task()).__name__]
+
+    @server.method("guarded")
+    async def guarded(seconds: float) -> str:
+        try:
+            async with asyncio.timeout(seconds):  # entered inline, expires in the task
+                await asyncio.sleep(5)
+        except TimeoutError:
+            return "timed out"
+        return "finished"
+
+    @server.method("set_var")
+    async def set_var(value: str) -> str:
+        var.set(value)
+        return var.get()
+
+    @server.method("get_var")
+    async def get_var() -> str:
+        return var.get()
+
+    @server.method("peer_after_wait")
+    async def peer_after_wait() -> int:
+        await asyncio.sleep(0.01)
+        return cxlrpc.current_peer().slot
+
+    async with server, cxlrpc.connect(url) as client:
+        assert await client.call("kind", False, timeout=5) == ["_EagerTask", "_EagerTask"]
+        assert await client.call("kind", True, timeout=5) == ["_EagerTask", "Task"]
+        assert await client.call("guarded", 0.05, timeout=5) == "timed out"
+        assert await client.call("set_var", "mine", timeout=5) == "mine"
+        assert await client.call("get_var", timeout=5) == "unset"  # nothing leaked
+        assert await client.call("peer_after_wait", timeout=5) == client._chan.slot
+        with pytest.raises(cxlrpc.DeadlineExceeded):
+            await client.call("guarded", 10.0, timeout=0.1)
+        assert await client.call("kind", False, timeout=5) == ["_EagerTask", "_EagerTask"]
+        assert not server._tasks

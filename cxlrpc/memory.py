@@ -65,6 +65,11 @@ class AtomicMemory:
         self._writeback: Callable[[int, int], None] | None = None
         self._invalidate: Callable[[int, int], None] | None = None
 
+    @property
+    def address(self) -> int:
+        """Where the buffer starts in this process (for native calls over it)."""
+        return self._view.address
+
     def use_flushes(self, writeback: Callable[[int, int], None] | None = None,
                     invalidate: Callable[[int, int], None] | None = None) -> None:
         """Switch to non-coherent operation: the given (offset, length) hooks, or the CPU's

@@ -12,6 +12,7 @@ on any host that maps the region.
 """
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import re
@@ -43,6 +44,7 @@ OWNER_LIVE, OWNER_CLOSED = 1, 2
 _CODES = {HARDWARE: 1, FLUSH: 2}
 _MODES = {code: mode for mode, code in _CODES.items()}
 
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 
 
@@ -135,7 +137,11 @@ class Region:
             except posix_ipc.ExistentialError as exc:
                 raise FileExistsError(f"region {url} already exists") from exc
             try:
+                _reserve(shm.fd, size, url, "/dev/shm")
                 mapping = mmap.mmap(shm.fd, size)
+            except BaseException:
+                unlink_shm(path)
+                raise
             finally:
                 shm.close_fd()
         else:
@@ -455,12 +461,48 @@ def _map_new_file(path: str, size: int, mode: int) -> mmap.mmap:
         raise FileExistsError(f"region file {path} already exists") from exc
     try:
         os.ftruncate(fd, size)
+        _reserve(fd, size, "file://" + path, os.path.dirname(path) or "/")
         return mmap.mmap(fd, size)
     except BaseException:
         os.unlink(path)
         raise
     finally:
         os.close(fd)
+
+
+def _reserve(fd: int, size: int, url: str, where: str) -> None:
+    """Allocate a new region's memory now: a full tmpfs is a clear error here, not a SIGBUS
+    on first touch later (the caller removes what it created)."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+            raise
+        try:
+            st = os.statvfs(where)
+            free = f"{st.f_bavail * st.f_frsize} bytes free"
+        except OSError:
+            free = "free space unknown"
+        raise RegionError(f"{url} needs {size} bytes and {where} has {free} ({exc.strerror}): "
+                          f"free memory there or ask for a smaller region") from None
+
+
+def prefault(mapping: mmap.mmap, offset: int = 0, length: int | None = None) -> None:
+    """Fault every page of ``[offset, offset+length)`` in now (writable), so first touches on
+    the hot path cost no page fault: MADV_POPULATE_WRITE where the kernel has it (5.14+),
+    otherwise a write of each page (values unchanged)."""
+    length = len(mapping) - offset if length is None else length
+    try:
+        mapping.madvise(_MADV_POPULATE_WRITE, offset, length)
+        return
+    except (OSError, ValueError):
+        pass
+    view = memoryview(mapping)
+    try:
+        for page in range(offset, offset + length, mmap.PAGESIZE):
+            view[page] = view[page]
+    finally:
+        view.release()
 
 
 def _validate_header(url: str, mapping: mmap.mmap, actual: int, kind: int | None) -> None:

@@ -177,3 +177,22 @@ async def test_kvservice_on_files_and_a_pool_that_cannot_be_made(tmp_path):
     async with KVServer(f"file://{tmp_path}/dev/kv", pool_size=1 << 20,
                         pool_url=f"file://{tmp_path}/pool"):
         pass
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to mount a small tmpfs")
+def test_region_too_big_for_its_filesystem_is_a_clear_error_and_leaves_nothing(tmp_path):
+    """Memory is reserved at creation: no SIGBUS on a later first touch, no half-made file."""
+    import subprocess
+
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], check=True)
+    try:
+        with pytest.raises(cxlrpc.RegionError, match=r"needs 4194304 bytes and .* bytes free"):
+            Region.create(f"file://{mnt}/region", 4 << 20, kind=1)
+        assert list(mnt.iterdir()) == []
+        with Region.create(f"file://{mnt}/fits", 512 << 10, kind=1) as region:  # and one that fits
+            region.buf[-1] = 1
+        (mnt / "fits").unlink()
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)

@@ -43,3 +43,14 @@ def no_leaked_segments():
     for n in leaked:
         unlink_shm("/" + n)
     assert not leaked, f"test leaked shared-memory segments: {sorted(leaked)}"
+
+
+@pytest.fixture(scope="session")
+def image():
+    """The QEMU guest image (built once; see tests/guest_vm.py)."""
+    import tempfile
+    from pathlib import Path
+
+    from guest_vm import image_or_skip
+
+    return image_or_skip(Path(tempfile.gettempdir()))

@@ -369,3 +369,15 @@ class Guest:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait()
+
+
+def image_or_skip(workdir: Path) -> GuestImage:
+    """The guest image for tests: skips without qemu, except under CI, where that fails."""
+    import pytest
+
+    if shutil.which(QEMU) is None:
+        reason = f"{QEMU} not installed (apt-get install qemu-system-x86 linux-image-amd64 busybox-static)"
+        if os.environ.get("CI"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+    return build_image(workdir)

@@ -4,8 +4,6 @@ from __future__ import annotations
 import itertools
 import mmap
 import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Iterator
@@ -13,24 +11,13 @@ from typing import Callable, Iterator
 import atomicshm
 import pytest
 
-from guest_vm import QEMU, Guest, GuestImage, build_image
+from guest_vm import Guest, GuestImage
 
 pytestmark = [pytest.mark.guests, pytest.mark.timeout(300)]
 
 SHM_SIZE = 64 << 20
 BOOT_TIMEOUT = 120.0
 _names = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def image() -> GuestImage:
-    """The guest image; skips without qemu, except under CI where that is a failure."""
-    if shutil.which(QEMU) is None:
-        reason = f"{QEMU} not installed (apt-get install qemu-system-x86 linux-image-amd64 busybox-static)"
-        if os.environ.get("CI"):
-            pytest.fail(reason)
-        pytest.skip(reason)
-    return build_image(Path(tempfile.gettempdir()))
 
 
 @pytest.fixture

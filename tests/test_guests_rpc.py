@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import tempfile
 import time
 from contextlib import ExitStack
@@ -28,7 +27,7 @@ import pytest
 from cxlrpc.channel import read_geometry
 from cxlrpc.memory import ACQUIRE
 from cxlrpc.region import Region
-from guest_vm import QEMU, Guest, GuestError, GuestImage, build_image
+from guest_vm import Guest, GuestError, GuestImage
 
 pytestmark = [pytest.mark.guests, pytest.mark.timeout(900)]
 
@@ -37,17 +36,6 @@ BOOT_TIMEOUT = 120.0  # boot + Python imports under TCG
 PEER = Path(__file__).resolve().parent / "guest_peer.py"
 FIGURES = Path(os.environ.get("CXLRPC_GUEST_FIGURES",
                              Path(tempfile.gettempdir()) / "cxlrpc-guest-figures.json"))
-
-
-@pytest.fixture(scope="module")
-def image() -> GuestImage:
-    """The guest image; skips without qemu, except under CI where that is a failure."""
-    if shutil.which(QEMU) is None:
-        reason = f"{QEMU} not installed (apt-get install qemu-system-x86 linux-image-amd64 busybox-static)"
-        if os.environ.get("CI"):
-            pytest.fail(reason)
-        pytest.skip(reason)
-    return build_image(Path(tempfile.gettempdir()))
 
 
 def _host_write_json(guest: Guest, name: str, data: Any) -> None:

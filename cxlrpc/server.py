@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import inspect
 import itertools
 import logging
@@ -28,6 +29,7 @@ from .region import Region, RegionError, parse_url
 
 Handler = Callable[..., Any]
 _NO_ARG = object()
+_SUSPENDED, _FAILED = object(), object()  # what _run_eagerly returns instead of a result
 logger = logging.getLogger("cxlrpc.server")
 
 
@@ -47,23 +49,41 @@ def current_peer() -> Peer:
 
 
 class _Method:
-    """A registered handler with its request decoding decided once, at registration."""
+    """A registered handler with its calling convention and request decoding decided once,
+    at registration (a handler that cannot be served is refused there, not on every call)."""
 
-    __slots__ = ("fn", "is_async", "arg_type", "takes_arg")
+    __slots__ = ("fn", "is_async", "blocking", "arg_type", "takes_arg")
 
-    def __init__(self, fn: Handler) -> None:
+    def __init__(self, name: str, fn: Handler, blocking: bool = False) -> None:
+        if not callable(fn):
+            raise TypeError(f"handler for {name!r} is not callable: {fn!r}")
         self.fn = fn
-        self.is_async = inspect.iscoroutinefunction(fn)
+        target = inspect.unwrap(fn)
+        while isinstance(target, functools.partial):
+            target = inspect.unwrap(target.func)
+        # a plain wrapper of a coroutine function (functools.wraps, partial) is served as one
+        self.is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(target)
+        if blocking and self.is_async:
+            raise ValueError(f"handler for {name!r} is a coroutine function: blocking=True is "
+                             f"for plain functions that block (they run in a thread)")
+        self.blocking = blocking
         params = list(inspect.signature(fn).parameters.values())
-        self.takes_arg = bool(params)
+        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        required = [p.name for p in positional if p.default is p.empty]
+        required += [p.name for p in params if p.kind is p.KEYWORD_ONLY and p.default is p.empty]
+        if len(required) > 1:
+            raise TypeError(f"handler for {name!r} must take at most one argument (the request); "
+                            f"it requires {', '.join(required)}")
+        first = positional[0] if positional else None
+        self.takes_arg = first is not None or any(p.kind is p.VAR_POSITIONAL for p in params)
         self.arg_type: Any = None
-        if params:
-            ann = params[0].annotation
+        if first is not None:
+            ann = first.annotation
             if ann is not inspect.Parameter.empty and not isinstance(ann, str):
                 self.arg_type = ann
             elif isinstance(ann, str):
                 hints = inspect.get_annotations(fn, eval_str=True)
-                self.arg_type = hints.get(params[0].name)
+                self.arg_type = hints.get(first.name)
 
 
 class Server:
@@ -79,7 +99,8 @@ class Server:
     def __init__(self, url: str, *, slots: int = 16, request_capacity: int = 4 << 20,
                  response_capacity: int = 4 << 20, doorbell: WaitStrategy | str | None = None,
                  client_timeout: float = 1.0, heartbeat_interval: float = 0.1,
-                 poll_interval: float = 1e-3, size: int | None = None, mode: int = 0o600) -> None:
+                 poll_interval: float = 1e-3, size: int | None = None, mode: int = 0o600,
+                 error_details: bool = True) -> None:
         parse_url(url)  # fail fast on a malformed URL
         if not poll_interval > 0:
             raise ValueError("poll_interval must be > 0 seconds")
@@ -91,6 +112,9 @@ class Server:
         self.heartbeat_interval = heartbeat_interval
         self.poll_interval = poll_interval
         self.mode = mode
+        #: Whether clients see a failing handler's exception text (False: a generic message;
+        #: the server logs the traceback either way).
+        self.error_details = error_details
         self._methods: dict[str, _Method] = {}
         self._on_disconnect: list[Callable[[Peer], None]] = []
         self._region: Region | None = None
@@ -108,18 +132,24 @@ class Server:
         self.dropped_frames = 0
 
     # ------------------------------------------------------------------ registration
-    def method(self, name: str) -> Callable[[Handler], Handler]:
-        """Decorator: serve ``fn`` as ``name`` (plain or async; one argument, the request)."""
+    def method(self, name: str, *, blocking: bool = False) -> Callable[[Handler], Handler]:
+        """Decorator: serve ``fn`` as ``name`` (plain or async; one argument, the request).
+
+        Plain functions run inline in the server's loop: fast, for cheap work. One that blocks
+        (I/O, sleeps, heavy compute) stalls every client meanwhile: register it with
+        ``blocking=True`` to run it in a thread (a deadline then ends the call, not the thread).
+        """
         def register(fn: Handler) -> Handler:
-            self.add_method(name, fn)
+            self.add_method(name, fn, blocking=blocking)
             return fn
         return register
 
-    def add_method(self, name: str, fn: Handler) -> None:
+    def add_method(self, name: str, fn: Handler, *, blocking: bool = False) -> None:
+        """Serve ``fn`` as ``name`` (see :meth:`method`)."""
         fr.method_bytes(name)
         if name in self._methods:
             raise ValueError(f"method {name!r} is already registered")
-        self._methods[name] = _Method(fn)
+        self._methods[name] = _Method(name, fn, blocking)
 
     def on_disconnect(self, callback: Callable[[Peer], None]) -> None:
         """Call ``callback(peer)`` when a client detaches or is reaped (to drop what it held)."""
@@ -305,23 +335,22 @@ class Server:
         if peer is None or peer.gen != f.gen:
             peer = self._peers[slot] = Peer(slot, f.gen)
         if m.is_async:
-            # Run the coroutine inline up to its first suspension, in a context of its own and
-            # with a stand-in as the current task (what 3.12's eager tasks do): one that never
-            # suspends costs no task and no loop iteration.
             ctx = contextvars.copy_context()
             ctx.run(_current_peer.set, peer)
-            eager = _EagerTask()
             try:
                 coro = m.fn() if arg is _NO_ARG else m.fn(arg)
-                step = ctx.run(_first_step, coro, eager)
-            except StopIteration as done:
-                result = done.value
-            except (Exception, asyncio.CancelledError) as exc:
+            except Exception as exc:
                 self._fail(f, exc)
                 return
-            else:
-                self._suspended(coro, step, f, slot, ctx, eager)
+            result = self._run_eagerly(coro, f, slot, ctx)
+            if result is _SUSPENDED:
                 return
+        elif m.blocking:
+            ctx = contextvars.copy_context()
+            ctx.run(_current_peer.set, peer)
+            call = functools.partial(ctx.run, m.fn) if arg is _NO_ARG else functools.partial(ctx.run, m.fn, arg)
+            self._in_thread(asyncio.get_running_loop().run_in_executor(None, call), f, slot)
+            return
         else:
             token = _current_peer.set(peer)
             try:
@@ -331,7 +360,13 @@ class Server:
                 return
             finally:
                 _current_peer.reset(token)
-        if f.call_id == fr.NO_REPLY:
+            if inspect.iscoroutine(result):  # a plain function that returned a coroutine
+                ctx = contextvars.copy_context()
+                ctx.run(_current_peer.set, peer)
+                result = self._run_eagerly(result, f, slot, ctx)
+                if result is _SUSPENDED:
+                    return
+        if result is _FAILED or f.call_id == fr.NO_REPLY:
             return
         # Fast path of _reply: the slot was checked above and nothing ran in between.
         if type(result) is bytes and slot not in self._backlog:
@@ -342,19 +377,44 @@ class Server:
                 return
         self._reply(f, result)
 
+    def _run_eagerly(self, coro: Any, f: fr.Frame, slot: int, ctx: contextvars.Context) -> Any:
+        """Run a handler's coroutine inline up to its first suspension, in its own context and
+        with a stand-in as the current task (what 3.12's eager tasks do): one that never
+        suspends costs no task and no loop iteration. Its result, or _SUSPENDED (a task carries
+        it on), or _FAILED (the error was sent)."""
+        eager = _EagerTask()
+        try:
+            step = ctx.run(_first_step, coro, eager)
+        except StopIteration as done:
+            return done.value
+        except (Exception, asyncio.CancelledError) as exc:
+            self._fail(f, exc)
+            return _FAILED
+        self._suspended(coro, step, f, slot, ctx, eager)
+        return _SUSPENDED
+
     def _suspended(self, coro: Any, step: Any, f: fr.Frame, slot: int, ctx: contextvars.Context,
                    eager: "_EagerTask") -> None:
         """A coroutine handler suspended: finish it in a task (in its own context, where
         ``current_peer()`` holds), cancellable by CANCEL frames, its deadline and departure."""
+        eager.task = self._track(f, slot, lambda key: ctx.run(
+            asyncio.get_running_loop().create_task, self._finish(_Resumed(coro, step), f, key)))
+
+    def _in_thread(self, running: asyncio.Future, f: fr.Frame, slot: int) -> None:
+        """A blocking handler runs in the loop's executor; its call ends like a task's."""
+        self._track(f, slot, lambda key: asyncio.get_running_loop().create_task(
+            self._finish(running, f, key)))
+
+    def _track(self, f: fr.Frame, slot: int, start: Callable[[tuple], asyncio.Task]) -> asyncio.Task:
+        """Register the task that finishes a call, with its deadline as a timer."""
         # one-way calls share call id 0: give each its own (negative) task key
         key = (slot, f.gen, f.call_id or -next(self._oneway_ids))
-        loop = asyncio.get_running_loop()
-        task = ctx.run(loop.create_task, self._finish(_Resumed(coro, step), f, key))  # in ctx
-        eager.task = task
+        task = start(key)
         self._tasks[key] = task
         if f.timeout > 0:
-            timer = loop.call_later(f.timeout, self._expire_call, key)
+            timer = asyncio.get_running_loop().call_later(f.timeout, self._expire_call, key)
             task.add_done_callback(lambda _: timer.cancel())
+        return task
 
     def _expire_call(self, key: tuple) -> None:
         task = self._tasks.get(key)
@@ -362,7 +422,7 @@ class Server:
             self._expired.add(key)
             task.cancel()
 
-    async def _finish(self, handler: "_Resumed", f: fr.Frame, key: tuple) -> None:
+    async def _finish(self, handler: Any, f: fr.Frame, key: tuple) -> None:
         try:
             result = await handler
         except asyncio.CancelledError:
@@ -385,8 +445,10 @@ class Server:
             self._error(f, StatusCode.CANCELLED, "cancelled")
         elif isinstance(exc, RpcError):
             self._error(f, exc.code, exc.message)
-        else:
-            self._error(f, StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+        else:  # a bug in the handler: the server's log gets the traceback
+            logger.error("handler of %r raised", f.method, exc_info=exc)
+            detail = f"{type(exc).__name__}: {exc}" if self.error_details else "the handler failed"
+            self._error(f, StatusCode.INTERNAL, detail)
 
     def _reply(self, f: fr.Frame, result: Any) -> None:
         if f.call_id == fr.NO_REPLY:

@@ -417,3 +417,70 @@ async def test_async_handlers_start_inline_and_get_a_task_only_when_they_suspend
             await client.call("guarded", 10.0, timeout=0.1)
         assert await client.call("kind", False, timeout=5) == ["_EagerTask", "_EagerTask"]
         assert not server._tasks
+
+
+def test_handlers_that_cannot_be_served_are_refused_at_registration(url):
+    import functools
+
+    server = cxlrpc.Server(url)
+    with pytest.raises(TypeError, match="at most one argument"):
+        server.add_method("two", lambda req, ctx: None)
+    with pytest.raises(TypeError, match="at most one argument"):
+        server.add_method("kw", lambda req, *, ctx: None)
+    with pytest.raises(TypeError, match="not callable"):
+        server.add_method("nothing", None)
+
+    async def handler(req):
+        return req
+
+    with pytest.raises(ValueError, match="blocking=True is for plain functions"):
+        server.add_method("ablocking", handler, blocking=True)
+    server.add_method("defaults", lambda req, extra=1: req)  # optional extras are fine
+    server.add_method("partial", functools.partial(handler))  # served as a coroutine function
+    assert server._methods["partial"].is_async
+
+
+async def test_blocking_handlers_run_in_threads_and_stall_nobody(url):
+    """A plain handler that sleeps, registered blocking=True, leaves other calls served; a
+    handler written as a plain function returning a coroutine is awaited, not encoded."""
+    import time
+
+    server = cxlrpc.Server(url)
+    server.add_method("fast", lambda p: p)
+
+    @server.method("slow", blocking=True)
+    def slow(seconds: float) -> str:
+        time.sleep(seconds)
+        return f"slept in {threading.current_thread().name != 'MainThread'} thread, peer {cxlrpc.current_peer().slot}"
+
+    async def inner(p):
+        await asyncio.sleep(0)
+        return p
+
+    server.add_method("wrapper", lambda p: inner(p))
+    async with server, cxlrpc.connect(url) as client:
+        pending = asyncio.ensure_future(client.call("slow", 0.5, timeout=5))
+        t = asyncio.get_running_loop().time()
+        for _ in range(20):
+            assert await client.call("fast", b"x", timeout=1) == b"x"
+        assert asyncio.get_running_loop().time() - t < 0.4, "the blocking handler stalled the loop"
+        assert (await pending).startswith("slept in True thread, peer ")
+        with pytest.raises(cxlrpc.DeadlineExceeded):
+            await client.call("slow", 1.0, timeout=0.2)
+        assert await client.call("wrapper", b"w", timeout=5) == b"w"
+
+
+async def test_handler_errors_are_logged_and_their_text_is_the_servers_choice(url, caplog):
+    def boom(p):
+        raise ValueError("secret internals")
+
+    for details, expected in ((True, "ValueError: secret internals"), (False, "the handler failed")):
+        server = cxlrpc.Server(url, error_details=details)
+        server.add_method("boom", boom)
+        caplog.clear()
+        async with server, cxlrpc.connect(url) as client:
+            with pytest.raises(cxlrpc.Internal) as err:
+                await client.call("boom", b"x", timeout=5)
+        assert expected in str(err.value) and (details or "secret" not in str(err.value))
+        logged = [r for r in caplog.records if r.name == "cxlrpc.server" and r.exc_info]
+        assert logged and "secret internals" in str(logged[0].exc_info[1])

@@ -23,16 +23,23 @@ def capacity_for(max_payload: int) -> int:
 
 
 def serve(conn: Connection, address: str, max_payload: int = 1 << 20, doorbell: str = "adaptive",
-          loop: str = "uvloop", **_: object) -> None:
-    """Serve ``echo`` on ``address`` until the parent says stop; close cleanly (unlinks the region)."""
+          loop: str = "uvloop", handler: str = "async", **_: object) -> None:
+    """Serve ``echo`` on ``address`` until the parent says stop; close cleanly (unlinks the region).
+
+    ``handler``: ``"async"`` (an ``async def``, what users write and what grpc.aio servicers
+    are) or ``"plain"`` (a plain function, the cheapest shape)."""
     cap = capacity_for(max_payload)
 
     async def main() -> None:
         server = cxlrpc.Server(address, doorbell=doorbell, request_capacity=cap, response_capacity=cap)
 
-        @server.method("echo")
-        def echo(payload: bytes) -> bytes:
+        async def echo_async(payload: bytes) -> bytes:
             return payload
+
+        def echo_plain(payload: bytes) -> bytes:
+            return payload
+
+        server.add_method("echo", echo_async if handler == "async" else echo_plain)
 
         async with server:
             conn.send(("ready", {"pid": os.getpid(), "address": address, "capacity": cap}))

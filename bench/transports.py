@@ -50,9 +50,14 @@ _CXL_SRV, _CXL_AIO, _CXL_SYNC = "bench.cxl_echo:serve", "bench.cxl_echo:open_asy
 _G_AIO_SRV, _G_SYNC_SRV = "bench.grpc_echo:serve_aio", "bench.grpc_echo:serve_sync"
 _G_AIO, _G_SYNC = "bench.grpc_echo:open_aio", "bench.grpc_echo:open_sync"
 
+# cxlrpc servers use an ``async def`` handler (the shape users write, as grpc.aio's servicers
+# are) unless the row says "plain handler".
 ECHO: tuple[Transport, ...] = (
     Transport("cxl-aio", "cxlrpc aio adaptive", "cxlrpc", _CXL_SRV, _CXL_AIO, True, "shm",
               {"doorbell": "adaptive"}, {"doorbell": "adaptive"}, needs="cxlrpc"),
+    Transport("cxl-aio-plain", "cxlrpc aio adaptive, plain handler", "cxlrpc", _CXL_SRV, _CXL_AIO,
+              True, "shm", {"doorbell": "adaptive", "handler": "plain"}, {"doorbell": "adaptive"},
+              needs="cxlrpc"),
     Transport("cxl-sync", "cxlrpc sync adaptive", "cxlrpc", _CXL_SRV, _CXL_SYNC, False, "shm",
               {"doorbell": "adaptive"}, {"doorbell": "adaptive"}, needs="cxlrpc"),
     Transport("cxl-aio-spin", "cxlrpc aio busy-spin", "cxlrpc", _CXL_SRV, _CXL_AIO, True, "shm",

@@ -556,6 +556,12 @@ class _EagerTask:
     def done(self) -> bool:
         return False
 
+    def get_name(self) -> str:
+        return self.task.get_name() if self.task is not None else "cxlrpc-handler"
+
+    def get_loop(self) -> asyncio.AbstractEventLoop:
+        return asyncio.get_running_loop()
+
 
 def _first_step(coro: Any, eager: _EagerTask) -> Any:
     """``coro.send(None)`` with ``eager`` as the loop's current task (the reader's restored)."""

@@ -378,6 +378,7 @@ async def test_async_handlers_start_inline_and_get_a_task_only_when_they_suspend
 
     @server.method("kind")
     async def kind(wait: bool) -> list:
+        assert asyncio.current_task().get_name() and asyncio.current_task().get_loop()  # as loggers ask
         before = type(asyncio.current_task()).__name__
         if wait:
             await asyncio.sleep(0)

@@ -103,10 +103,10 @@ class _Base:
         server on another host must see our slot before it polls for our requests."""
         return None if self._chan.server_local else self.server_timeout + 2 * _BEAT_INTERVAL
 
-    def _unacknowledged(self) -> Unavailable:
+    def _unacknowledged(self, waited: float) -> Unavailable:
         self._shutdown()
         return Unavailable(f"the server at {self.url} did not acknowledge this connection within "
-                           f"{self.server_timeout + 2 * _BEAT_INTERVAL:.1f} s")
+                           f"{waited:.1f} s")
 
     def _push(self, parts: tuple) -> bool:
         """Push a request as our slot's producer; Unavailable if the server reclaimed the slot."""
@@ -189,7 +189,7 @@ class Client(_Base):
             try:
                 while not self._chan.acknowledged():
                     if self._loop.time() >= deadline:
-                        raise self._unacknowledged()
+                        raise self._unacknowledged(wait)
                     await asyncio.sleep(0.002)
             except asyncio.CancelledError:
                 self._shutdown()
@@ -406,7 +406,7 @@ class SyncClient(_Base):
             deadline = time.monotonic() + wait
             while not self._chan.acknowledged():
                 if time.monotonic() >= deadline:
-                    raise self._unacknowledged()
+                    raise self._unacknowledged(wait)
                 time.sleep(0.002)
 
     def close(self) -> None:

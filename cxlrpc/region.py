@@ -263,12 +263,7 @@ class Region:
     def owner_alive_locally(self) -> bool | None:
         """Host-local accelerator: is the owner PID alive? None when it is another host's
         (identity differs) and only its heartbeat can tell."""
-        info = self.info()
-        if info.closed:
-            return False
-        if info.owner_identity != host_identity():
-            return None
-        return pid_alive(info.owner_pid)
+        return _owner_alive_locally(self.info())
 
     def owner_alive(self, window: float) -> bool:
         """Closed cleanly: no. Same host: is the owner's PID alive? Another host's owner:
@@ -362,6 +357,16 @@ def _info(url: str, mem: AtomicMemory, buf: memoryview) -> RegionInfo:
     )
 
 
+def _owner_alive_locally(info: RegionInfo) -> bool | None:
+    """Closed cleanly: dead. The owner's identity is ours: is its PID alive? Otherwise None
+    (another host's owner: only its heartbeat can tell)."""
+    if info.closed:
+        return False
+    if info.owner_identity != host_identity():
+        return None
+    return pid_alive(info.owner_pid)
+
+
 def _heartbeat_moves(mem: AtomicMemory, window: float, also: int | None = None) -> bool:
     """Does the owner's heartbeat (or the word at ``also``) change within ``window`` s?"""
     first = mem.load(HEARTBEAT_OFFSET, ACQUIRE)
@@ -383,10 +388,9 @@ def _busy_reason(url: str, mem: AtomicMemory, buf: memoryview, window: float) ->
         if version != LAYOUT_VERSION:
             raise RegionError(f"{url} has layout version {version}; this build reads {LAYOUT_VERSION}")
         info = _info(url, mem, buf)
-        if info.closed:
-            return None
-        if info.owner_identity == host_identity():
-            return f"in use by live process {info.owner_pid}" if pid_alive(info.owner_pid) else None
+        local = _owner_alive_locally(info)
+        if local is not None:
+            return f"in use by live process {info.owner_pid}" if local else None
         if _heartbeat_moves(mem, window):
             return f"in use by a live server on another host ({info.owner_host})"
         return None

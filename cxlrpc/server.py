@@ -335,8 +335,7 @@ class Server:
         if peer is None or peer.gen != f.gen:
             peer = self._peers[slot] = Peer(slot, f.gen)
         if m.is_async:
-            ctx = contextvars.copy_context()
-            ctx.run(_current_peer.set, peer)
+            ctx = _handler_context(peer)
             try:
                 coro = m.fn() if arg is _NO_ARG else m.fn(arg)
             except Exception as exc:
@@ -346,8 +345,7 @@ class Server:
             if result is _SUSPENDED:
                 return
         elif m.blocking:
-            ctx = contextvars.copy_context()
-            ctx.run(_current_peer.set, peer)
+            ctx = _handler_context(peer)
             call = functools.partial(ctx.run, m.fn) if arg is _NO_ARG else functools.partial(ctx.run, m.fn, arg)
             self._in_thread(asyncio.get_running_loop().run_in_executor(None, call), f, slot)
             return
@@ -361,8 +359,7 @@ class Server:
             finally:
                 _current_peer.reset(token)
             if inspect.iscoroutine(result):  # a plain function that returned a coroutine
-                ctx = contextvars.copy_context()
-                ctx.run(_current_peer.set, peer)
+                ctx = _handler_context(peer)
                 result = self._run_eagerly(result, f, slot, ctx)
                 if result is _SUSPENDED:
                     return
@@ -561,6 +558,13 @@ class _EagerTask:
 
     def get_loop(self) -> asyncio.AbstractEventLoop:
         return asyncio.get_running_loop()
+
+
+def _handler_context(peer: Peer) -> contextvars.Context:
+    """A context of the handler's own (as a task would have), where ``current_peer()`` holds."""
+    ctx = contextvars.copy_context()
+    ctx.run(_current_peer.set, peer)
+    return ctx
 
 
 def _first_step(coro: Any, eager: _EagerTask) -> Any:

@@ -1,6 +1,10 @@
 """A server region's layout: request ring, slot table, response rings; attach, detach, liveness.
 
-Layout (after the region header)::
+Two layouts, chosen by the region's coherence (server and client code never see which):
+coherent memory (``"hardware"``) uses the layout below; memory without cross-host coherence
+(``"flush"``) uses the single-writer layout of :class:`FlushServerChannel`.
+
+Layout on coherent memory (after the region header)::
 
     control block   state, geometry, server doorbell word, drop counter
     request ring    MPSC: every client -> server (producer id = slot index)
@@ -21,16 +25,17 @@ it (and polls for its requests) before its first call.
 from __future__ import annotations
 
 import os
+import secrets
 import time
 from dataclasses import dataclass
 from typing import Sequence
 
 from .doorbell import Doorbell, DoorbellReceiver, wake_address
 from .identity import host_identity
-from .memory import ACQ_REL, ACQUIRE, RELAXED, RELEASE
+from .memory import ACQ_REL, ACQUIRE, FLUSH, RELAXED, RELEASE, check_coherence
 from .region import HEADER_SIZE as REGION_HEADER, Region, RegionError, pid_alive
 from .ring import MpscRing, SpscRing, ring_size
-from .ring.mpsc import NO_CLAIM
+from .ring.mpsc import NO_CLAIM, ClaimRevoked
 from .ring.record import TAG_MASK
 
 KIND_RPC = 1
@@ -65,6 +70,9 @@ class Geometry:
     slots: int
     request_capacity: int
     response_capacity: int
+    #: Single-writer layout (memory without coherence): one SPSC request ring per slot, of
+    #: ``request_capacity`` each, instead of one shared MPSC ring.
+    per_client_requests: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.slots <= MAX_SLOTS:
@@ -74,11 +82,13 @@ class Geometry:
 
     @property
     def request_ring(self) -> int:
+        """The shared MPSC request ring (coherent layout)."""
         return CONTROL + PAGE
 
     @property
     def slot_table(self) -> int:
-        return _page(self.request_ring + ring_size(self.request_capacity))
+        shared = 0 if self.per_client_requests else ring_size(self.request_capacity)
+        return _page(self.request_ring + shared)
 
     def slot(self, i: int) -> int:
         return self.slot_table + i * SLOT_STRIDE
@@ -90,17 +100,29 @@ class Geometry:
     def response_ring(self, i: int) -> int:
         return self.response_rings + i * _page(ring_size(self.response_capacity))
 
+    def client_request_ring(self, i: int) -> int:
+        """Slot ``i``'s own request ring (single-writer layout)."""
+        return self.response_ring(self.slots) + i * _page(ring_size(self.request_capacity))
+
     @property
     def size(self) -> int:
+        if self.per_client_requests:
+            return self.client_request_ring(self.slots)
         return self.response_ring(self.slots)
+
+
+def layout(slots: int, request_capacity: int, response_capacity: int, coherence: str) -> Geometry:
+    """The geometry a server region of that coherence mode uses."""
+    return Geometry(slots, request_capacity, response_capacity, check_coherence(coherence) == FLUSH)
 
 
 def read_geometry(region: Region) -> Geometry:
     """Read and validate a server region's geometry (it may be garbage)."""
     mem = region.mem
+    mem.invalidate(CONTROL, 64)
     try:
         geo = Geometry(mem.load(CONTROL + _SLOTS, ACQUIRE), mem.load(CONTROL + _REQ_CAP, ACQUIRE),
-                       mem.load(CONTROL + _RESP_CAP, ACQUIRE))
+                       mem.load(CONTROL + _RESP_CAP, ACQUIRE), region.coherence == FLUSH)
     except ValueError as exc:
         raise RegionError(f"{region.url}: bad geometry in control block ({exc})") from exc
     if geo.size > region.size:
@@ -341,7 +363,7 @@ class ClientChannel:
             return "server closed"
         live = self.server_liveness
         live.timeout = timeout
-        if live.stale(self.region.heartbeat.load(ACQUIRE), time.monotonic()):
+        if live.stale(self.region.heartbeat_value(), time.monotonic()):
             return f"server heartbeat stopped for {live.age(time.monotonic()):.2f} s"
         if self.region.owner_alive_locally() is False:
             return "server process died"
@@ -358,3 +380,318 @@ class ClientChannel:
         self.bell.close()
         word = (self.gen << 1) | 1
         self._slot_state.cas(word, word & ~1, ACQ_REL)
+
+
+# ---------------------------------------------------------------------- single-writer layout
+# Slot words of the single-writer layout; every line has one writer.
+_F_GRANT = 0       # the server's line: nonce << 32 | generation << 1 | held
+_F_HOLDER = 128    # the holder's line: heartbeat, generation, released generation, identity, pid
+_F_BEAT, _F_GEN, _F_RELEASED, _F_IDENTITY, _F_PID = 128, 136, 144, 152, 160
+_F_PARKED = 256    # the holder's doorbell word (it alone writes it: nobody rings across hosts)
+_F_KNOCK = 384     # claimants' mailbox: the nonce of whoever asks for the slot last
+_GEN_MASK = 0x7FFFFFFF
+_NONCE_MASK = 0xFFFFFFFF
+
+
+def _grant_word(nonce: int, gen: int, held: bool) -> int:
+    return nonce << 32 | gen << 1 | int(held)
+
+
+class _QuietBell:
+    """A producer's doorbell where no producer can wake a consumer: it polls instead."""
+
+    __slots__ = ()
+    target = None
+
+    def ring(self) -> None:
+        pass
+
+
+class _ClientRequestRings:
+    """The server's view of the per-slot request rings: polled in turn, held slots only.
+
+    Looks like a ring to the server (``poll``, ``readable``); an SPSC ring below its tail is
+    always complete, so nothing ever blocks its head."""
+
+    head_position = -1
+
+    def __init__(self) -> None:
+        self.active: list[SpscRing] = []
+        self._next = 0
+
+    def poll(self, handler, limit: int = 1 << 30) -> int:
+        rings = self.active
+        n = len(rings)
+        if not n:
+            return 0
+        start = self._next % n
+        self._next = start + 1  # a different ring goes first each time: fairness
+        count = 0
+        for k in range(n):
+            count += rings[(start + k) % n].poll(handler, limit - count)
+            if count >= limit:
+                break
+        return count
+
+    def readable(self) -> bool:
+        for ring in self.active:
+            if ring.readable():
+                return True
+        return False
+
+    @staticmethod
+    def blocked_producer() -> None:
+        return None
+
+
+class FlushServerChannel:
+    """The server's side of the single-writer layout (memory without cross-host coherence).
+
+    No line is written by two hosts and nothing is read-modify-written across hosts: each
+    client produces into its own SPSC request ring, which the server scans; the server alone
+    writes a slot's grant word, the holder alone its heartbeat line. A client asks for a free
+    slot by writing a random nonce into the slot's knock line (the one line several claimants
+    may write: a lost knock only means that claimant sees another nonce granted and tries the
+    next slot); the server grants the nonce it reads there. Every published line is written
+    back and every line read from another host invalidated first (the ring does its own).
+    """
+
+    def __init__(self, region: Region, geo: Geometry, poll_interval: float = 1e-3) -> None:
+        if not geo.per_client_requests:
+            raise ValueError("the single-writer layout needs per_client_requests geometry")
+        self.region = region
+        self.geo = geo
+        mem = region.mem
+        self.identity = host_identity()
+        self.state = mem.counter(CONTROL + _STATE)
+        self.dropped = mem.counter(CONTROL + _DROPPED)
+        mem.store(CONTROL + _SLOTS, geo.slots, RELAXED)
+        mem.store(CONTROL + _REQ_CAP, geo.request_capacity, RELAXED)
+        mem.store(CONTROL + _RESP_CAP, geo.response_capacity, RELAXED)
+        self.requests = _ClientRequestRings()
+        self.request_rings: list[SpscRing] = []
+        self.responses: list[SpscRing] = []
+        for i in range(geo.slots):
+            base = geo.slot(i)
+            mem.zero(base, SLOT_STRIDE)
+            for offset, capacity, rings in ((geo.response_ring(i), geo.response_capacity, self.responses),
+                                            (geo.client_request_ring(i), geo.request_capacity,
+                                             self.request_rings)):
+                ring = SpscRing(region.buf, mem, offset, capacity)
+                ring.reset()
+                rings.append(ring)
+        self.bell = DoorbellReceiver(mem.counter(CONTROL + _SERVER_PARKED),
+                                     wake_address(region.epoch, "server"), poll_interval)
+        self.bell.remote_peers = True  # nobody can wake us across hosts: poll
+        self._held = [-1] * geo.slots  # generation granted, or -1 (we alone write the grant)
+        self._gens = [0] * geo.slots
+        self._nonces = [0] * geo.slots  # the knock last granted (a stale knock is not a new one)
+        self._liveness = [Liveness(0.0) for _ in range(geo.slots)]
+        self.seen: list[int | None] = [None] * geo.slots
+        self.state.store(STATE_RUNNING, RELEASE)
+        mem.writeback(CONTROL, 64)
+
+    def slot_generation(self, slot: int) -> int:
+        """Generation of the slot's holder, or -1 when it is free."""
+        return self._held[slot] if 0 <= slot < self.geo.slots else -1
+
+    def reap(self, timeout: float, now: float) -> list[tuple[int, int]]:
+        """Grant free slots that were knocked on; free those whose holder released them,
+        stopped beating for ``timeout`` s, or died (its PID, when it shares our identity).
+
+        Returns every (slot, generation) freed."""
+        departed = []
+        mem, geo = self.region.mem, self.geo
+        load = mem.load
+        for i in range(geo.slots):
+            base = geo.slot(i)
+            gen = self._held[i]
+            if gen < 0:
+                mem.invalidate(base + _F_KNOCK, 8)
+                nonce = load(base + _F_KNOCK, ACQUIRE)
+                if 0 < nonce <= _NONCE_MASK and nonce != self._nonces[i]:
+                    self._grant(i, nonce)
+                continue
+            mem.invalidate(base + _F_HOLDER, 40)
+            beat = load(base + _F_BEAT, ACQUIRE)
+            ours = load(base + _F_GEN, ACQUIRE) == gen
+            live = self._liveness[i]
+            live.timeout = timeout
+            if (live.stale(beat, now) or (ours and load(base + _F_RELEASED, ACQUIRE) == gen)
+                    or (ours and load(base + _F_IDENTITY, ACQUIRE) == self.identity
+                        and pid_dead_here(load(base + _F_PID, ACQUIRE)))):
+                self._free(i, gen)
+                departed.append((i, gen))
+        return departed
+
+    def _grant(self, slot: int, nonce: int) -> None:
+        gen = self._gens[slot] = (self._gens[slot] % _GEN_MASK) + 1
+        self._publish_grant(slot, _grant_word(nonce, gen, True))
+        self._held[slot], self._nonces[slot] = gen, nonce
+        self._liveness[slot].forget()
+        self.seen[slot] = gen
+        self.requests.active.append(self.request_rings[slot])
+
+    def _free(self, slot: int, gen: int) -> None:
+        self._publish_grant(slot, _grant_word(self._nonces[slot], gen, False))
+        self._held[slot] = -1
+        self._liveness[slot].forget()
+        self.seen[slot] = None
+        self.requests.active.remove(self.request_rings[slot])
+
+    def _publish_grant(self, slot: int, word: int) -> None:
+        at = self.geo.slot(slot) + _F_GRANT
+        self.region.mem.store(at, word, RELEASE)
+        self.region.mem.writeback(at, 8)
+
+    def ring_client(self, slot: int, gen: int) -> None:
+        """Clients poll their reply rings here: there is nobody to wake."""
+
+    def close(self) -> None:
+        """Mark the server closed (clients see it at their next look)."""
+        self.state.store(STATE_CLOSED, RELEASE)
+        self.region.mem.writeback(CONTROL, 64)
+        self.bell.close()
+
+
+class FlushClientChannel:
+    """A client's side of the single-writer layout: knock on a free slot, wait for the grant
+    (``acknowledged``), then produce into the slot's own request ring."""
+
+    def __init__(self, region: Region, poll_interval: float = 1e-3) -> None:
+        self.region = region
+        self.geo = geo = read_geometry(region)
+        self.state = region.mem.counter(CONTROL + _STATE)
+        if self._server_state() != STATE_RUNNING:
+            raise ConnectionRefusedError(f"server at {region.url} is not running")
+        self.server_local = False  # without coherence every peer is treated as remote
+        self._poll_interval = poll_interval
+        self.slot, self.gen, self.tag = -1, 0, 0
+        self._word = 0  # the grant word while we hold the slot
+        self._granted = False
+        start = secrets.randbelow(geo.slots)  # spread racing claimants over the table
+        self._candidates = iter([(start + k) % geo.slots for k in range(geo.slots)])
+        self._nonce = 0
+        self._knocked = -1
+        self.server_bell = _QuietBell()
+        self.server_liveness = Liveness(0.0)
+        self.requests: SpscRing | None = None
+        self._knock_next()
+
+    def _server_state(self) -> int:
+        self.region.mem.invalidate(CONTROL + _STATE, 8)
+        return self.state.load(ACQUIRE)
+
+    def _grant(self, slot: int) -> int:
+        at = self.geo.slot(slot) + _F_GRANT
+        self.region.mem.invalidate(at, 8)
+        return self.region.mem.load(at, ACQUIRE)
+
+    def _knock_next(self) -> None:
+        """Knock on the next slot that looks free; BlockingIOError when none is left."""
+        mem = self.region.mem
+        for slot in self._candidates:
+            if self._grant(slot) & 1:
+                continue
+            self._nonce = secrets.randbelow(_NONCE_MASK) + 1
+            at = self.geo.slot(slot) + _F_KNOCK
+            mem.store(at, self._nonce, RELEASE)
+            mem.writeback(at, 8)
+            self._knocked = slot
+            return
+        raise BlockingIOError(f"all {self.geo.slots} client slots of {self.region.url} are taken")
+
+    def acknowledged(self) -> bool:
+        """Has the server granted us a slot? Knocks on the next free one when another
+        claimant won ours; BlockingIOError when every slot is taken."""
+        if self._granted:
+            return True
+        word = self._grant(self._knocked)
+        if not word & 1:
+            return False  # the server has not looked yet (it grants every ~0.1 s)
+        if word >> 32 != self._nonce:
+            self._knock_next()
+            return False
+        self._take(self._knocked, (word >> 1) & _GEN_MASK, word)
+        return True
+
+    def _take(self, slot: int, gen: int, word: int) -> None:
+        region, geo = self.region, self.geo
+        mem = region.mem
+        base = geo.slot(slot)
+        self.bell = DoorbellReceiver(mem.counter(base + _F_PARKED),
+                                     client_wake_address(region.epoch, slot, gen), self._poll_interval)
+        self.bell.remote_peers = True
+        mem.invalidate(base + _F_HOLDER, 40)
+        self._beat = mem.load(base + _F_BEAT, ACQUIRE) + 1  # moves on from the last holder's
+        mem.store(base + _F_BEAT, self._beat, RELAXED)
+        mem.store(base + _F_GEN, gen, RELAXED)
+        mem.store(base + _F_RELEASED, 0, RELAXED)
+        mem.store(base + _F_IDENTITY, host_identity(), RELAXED)
+        mem.store(base + _F_PID, os.getpid(), RELEASE)
+        mem.writeback(base + _F_HOLDER, 40)
+        self.responses = SpscRing(region.buf, mem, geo.response_ring(slot), geo.response_capacity)
+        self.responses.skip_to_tail()
+        self.requests = SpscRing(region.buf, mem, geo.client_request_ring(slot), geo.request_capacity)
+        self.requests.attach()  # go on from where the last holder's tail stands
+        self.slot, self.gen, self.tag, self._word = slot, gen, gen & TAG_MASK, word
+        self._granted = True
+
+    def push(self, parts: Sequence[bytes | memoryview]) -> bool:
+        """Push a request into our own ring; False when it is full. ClaimRevoked once the
+        server freed the slot (it judged us dead): another holder may own the ring now."""
+        if self._grant(self.slot) != self._word:
+            raise ClaimRevoked("the server freed this client's slot")
+        return self.requests.try_push_parts(parts)
+
+    def holds_slot(self) -> bool:
+        """False once the server freed our slot (True while the grant is still awaited)."""
+        return not self._granted or self._grant(self.slot) == self._word
+
+    def server_gone(self, timeout: float) -> str | None:
+        """Why the server should be considered gone, or None while it looks alive."""
+        if self._server_state() != STATE_RUNNING:
+            return "server closed"
+        live = self.server_liveness
+        live.timeout = timeout
+        if live.stale(self.region.heartbeat_value(), time.monotonic()):
+            return f"server heartbeat stopped for {live.age(time.monotonic()):.2f} s"
+        if self.region.owner_alive_locally() is False:
+            return "server process died"
+        if not self.holds_slot():
+            return ("the server reclaimed this client's slot (it saw no heartbeat from it for "
+                    "its client_timeout); connect again")
+        return None
+
+    def beat(self) -> None:
+        """Advance our heartbeat (only once the slot is ours: before, its line is another's)."""
+        if self._granted:
+            at = self.geo.slot(self.slot) + _F_BEAT
+            self._beat += 1
+            self.region.mem.store(at, self._beat, RELEASE)
+            self.region.mem.writeback(at, 8)
+
+    def detach(self) -> None:
+        """Close the wake-up socket and tell the server we released the slot."""
+        if not self._granted:
+            return
+        self.bell.close()
+        if self.holds_slot():
+            at = self.geo.slot(self.slot) + _F_RELEASED
+            self.region.mem.store(at, self.gen, RELEASE)
+            self.region.mem.writeback(at, 8)
+
+
+def server_channel(region: Region, geo: Geometry, poll_interval: float = 1e-3):
+    """The server side of the layout the region's coherence asks for."""
+    if geo.per_client_requests != (region.coherence == FLUSH):
+        raise ValueError(f"geometry is for the other coherence mode than {region.url}'s "
+                         f"({region.coherence})")
+    cls = FlushServerChannel if geo.per_client_requests else ServerChannel
+    return cls(region, geo, poll_interval)
+
+
+def client_channel(region: Region, poll_interval: float = 1e-3):
+    """A client side of the layout the region's coherence asks for."""
+    cls = FlushClientChannel if region.coherence == FLUSH else ClientChannel
+    return cls(region, poll_interval)

@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from . import frame as fr
-from .channel import KIND_RPC, ClientChannel
+from .channel import KIND_RPC, ClientChannel, FlushClientChannel, client_channel
 from .doorbell import WaitStrategy, resolve
 from .errors import (DeadlineExceeded, InvalidArgument, ResourceExhausted, RpcError,
                      Unavailable, error_for)
@@ -25,7 +25,7 @@ from .ring import ClaimRevoked
 _BEAT_INTERVAL = 0.1
 
 
-def _attach(url: str, poll_interval: float) -> ClientChannel:
+def _attach(url: str, poll_interval: float) -> ClientChannel | FlushClientChannel:
     try:
         region = Region.open(url, kind=KIND_RPC)
     except FileNotFoundError as exc:
@@ -33,7 +33,7 @@ def _attach(url: str, poll_interval: float) -> ClientChannel:
     except RegionError as exc:
         raise Unavailable(f"cannot use {url}: {exc}") from exc
     try:
-        return ClientChannel(region, poll_interval)
+        return client_channel(region, poll_interval)
     except (ConnectionRefusedError, RegionError) as exc:
         region.close()
         raise Unavailable(str(exc)) from exc
@@ -59,7 +59,7 @@ class _Base:
         self.strategy = resolve(doorbell)
         self.server_timeout = server_timeout
         self.poll_interval = poll_interval
-        self._chan: ClientChannel | None = None
+        self._chan: ClientChannel | FlushClientChannel | None = None
         self._ids = itertools.count(1)
         self._methods: dict[str, bytes] = {}
         self._gone: str | None = None
@@ -102,6 +102,14 @@ class _Base:
         """Seconds to wait for the server to acknowledge us, or None when it need not: a
         server on another host must see our slot before it polls for our requests."""
         return None if self._chan.server_local else self.server_timeout + 2 * _BEAT_INTERVAL
+
+    def _acknowledged(self) -> bool:
+        """Has the server seen us yet? ResourceExhausted (detached) when every slot is taken."""
+        try:
+            return self._chan.acknowledged()
+        except BlockingIOError as exc:
+            self._shutdown()
+            raise ResourceExhausted(str(exc)) from exc
 
     def _unacknowledged(self, waited: float) -> Unavailable:
         self._shutdown()
@@ -187,7 +195,7 @@ class Client(_Base):
         if wait is not None:
             deadline = self._loop.time() + wait
             try:
-                while not self._chan.acknowledged():
+                while not self._acknowledged():
                     if self._loop.time() >= deadline:
                         raise self._unacknowledged(wait)
                     await asyncio.sleep(0.002)
@@ -404,7 +412,7 @@ class SyncClient(_Base):
         wait = self._acknowledge_timeout()
         if wait is not None:
             deadline = time.monotonic() + wait
-            while not self._chan.acknowledged():
+            while not self._acknowledged():
                 if time.monotonic() >= deadline:
                     raise self._unacknowledged(wait)
                 time.sleep(0.002)

@@ -258,7 +258,18 @@ class Region:
 
     # ------------------------------------------------------------------ lifetime
     def info(self) -> RegionInfo:
+        self.mem.invalidate(0, _COHERENCE + 8)  # the owner may be another host: fresh lines
         return _info(self.url, self.mem, self.buf)
+
+    def beat(self) -> None:
+        """Owner only: advance the heartbeat (written back, for peers without coherence)."""
+        self.heartbeat.fetch_add(1, ACQ_REL)
+        self.mem.writeback(HEARTBEAT_OFFSET, 8)
+
+    def heartbeat_value(self) -> int:
+        """The owner's heartbeat as memory holds it now."""
+        self.mem.invalidate(HEARTBEAT_OFFSET, 8)
+        return self.heartbeat.load(ACQUIRE)
 
     def owner_alive_locally(self) -> bool | None:
         """Host-local accelerator: is the owner PID alive? None when it is another host's
@@ -369,10 +380,12 @@ def _owner_alive_locally(info: RegionInfo) -> bool | None:
 
 def _heartbeat_moves(mem: AtomicMemory, window: float, also: int | None = None) -> bool:
     """Does the owner's heartbeat (or the word at ``also``) change within ``window`` s?"""
+    mem.invalidate(0, HEADER_SIZE)
     first = mem.load(HEARTBEAT_OFFSET, ACQUIRE)
     other = mem.load(also, ACQUIRE) if also is not None else None
     deadline = time.monotonic() + window
     while True:
+        mem.invalidate(0, HEADER_SIZE)
         if mem.load(HEARTBEAT_OFFSET, ACQUIRE) != first:
             return True
         if also is not None and mem.load(also, ACQUIRE) != other:
@@ -522,3 +535,9 @@ def _validate_header(url: str, mapping: mmap.mmap, actual: int, kind: int | None
             raise RegionError(f"{url} header says {size} bytes but the mapping is {actual}")
         if kind is not None and mem.load(_KIND, ACQUIRE) != kind:
             raise RegionError(f"{url} holds a different kind of region ({mem.load(_KIND, ACQUIRE)})")
+
+
+def coherence_for(url: str, coherence: str) -> str:
+    """The coherence mode a region at ``url`` gets: ``sim://`` is always ``"flush"``."""
+    check_coherence(coherence)
+    return FLUSH if url.startswith("sim://") else coherence

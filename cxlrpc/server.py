@@ -21,11 +21,12 @@ from typing import Any, Callable, NamedTuple
 
 
 from . import frame as fr
-from .channel import KIND_RPC, Geometry, ServerChannel
+from .channel import KIND_RPC, FlushServerChannel, ServerChannel, layout, server_channel
 from .doorbell import WaitStrategy, resolve
 from .errors import RpcError, StatusCode
-from .memory import ACQ_REL, ACQUIRE
-from .region import Region, RegionError, parse_url
+from .memory import ACQ_REL
+from .memory import HARDWARE
+from .region import Region, RegionError, coherence_for, parse_url
 
 Handler = Callable[..., Any]
 _NO_ARG = object()
@@ -100,12 +101,15 @@ class Server:
                  response_capacity: int = 4 << 20, doorbell: WaitStrategy | str | None = None,
                  client_timeout: float = 1.0, heartbeat_interval: float = 0.1,
                  poll_interval: float = 1e-3, size: int | None = None, mode: int = 0o600,
-                 error_details: bool = True) -> None:
+                 error_details: bool = True, coherence: str = HARDWARE) -> None:
         parse_url(url)  # fail fast on a malformed URL
         if not poll_interval > 0:
             raise ValueError("poll_interval must be > 0 seconds")
         self.url = url
-        self.geometry = Geometry(slots, request_capacity, response_capacity)
+        #: "hardware" (one host, or coherent CXL) or "flush" (hosts without cache coherence:
+        #: a single-writer layout, every published line written back); sim:// is "flush".
+        self.coherence = coherence_for(url, coherence)
+        self.geometry = layout(slots, request_capacity, response_capacity, self.coherence)
         self.size = max(size or 0, self.geometry.size)
         self.strategy = resolve(doorbell)
         self.client_timeout = client_timeout
@@ -118,7 +122,7 @@ class Server:
         self._methods: dict[str, _Method] = {}
         self._on_disconnect: list[Callable[[Peer], None]] = []
         self._region: Region | None = None
-        self._chan: ServerChannel | None = None
+        self._chan: ServerChannel | FlushServerChannel | None = None
         self._reader: asyncio.Task | None = None
         self._tasks: dict[tuple[int, int, int], asyncio.Task] = {}
         self._expired: set[tuple[int, int, int]] = set()  # calls whose deadline cancelled them
@@ -162,7 +166,7 @@ class Server:
             raise RuntimeError("server already started")
         try:
             self._region = Region.acquire(self.url, self.size, KIND_RPC, self.mode,
-                                          self.client_timeout + 1.0)
+                                          self.client_timeout + 1.0, self.coherence)
         except RegionError as exc:
             if "never resized" not in str(exc):
                 raise
@@ -174,7 +178,7 @@ class Server:
         self._beater = threading.Thread(target=self._beat, name="cxlrpc-server-heartbeat", daemon=True)
         self._beater.start()
         try:
-            self._chan = ServerChannel(self._region, self.geometry, self.poll_interval)
+            self._chan = server_channel(self._region, self.geometry, self.poll_interval)
         except BaseException:
             self._stop_beating()
             self._region.mark_closed()
@@ -225,9 +229,9 @@ class Server:
             self._beater.join()
 
     def _beat(self) -> None:
-        hb = self._region.heartbeat
+        region = self._region
         while not self._beat_stop.wait(self.heartbeat_interval):
-            hb.fetch_add(1, ACQ_REL)
+            region.beat()
 
     # ------------------------------------------------------------------ data path
     async def _serve(self) -> None:
@@ -306,7 +310,7 @@ class Server:
             return
         chan = self._chan
         slot = f.slot
-        if slot >= chan.geo.slots or chan.slot_state[slot].load(ACQUIRE) != (f.gen << 1) | 1:
+        if chan.slot_generation(slot) != f.gen:
             self._drop()  # garbage, or a request from the slot's previous holder
             return
         seen = chan.seen[slot]

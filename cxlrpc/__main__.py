@@ -6,7 +6,7 @@ import os
 import sys
 import time
 
-from .channel import KIND_RPC, STATE_RUNNING, CONTROL, read_geometry
+from .channel import CONTROL, KIND_RPC, SLOT_STRIDE, STATE_RUNNING, read_geometry
 from .memory import ACQUIRE
 from .region import SHM_PREFIX, Region, RegionError, in_use, unlink_shm
 
@@ -25,15 +25,21 @@ def _describe(region: Region) -> dict:
     row = {"url": region.url, "kind": _KINDS.get(info.kind, str(info.kind)), "size": info.size,
            "owner": f"{info.owner_pid}@{info.owner_host}", "age_s": round(time.time() - info.created, 1),
            "epoch": f"{info.epoch:016x}", "identity": f"{info.owner_identity:016x}",
-           "closed": info.closed}
+           "closed": info.closed, "coherence": info.coherence}
     if info.kind == KIND_RPC:
         try:
             geo = read_geometry(region)
             mem = region.mem
             row["clients"] = sum(mem.load(geo.slot(i), ACQUIRE) & 1 for i in range(geo.slots))
-            tail = mem.load(geo.request_ring, ACQUIRE)
-            head = mem.load(geo.request_ring + 128, ACQUIRE)
-            row["request_fill"] = f"{min(max(tail - head, 0), geo.request_capacity) / geo.request_capacity:.0%}"
+            rings = ([geo.client_request_ring(i) for i in range(geo.slots)]
+                     if geo.per_client_requests else [geo.request_ring])
+            mem.invalidate(geo.slot_table, geo.slots * SLOT_STRIDE)
+            fill = 0
+            for at in rings:
+                mem.invalidate(at, 256)
+                fill = max(fill, min(max(mem.load(at, ACQUIRE) - mem.load(at + 128, ACQUIRE), 0),
+                                     geo.request_capacity))
+            row["request_fill"] = f"{fill / geo.request_capacity:.0%}"  # the fullest ring's
             row["running"] = mem.load(CONTROL, ACQUIRE) == STATE_RUNNING
         except RegionError as exc:
             row["error"] = str(exc)

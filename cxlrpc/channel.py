@@ -390,6 +390,9 @@ _F_BEAT, _F_GEN, _F_RELEASED, _F_IDENTITY, _F_PID = 128, 136, 144, 152, 160
 _F_PARKED = 256    # the holder's doorbell word (it alone writes it: nobody rings across hosts)
 _F_KNOCK = 384     # claimants' mailbox: the nonce of whoever asks for the slot last
 _GEN_MASK = 0x7FFFFFFF
+#: Seconds a claimant goes on looking while every slot is held (the server frees a released
+#: slot at its next look, within ~0.1 s) before it reports the table full.
+FULL_PATIENCE = 0.5
 _NONCE_MASK = 0xFFFFFFFF
 
 
@@ -569,13 +572,13 @@ class FlushClientChannel:
         self.slot, self.gen, self.tag = -1, 0, 0
         self._word = 0  # the grant word while we hold the slot
         self._granted = False
-        start = secrets.randbelow(geo.slots)  # spread racing claimants over the table
-        self._candidates = iter([(start + k) % geo.slots for k in range(geo.slots)])
         self._nonce = 0
         self._knocked = -1
+        self._full_since: float | None = None  # when we last found every slot held
         self.server_bell = _QuietBell()
         self.server_liveness = Liveness(0.0)
         self.requests: SpscRing | None = None
+        self._scan()
         self._knock_next()
 
     def _server_state(self) -> int:
@@ -587,9 +590,15 @@ class FlushClientChannel:
         self.region.mem.invalidate(at, 8)
         return self.region.mem.load(at, ACQUIRE)
 
+    def _scan(self) -> None:
+        """Go over the slot table once more, from a random slot (racing claimants spread)."""
+        start = secrets.randbelow(self.geo.slots)
+        self._candidates = iter([(start + k) % self.geo.slots for k in range(self.geo.slots)])
+
     def _knock_next(self) -> None:
-        """Knock on the next slot that looks free; BlockingIOError when none is left."""
+        """Knock on the next slot that looks free (none: ``_knocked`` is -1)."""
         mem = self.region.mem
+        self._knocked = -1
         for slot in self._candidates:
             if self._grant(slot) & 1:
                 continue
@@ -598,14 +607,23 @@ class FlushClientChannel:
             mem.store(at, self._nonce, RELEASE)
             mem.writeback(at, 8)
             self._knocked = slot
+            self._full_since = None
             return
-        raise BlockingIOError(f"all {self.geo.slots} client slots of {self.region.url} are taken")
+        now = time.monotonic()
+        if self._full_since is None:
+            self._full_since = now
+        elif now - self._full_since > FULL_PATIENCE:
+            raise BlockingIOError(f"all {self.geo.slots} client slots of {self.region.url} are taken")
+        self._scan()  # slots released a moment ago are freed at the server's next look
 
     def acknowledged(self) -> bool:
         """Has the server granted us a slot? Knocks on the next free one when another
-        claimant won ours; BlockingIOError when every slot is taken."""
+        claimant won ours; BlockingIOError once every slot stayed taken for FULL_PATIENCE."""
         if self._granted:
             return True
+        if self._knocked < 0:
+            self._knock_next()
+            return False
         word = self._grant(self._knocked)
         if not word & 1:
             return False  # the server has not looked yet (it grants every ~0.1 s)

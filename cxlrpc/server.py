@@ -95,9 +95,15 @@ class Server:
     rings against 276 us with 8 MiB ones here, so raise them only for bigger payloads.
     ``poll_interval`` bounds how long the idle server sleeps between looks at its request
     ring while a client on another host (which cannot wake it) is attached.
+
+    ``coherence="flush"`` is for memory shared by hosts without cache coherence (most CXL
+    pools today; ``sim://`` regions always): every client gets its own request ring of
+    ``request_capacity`` (default 1 MiB, else one shared 4 MiB ring), nobody rings anybody's
+    doorbell (both sides poll, backing off to ``poll_interval``), and every line published is
+    written back, every line read from a peer invalidated first.
     """
 
-    def __init__(self, url: str, *, slots: int = 16, request_capacity: int = 4 << 20,
+    def __init__(self, url: str, *, slots: int = 16, request_capacity: int | None = None,
                  response_capacity: int = 4 << 20, doorbell: WaitStrategy | str | None = None,
                  client_timeout: float = 1.0, heartbeat_interval: float = 0.1,
                  poll_interval: float = 1e-3, size: int | None = None, mode: int = 0o600,
@@ -109,6 +115,8 @@ class Server:
         #: "hardware" (one host, or coherent CXL) or "flush" (hosts without cache coherence:
         #: a single-writer layout, every published line written back); sim:// is "flush".
         self.coherence = coherence_for(url, coherence)
+        if request_capacity is None:  # one shared ring, or (flush) one per client
+            request_capacity = 4 << 20 if self.coherence == HARDWARE else 1 << 20
         self.geometry = layout(slots, request_capacity, response_capacity, self.coherence)
         self.size = max(size or 0, self.geometry.size)
         self.strategy = resolve(doorbell)

@@ -38,7 +38,7 @@ def _url(args: argparse.Namespace) -> str:
 async def _serve(args: argparse.Namespace) -> None:
     server = KVServer(_url(args), args.pool_size, pool_url=args.pool_url, slots=args.slots,
                       alignment=args.alignment, default_lease_s=args.lease,
-                      max_lease_s=args.max_lease)
+                      max_lease_s=args.max_lease, coherence=args.coherence)
     for ns, quota in args.quota:
         server.set_quota(ns, quota)
     loop = asyncio.get_running_loop()
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     for cmd in (serve, stats):
         where = cmd.add_mutually_exclusive_group(required=True)
         where.add_argument("--name", help="service region name (shm://NAME)")
-        where.add_argument("--url", help="service region URL (shm://NAME or file:///PATH)")
+        where.add_argument("--url", help="service region URL (shm://NAME, file:///PATH or sim://NAME)")
     serve.add_argument("--pool-size", type=parse_size, default=parse_size("1GiB"))
     serve.add_argument("--pool-url", default=None,
                        help="pool region URL (default: the service URL + '.pool'; a device needs its own)")
@@ -74,6 +74,9 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--slots", type=int, default=64, help="client slots (default 64)")
     serve.add_argument("--alignment", type=parse_size, default=4096,
                        help="block unit in bytes (default 4096; lower it for small values)")
+    serve.add_argument("--coherence", choices=("hardware", "flush"), default="hardware",
+                       help="'flush' for memory hosts share without cache coherence (default "
+                            "'hardware': one host, or coherent CXL)")
     serve.add_argument("--lease", type=float, default=10.0, help="default lease seconds (10)")
     serve.add_argument("--max-lease", type=float, default=60.0, help="longest lease a client may ask (60)")
     stats.add_argument("--namespace", default=None, help="only this namespace's usage")

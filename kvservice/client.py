@@ -101,9 +101,11 @@ class _Ops:
         (ticket,) = yield _Call("begin", w.Begin(ns, [normalize_key(key)], [size], ttl),
                                 list[w.PutTicket], _abort)
         ids = w.Tickets([ticket.ticket_id])
-        return PendingPut(self.pool.slice(ticket.offset, ticket.size),
+        pool, offset, size = self.pool, ticket.offset, ticket.size
+        return PendingPut(pool.slice(offset, size),
                           lambda: driver(_single(_Call("commit", ids))),
-                          lambda: driver(_single(_Call("abort", ids))))
+                          lambda: driver(_single(_Call("abort", ids))),
+                          lambda: pool.written(offset, size))
 
     def _get(self, keys: Iterable[Key], ns: str, lease_s: float | None, hold_s: float = 0.0) -> _Steps:
         leases = yield _Call("get", w.Get(ns, [normalize_key(k) for k in keys], lease_s, hold_s),
@@ -123,7 +125,7 @@ class _Ops:
         return blocks
 
     def _block(self, lease: w.Lease) -> Block:
-        view = self.pool.slice(lease.offset, lease.size)  # a bad offset from the server raises
+        view = self.pool.fresh(lease.offset, lease.size)  # a bad offset from the server raises
         pool, offset, version = self.pool, lease.offset, lease.version
         return Block(view, version, lambda: self._release(lease.lease_id),
                      lambda: pool.holds(offset, version))

@@ -7,6 +7,11 @@ when it commits it and zero before the block can be reused, so a reader holding 
 lapsed learns it (:class:`LeaseExpired`) instead of reading another key's bytes: it checks the
 entry after copying (as a seqlock reader does) and whenever it hands out a view. Every offset
 a client is given is range-checked here.
+
+On memory without coherence (a ``"flush"`` region) a writer writes a block's lines back before
+the commit that publishes it, a reader invalidates them before reading them in place, and the
+server writes back each version entry it sets; blocks are whole lines, so no line has two
+writers.
 """
 from __future__ import annotations
 
@@ -21,13 +26,14 @@ from typing import Any
 
 import numpy as np
 
-from cxlrpc.memory import ACQUIRE, RELEASE, fence
+from cxlrpc.memory import ACQUIRE, HARDWARE, RELEASE, fence
 from cxlrpc.region import HEADER_SIZE, Region, RegionError, parse_url, prefault
 
 POOL_KIND = 2
 logger = logging.getLogger("kvservice.pool")
 _POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14
 _PAGE = 4096
+_LINE = 64
 
 
 def _prefault(region: Region, offset: int, length: int, chunk: int = 256 << 20) -> None:
@@ -87,6 +93,9 @@ class Pool:
         table = self.table_size(capacity, alignment)
         if region.size < HEADER_SIZE + table + capacity:
             raise RegionError(f"pool {region.url} is {region.size} bytes, too small for {capacity}")
+        if region.mem.flushing and alignment < _LINE:
+            raise RegionError(f"pool alignment {alignment} is below a cache line ({_LINE}): on memory "
+                              f"without coherence two blocks would share a line and lose writes")
         self.region = region
         self.capacity = capacity
         self.alignment = alignment
@@ -104,10 +113,11 @@ class Pool:
 
     @classmethod
     def create(cls, url: str, capacity: int, alignment: int, mode: int = 0o600,
-               stale_after: float = 2.0) -> "Pool":
+               stale_after: float = 2.0, coherence: str = HARDWARE) -> "Pool":
         """Create the pool region, or take over one whose owner is gone or closed it."""
         table = cls.table_size(capacity, alignment)
-        region = Region.acquire(url, HEADER_SIZE + table + capacity, POOL_KIND, mode, stale_after)
+        region = Region.acquire(url, HEADER_SIZE + table + capacity, POOL_KIND, mode, stale_after,
+                                coherence)
         region.mem.zero(HEADER_SIZE, table)  # a taken-over pool keeps its old versions
         pool = cls(region, capacity, alignment)
         pool._advise_huge_pages()
@@ -155,17 +165,39 @@ class Pool:
 
     def publish(self, offset: int, version: int) -> None:
         """Server: the block at ``offset`` now holds ``version`` (after its bytes were written)."""
-        self._mem.store(self._entry(offset), version, RELEASE)
+        entry = self._entry(offset)
+        self._mem.store(entry, version, RELEASE)
+        self._mem.writeback(entry, 8)
 
     def clear(self, offset: int) -> None:
         """Server: the block at ``offset`` is freed (before it can be handed out again)."""
-        self._mem.store(self._entry(offset), 0, RELEASE)
+        entry = self._entry(offset)
+        self._mem.store(entry, 0, RELEASE)
+        self._mem.writeback(entry, 8)
 
     def holds(self, offset: int, version: int) -> bool:
         """Client: does the block at ``offset`` still hold ``version``? Call it after reading:
         the fence orders the reads before the check."""
         fence()
-        return self._mem.load(self._entry(offset), ACQUIRE) == version
+        entry = self._entry(offset)
+        self._mem.invalidate(entry, 8)
+        return self._mem.load(entry, ACQUIRE) == version
+
+    def fresh(self, offset: int, size: int) -> memoryview:
+        """A block another host wrote, to read in place: :meth:`slice` after dropping any
+        stale cached copy of its lines (memory without coherence)."""
+        view = self.slice(offset, size)
+        if self._mem.flushing:
+            self._mem.invalidate(self._data_offset + offset, size)
+        return view
+
+    def written(self, offset: int, size: int) -> None:
+        """The block's bytes are complete: write its lines back (memory without coherence)
+        and fence, before the commit that publishes them."""
+        if self._mem.flushing:
+            self.slice(offset, size).release()  # range check
+            self._mem.writeback(self._data_offset + offset, size)
+        fence()
 
     def slice(self, offset: int, size: int) -> memoryview:
         """The ``size`` bytes at ``offset``; RegionError if the range is not inside the pool."""
@@ -178,7 +210,7 @@ class Pool:
         dst = self.slice(offset, len(data))
         dst[:] = data
         dst.release()
-        fence()
+        self.written(offset, len(data))
 
     def close(self) -> None:
         """Unmap (a view a user still holds keeps the mapping alive until it is dropped)."""
@@ -285,11 +317,13 @@ class Block:
 class PendingPut:
     """A reserved, still invisible block: fill ``view()``/``array()`` in place, then commit."""
 
-    def __init__(self, view: memoryview, commit: Callable[[], Any], abort: Callable[[], Any]) -> None:
+    def __init__(self, view: memoryview, commit: Callable[[], Any], abort: Callable[[], Any],
+                 written: Callable[[], None] = fence) -> None:
         self._view = view
         self.size = len(view)
         self._commit = commit
         self._abort = abort
+        self._written = written  # publishes the bytes (write-back and fence) before the commit
 
     def view(self) -> memoryview:
         """The writable block (into the pool)."""
@@ -303,7 +337,7 @@ class PendingPut:
     def commit(self) -> Any:
         """Publish the value (a coroutine on the asyncio client); the view is released."""
         self._end()
-        fence()
+        self._written()
         return self._commit()
 
     def abort(self) -> Any:

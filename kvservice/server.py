@@ -83,7 +83,7 @@ class KVServer:
         await self.rpc.start()  # fails if a live server owns the name, so the pool is ours
         try:
             self._pool = Pool.create(self.pool_url, self.pool_size, self.alignment, self.rpc.mode,
-                                     self.rpc.client_timeout + 1.0)
+                                     self.rpc.client_timeout + 1.0, self.rpc.coherence)
         except BaseException as exc:
             await self.rpc.close()
             if isinstance(exc, OSError) and self._default_pool_url:

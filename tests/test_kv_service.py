@@ -1,4 +1,5 @@
-"""kvservice end to end: the shm service (async and blocking clients) and its gRPC twin."""
+"""kvservice end to end: the shm service (async and blocking clients) and its gRPC twin; the
+shm service also on the simulator of memory without coherence (sim://, flush mode)."""
 from __future__ import annotations
 
 import asyncio
@@ -36,10 +37,18 @@ async def stat(kv, name: str):
     return (await kv.stats())[name]
 
 
-@pytest.fixture(params=["shm", "grpc"])
-async def service(request, url):
-    """(server, asyncio client) for the shm service and for its gRPC twin."""
-    if request.param == "shm":
+@pytest.fixture(params=["shm", "sim"])
+def url(request, name: str) -> str:
+    """The service on coherent shared memory, and on the simulator of memory without
+    coherence (every process, every mapping even, has its own cache: flush mode)."""
+    return f"{request.param}://{name}"
+
+
+@pytest.fixture(params=["shm", "sim", "grpc"])
+async def service(request, name):
+    """(server, asyncio client) for the shm service (coherent and simulated) and its gRPC twin."""
+    if request.param != "grpc":
+        url = f"{request.param}://{name}"
         async with KVServer(url, pool_size=64 * MiB) as server, KVClient.connect(url) as kv:
             yield server, kv
     else:
@@ -348,8 +357,9 @@ async def test_blocking_client(url):
 async def test_stats_command(url, name):
     async with KVServer(url, pool_size=1 * MiB), KVClient.connect(url) as kv:
         await kv.put("k", b"v", namespace="ns")
+        where = ["--name", name] if url.startswith("shm://") else ["--url", url]
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "kvservice", "stats", "--name", name, cwd=ROOT,
+            sys.executable, "-m", "kvservice", "stats", *where, cwd=ROOT,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
         try:
             out, err = await asyncio.wait_for(proc.communicate(), 30)

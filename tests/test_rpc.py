@@ -1,4 +1,6 @@
-"""The public RPC API, in one process (server and client on one event loop)."""
+"""The public RPC API, in one process (server and client on one event loop), on coherent
+shared memory (shm://) and on the simulator of memory without coherence (sim://: every
+Region has its own cache, so server and client behave as two hosts)."""
 from __future__ import annotations
 
 import asyncio
@@ -10,12 +12,20 @@ import pytest
 import cxlrpc
 
 
+@pytest.fixture(params=["shm", "sim"])
+def url(request, name: str) -> str:
+    return f"{request.param}://{name}"
+
+
 class Point(msgspec.Struct):
     x: int
     y: int
 
 
 def make_server(url: str, **opts) -> cxlrpc.Server:
+    if url.startswith("sim://"):  # the simulator copies whole regions: keep them small
+        opts.setdefault("request_capacity", 256 << 10)
+        opts.setdefault("response_capacity", 256 << 10)
     server = cxlrpc.Server(url, **opts)
     started = {"n": 0}
     cancelled = asyncio.Event()
@@ -151,7 +161,8 @@ async def test_blocking_clients_from_threads(url):
     """Several threads, each with its own blocking client, and one shared client."""
     async with make_server(url):
         errors: list[BaseException] = []
-        shared = cxlrpc.connect_sync(url)
+        # connecting blocks until the server grants a slot: not on the server's own loop
+        shared = await asyncio.to_thread(cxlrpc.connect_sync, url)
 
         def worker(k: int) -> None:
             try:
@@ -417,6 +428,10 @@ async def test_async_handlers_start_inline_and_get_a_task_only_when_they_suspend
         with pytest.raises(cxlrpc.DeadlineExceeded):
             await client.call("guarded", 10.0, timeout=0.1)
         assert await client.call("kind", False, timeout=5) == ["_EagerTask", "_EagerTask"]
+        # the expired call's task ends once its cancellation has run (a loop iteration or two)
+        deadline = asyncio.get_running_loop().time() + 5
+        while server._tasks and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
         assert not server._tasks
 
 

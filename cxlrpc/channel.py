@@ -491,8 +491,7 @@ class FlushServerChannel:
         self._nonces = [0] * geo.slots  # the knock last granted (a stale knock is not a new one)
         self._liveness = [Liveness(0.0) for _ in range(geo.slots)]
         self.seen: list[int | None] = [None] * geo.slots
-        self.state.store(STATE_RUNNING, RELEASE)
-        mem.writeback(CONTROL, 64)
+        self.state.store(STATE_RUNNING, RELEASE)  # written back when the region is published
 
     def slot_generation(self, slot: int) -> int:
         """Generation of the slot's holder, or -1 when it is free."""
@@ -640,8 +639,7 @@ class FlushClientChannel:
         self.bell = DoorbellReceiver(mem.counter(base + _F_PARKED),
                                      client_wake_address(region.epoch, slot, gen), self._poll_interval)
         self.bell.remote_peers = True
-        mem.invalidate(base + _F_HOLDER, 40)
-        self._beat = mem.load(base + _F_BEAT, ACQUIRE) + 1  # moves on from the last holder's
+        self._beat = 1  # the server judges liveness by change, from the grant on
         mem.store(base + _F_BEAT, self._beat, RELAXED)
         mem.store(base + _F_GEN, gen, RELAXED)
         mem.store(base + _F_RELEASED, 0, RELAXED)

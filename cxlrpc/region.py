@@ -1,7 +1,8 @@
 """Named shared regions: ``shm://NAME`` (POSIX shared memory), ``file:///PATH`` (any
 mmap-able file, e.g. a DAX device, a PCI BAR's sysfs resource, a file on a DAX mount) and
 ``sim://NAME`` (shared memory seen through a per-process cache simulator: memory without
-coherence, for tests; see :mod:`cxlrpc.simulator`).
+coherence, for tests; see :mod:`cxlrpc.simulator`).  ``file:///PATH?offset=N&size=M`` is
+a sub-region: one range of an existing file or device, so one device holds several regions.
 
 Every region starts with a fixed header (magic, layout version, size, creation epoch, kind,
 owner hints, the owner's host identity, heartbeat and open/closed state) validated on open.
@@ -46,6 +47,10 @@ _MODES = {code: mode for mode, code in _CODES.items()}
 
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+_AMOUNT_RE = re.compile(r"([0-9]{1,20})([KMGT]?)")
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+DAX_ALIGNMENT = 2 << 20  # device DAX's default, where sysfs does not say
+_SYSFS_CHAR = "/sys/dev/char"  # a character device's attributes: <root>/MAJOR:MINOR/<name>
 
 
 class RegionError(ValueError):
@@ -74,16 +79,24 @@ class RegionInfo:
 
 
 def parse_url(url: str) -> tuple[str, str]:
-    """Split a region URL into ("shm", segment name) or ("file", path), validating it."""
+    """Split a region URL into ("shm", segment name) or ("file", path), validating it.
+
+    ``file:///PATH?offset=N&size=M`` is a sub-region: bytes ``[N, N+M)`` of an existing file
+    or device (see :func:`_subrange`); its path is returned without the query.
+    """
+    if url.startswith(("shm://", "sim://")) and "?" in url:
+        raise RegionError(f"{url!r}: only file:// URLs take ?offset=&size= (a sub-region of a "
+                          f"file or device); a shared-memory segment is a region of its own")
     if url.startswith("shm://"):
         name = url[len("shm://"):]
         if not _NAME_RE.match(name):
             raise RegionError(f"bad shm region name {name!r}: use 1-200 of [A-Za-z0-9._-]")
         return "shm", "/" + SHM_PREFIX + name
     if url.startswith("file://"):
-        path = url[len("file://"):]
+        path = url[len("file://"):].partition("?")[0]
         if not path.startswith("/"):
             raise RegionError(f"file:// URLs need an absolute path, got {url!r}")
+        _subrange(url)  # validates the query
         return "file", path
     if url.startswith("sim://"):
         name = url[len("sim://"):]
@@ -91,6 +104,48 @@ def parse_url(url: str) -> tuple[str, str]:
             raise RegionError(f"bad sim region name {name!r}: use 1-200 of [A-Za-z0-9._-]")
         return "sim", "/" + SHM_PREFIX + "sim." + name
     raise RegionError(f"unsupported region URL {url!r}: expected shm://NAME, file:///PATH or sim://NAME")
+
+
+def _subrange(url: str) -> tuple[int, int | None] | None:
+    """A sub-region URL's ``(offset, size)`` (size None: to the end of the file), or None
+    for a URL without a query.  Amounts are decimal byte counts, optionally with a binary
+    unit (``2M`` is 2 MiB); the keys are ``offset`` (default 0) and ``size``."""
+    _, sep, query = url.partition("?")
+    if not sep:
+        return None
+    values: dict[str, int] = {}
+    for item in query.split("&"):
+        key, eq, text = item.partition("=")
+        if key not in ("offset", "size") or not eq:
+            raise RegionError(f"bad query item {item!r} in {url!r}: a sub-region takes "
+                              f"offset=N and size=M")
+        if key in values:
+            raise RegionError(f"{key}= given twice in {url!r}")
+        amount = _AMOUNT_RE.fullmatch(text)
+        if amount is None:
+            raise RegionError(f"bad {key}={text!r} in {url!r}: expected a byte count, decimal, "
+                              f"optionally with a unit K, M, G or T (KiB, MiB, GiB, TiB)")
+        values[key] = int(amount[1]) * _UNITS[amount[2]]
+        if values[key] >= 1 << 63:
+            raise RegionError(f"{key}={text} in {url!r} is beyond any file (2**63 bytes)")
+    if values.get("size") == 0:
+        raise RegionError(f"size=0 in {url!r}: a sub-region needs at least a header")
+    return values.get("offset", 0), values.get("size")
+
+
+def overlapping(a: str, b: str) -> bool:
+    """Do the region URLs ``a`` and ``b`` name overlapping bytes (of one segment, file or
+    device; a whole-file URL spans all of it)? Sub-regions of one device must not overlap:
+    nothing in the memory could tell one region's header from another's ring."""
+    (backend_a, path_a), (backend_b, path_b) = parse_url(a), parse_url(b)
+    if backend_a != backend_b or os.path.realpath(path_a) != os.path.realpath(path_b):
+        return False
+    spans = []
+    for url in (a, b):
+        offset, size = _subrange(url) or (0, None)
+        spans.append((offset, float("inf") if size is None else offset + size))
+    (start_a, end_a), (start_b, end_b) = spans
+    return start_a < end_b and start_b < end_a
 
 
 class Region:
@@ -127,6 +182,10 @@ class Region:
         ``"hardware"`` (one host, or coherent CXL) or ``"flush"`` (no cross-host coherence:
         published lines are written back and read lines invalidated). ``sim://`` regions are
         always ``"flush"``. The caller fills its layout, then calls :meth:`publish`.
+
+        A sub-region (``file:///PATH?offset=&size=``) always exists and keeps its size (at
+        least ``size``; ``mode`` is unused): it is created only if it was never claimed (its
+        epoch word is zero, as on a zeroed device); :meth:`acquire` takes over a used one.
         """
         backend, path = parse_url(url)
         size = _check_size(size)
@@ -144,6 +203,16 @@ class Region:
                 raise
             finally:
                 shm.close_fd()
+        elif _subrange(url) is not None:
+            mapping, actual = _map_existing(url, backend, path)
+            _check_fits(url, mapping, actual, size)
+            try:
+                return cls._claim(url, backend, path, mapping, kind, observed_epoch=0,
+                                  coherence=coherence)
+            except FileExistsError as exc:
+                raise FileExistsError(f"sub-region {url} already holds a region (or another "
+                                      f"process claimed it first); Region.acquire takes over "
+                                      f"one nobody serves") from exc
         else:
             mapping = _map_new_file(path, size, mode)
         if backend == "sim":
@@ -160,7 +229,8 @@ class Region:
         ``stale_after`` seconds, or when it was never initialised (a zeroed device).  Of
         several processes racing for it exactly one wins; the others get FileExistsError.
         An existing file keeps its size (a device or BAR cannot be resized): it must hold
-        ``size`` bytes.
+        ``size`` bytes.  So does a sub-region (``file:///PATH?offset=&size=``), which always
+        exists: its range of the file is the region, its header at ``offset``.
         """
         backend, path = parse_url(url)
         size = _check_size(size)
@@ -176,10 +246,7 @@ class Region:
             mapping.close()
             raise
         if backend == "file":
-            if actual < size:
-                mapping.close()
-                raise RegionError(f"{url} is {actual} bytes, this server needs {size}; existing "
-                                  f"files and devices are never resized")
+            _check_fits(url, mapping, actual, size)
             return cls._claim(url, backend, path, mapping, kind, epoch, coherence=coherence)
         # shm: win the old segment, then replace it with one of the size this server needs.
         old = cls._claim(url, backend, path, mapping, kind, epoch, init=False)
@@ -429,7 +496,8 @@ def _takeover_epoch(url: str, mapping: mmap.mmap, stale_after: float) -> int:
 
 
 def _map_existing(url: str, backend: str, path: str) -> tuple[mmap.mmap, int]:
-    """Map an existing region whole: its size is the object's (a segment's or a file's)."""
+    """Map an existing region: a segment or file whole (its size is the object's), or a
+    sub-region's range of its file or device (never created, truncated or grown)."""
     if backend in ("shm", "sim"):
         try:
             shm = posix_ipc.SharedMemory(path)
@@ -444,17 +512,62 @@ def _map_existing(url: str, backend: str, path: str) -> tuple[mmap.mmap, int]:
             return mmap.mmap(shm.fd, actual), actual
         finally:
             shm.close_fd()
+    sub = _subrange(url)
     try:
         fd = os.open(path, os.O_RDWR)
     except FileNotFoundError as exc:
-        raise FileNotFoundError(f"no region file {path}") from exc
+        hint = " (a sub-region's file or device must exist: it is never created)" if sub else ""
+        raise FileNotFoundError(f"no region file {path}{hint}") from exc
     try:
-        size = _file_size(path, os.fstat(fd))
+        st = os.fstat(fd)
+        size = _file_size(path, st)
+        offset = 0
+        if sub is not None:
+            offset, size = _fit_subrange(url, path, st, size, *sub)
         if size < HEADER_SIZE:
-            raise RegionError(f"region file {path} is {size} bytes, smaller than a header")
-        return mmap.mmap(fd, size), size
+            raise RegionError(f"region {url} is {size} bytes, smaller than a header")
+        return mmap.mmap(fd, size, offset=offset), size
     finally:
         os.close(fd)
+
+
+def _fit_subrange(url: str, path: str, st: os.stat_result, file_size: int, offset: int,
+                  size: int | None) -> tuple[int, int]:
+    """A sub-region's ``(offset, size)``, checked against its file or device: both aligned
+    (a device's to its mapping alignment, a file's to pages) and inside it."""
+    if stat.S_ISCHR(st.st_mode):
+        start_unit = length_unit = _dax_alignment(path, st)
+        unit = f"the alignment of device {path}"
+    else:
+        start_unit, length_unit = mmap.ALLOCATIONGRANULARITY, mmap.PAGESIZE
+        unit = "the page size"
+    if offset % start_unit:
+        raise RegionError(f"{url}: offset {offset} is not a multiple of {start_unit} ({unit})")
+    if offset >= file_size:
+        raise RegionError(f"{url}: offset {offset} is past the end of {path} ({file_size} bytes)")
+    rest = size is None
+    size = file_size - offset if size is None else size
+    if size % length_unit:
+        whose = " (the rest of the file)" if rest else ""
+        raise RegionError(f"{url}: size {size}{whose} is not a multiple of {length_unit} ({unit})")
+    if offset + size > file_size:
+        raise RegionError(f"{url}: offset {offset} + size {size} = {offset + size} is past the "
+                          f"end of {path} ({file_size} bytes); a sub-region never grows its file")
+    return offset, size
+
+
+def _check_fits(url: str, mapping: mmap.mmap, actual: int, size: int) -> None:
+    """An existing file or sub-region of ``actual`` bytes must hold the ``size`` asked for
+    (unmapped and refused otherwise: it is never resized)."""
+    if actual < size:
+        mapping.close()
+        raise RegionError(f"{url} is {actual} bytes, this server needs {size}; existing "
+                          f"files and devices are never resized")
+
+
+def _sysfs_dir(st: os.stat_result) -> str:
+    """The sysfs directory of the character device ``st`` describes."""
+    return f"{_SYSFS_CHAR}/{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}"
 
 
 def _file_size(path: str, st: os.stat_result) -> int:
@@ -462,13 +575,30 @@ def _file_size(path: str, st: os.stat_result) -> int:
     if stat.S_ISREG(st.st_mode):
         return st.st_size
     if stat.S_ISCHR(st.st_mode):
-        sysfs = f"/sys/dev/char/{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}/size"
+        sysfs = f"{_sysfs_dir(st)}/size"
         try:
             with open(sysfs) as f:
                 return int(f.read().strip())
         except (OSError, ValueError) as exc:
             raise RegionError(f"{path} is a device whose size {sysfs} cannot be read ({exc})") from exc
     raise RegionError(f"{path} is neither a regular file nor a character device")
+
+
+def _dax_alignment(path: str, st: os.stat_result) -> int:
+    """A character device's (a DAX device's) mapping alignment from sysfs, or 2 MiB (device
+    DAX's default) where the kernel does not say: a mapping must start and end on it."""
+    sysfs = f"{_sysfs_dir(st)}/align"
+    try:
+        with open(sysfs) as f:
+            align = int(f.read().strip())
+    except FileNotFoundError:
+        return DAX_ALIGNMENT
+    except (OSError, ValueError) as exc:
+        raise RegionError(f"{path} is a device whose alignment {sysfs} cannot be read ({exc})") from exc
+    if align < mmap.PAGESIZE or align & (align - 1):
+        raise RegionError(f"{path}: {sysfs} says alignment {align}, not a power of two of at "
+                          f"least a page")
+    return align
 
 
 def _map_new_file(path: str, size: int, mode: int) -> mmap.mmap:

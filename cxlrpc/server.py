@@ -88,7 +88,8 @@ class _Method:
 
 
 class Server:
-    """An RPC server on a shared region (``shm://NAME`` or ``file:///PATH``).
+    """An RPC server on a shared region (``shm://NAME``, ``file:///PATH``, or a range of a file
+    or device: ``file:///PATH?offset=&size=``).
 
     Ring capacities are powers of two and a frame may fill half a ring (2 MiB with the 4 MiB
     default). Bigger rings cost cache locality: a 1 MiB echo measured 156 us of CPU with 4 MiB

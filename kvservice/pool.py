@@ -66,8 +66,12 @@ class LeaseExpired(RuntimeError):
 
 
 def pool_url_for(url: str) -> str:
-    """The default pool URL beside a service URL: ``shm://kv`` -> ``shm://kv.pool``."""
+    """The default pool URL beside a service URL: ``shm://kv`` -> ``shm://kv.pool``. A
+    sub-region (``file:///PATH?offset=&size=``) has none: its pool needs a range of its own."""
     parse_url(url)
+    if "?" in url:  # only file:// URLs, validated above, take a query
+        raise RegionError(f"{url} is a sub-region: pass pool_url= (e.g. the same file or device "
+                          f"at another offset)")
     return url + ".pool"
 
 

@@ -15,7 +15,7 @@ import cxlrpc
 from kvservice import wire as w
 from kvservice.allocator import PoolAllocator
 from kvservice.index import KVIndex, Lease, PoolFull, PutTicket
-from cxlrpc.region import RegionError
+from cxlrpc.region import RegionError, overlapping
 from kvservice.pool import Pool, pool_url_for
 
 INLINE_LIMIT = 32 << 10  # measured: inline wins below ~32 KiB, two-phase from 64 KiB
@@ -44,7 +44,9 @@ class KVServer:
     to :class:`cxlrpc.Server` (its defaults here: 64 client slots, 256 KiB reply rings, as
     replies are small metadata). Values up to ``inline_limit`` bytes may travel in the put
     request. Blocks are whole units of ``alignment`` bytes (a 100-byte value takes 4 KiB with
-    the default; KV-cache chunks are 64 KiB and up): lower it for small values.
+    the default; KV-cache chunks are 64 KiB and up): lower it for small values. One device
+    serves both regions when each is a range of it: ``KVServer("file:///dev/dax0.0?size=64M",
+    pool_size, pool_url="file:///dev/dax0.0?offset=64M")``.
     """
 
     def __init__(self, url: str, pool_size: int, *, pool_url: str | None = None,
@@ -55,6 +57,9 @@ class KVServer:
                  low_watermark: float = 0.8, **rpc_options: Any) -> None:
         self.url = url
         self.pool_url = pool_url or pool_url_for(url)
+        if overlapping(url, self.pool_url):
+            raise RegionError(f"the service region {url} and the pool {self.pool_url} overlap: "
+                              f"give each its own range of the device")
         self._default_pool_url = pool_url is None
         self.pool_size = -(-pool_size // alignment) * alignment
         self.inline_limit = inline_limit

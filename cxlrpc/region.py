@@ -237,8 +237,7 @@ class Region:
         try:
             return cls.create(url, size, kind, mode, coherence)
         except FileExistsError:
-            if backend == "sim" or coherence == FLUSH:
-                raise  # taking over decides by a CAS, which no two hosts share without coherence
+            pass
         mapping, actual = _map_existing(url, backend, path)
         try:
             epoch = _takeover_epoch(url, mapping, stale_after)
@@ -249,27 +248,25 @@ class Region:
             _check_fits(url, mapping, actual, size)
             return cls._claim(url, backend, path, mapping, kind, epoch, coherence=coherence)
         # shm: win the old segment, then replace it with one of the size this server needs.
-        old = cls._claim(url, backend, path, mapping, kind, epoch, init=False)
-        old.close()
+        try:
+            _win_epoch(url, mapping, epoch)
+        finally:
+            mapping.close()
         unlink_shm(path)
         return cls.create(url, size, kind, mode, coherence)
 
     @classmethod
     def _claim(cls, url: str, backend: str, path: str, mapping: mmap.mmap | CacheSim, kind: int,
-               observed_epoch: int, init: bool = True, coherence: str = HARDWARE) -> "Region":
+               observed_epoch: int, coherence: str = HARDWARE) -> "Region":
         """Win the region by a CAS of its epoch word from ``observed_epoch``, then initialise it."""
-        epoch = (time.time_ns() << 16 | secrets.randbits(16)) & ((1 << 63) - 1) or 1
         raw = mapping.cache if isinstance(mapping, CacheSim) else mapping
-        with AtomicMemory(raw) as mem:
-            won = mem.cas(_EPOCH, observed_epoch, epoch, ACQ_REL) == observed_epoch
-            if won:
-                mem.store(_MAGIC, 0, RELEASE)  # openers now see an unpublished region
-        if not won:
+        try:
+            _win_epoch(url, raw, observed_epoch)
+        except BaseException:
             mapping.close()
-            raise FileExistsError(f"region {url} was taken over by another process first")
+            raise
         region = cls(url, backend, path, mapping, len(raw))
-        if init:
-            region._init_header(kind, coherence)
+        region._init_header(kind, coherence)
         return region
 
     def _init_header(self, kind: int, coherence: str) -> None:
@@ -481,9 +478,26 @@ def _busy_reason(url: str, mem: AtomicMemory, buf: memoryview, window: float) ->
     return None  # its creator stopped before publishing it
 
 
+def _win_epoch(url: str, mapping: mmap.mmap, observed_epoch: int) -> None:
+    """Claim a region by a CAS of its epoch word from ``observed_epoch`` (FileExistsError when
+    another process won). Without coherence the CAS arbitrates only among one host's processes:
+    two hosts must not race to take over one region (start one server per region)."""
+    epoch = (time.time_ns() << 16 | secrets.randbits(16)) & ((1 << 63) - 1) or 1
+    with AtomicMemory(mapping) as mem:
+        won = mem.cas(_EPOCH, observed_epoch, epoch, ACQ_REL) == observed_epoch
+        if won:
+            mem.store(_MAGIC, 0, RELEASE)  # openers now see an unpublished region
+            if _native_flush is not None:
+                _native_flush.writeback(mem.address, 64)  # for peers without coherence
+    if not won:
+        raise FileExistsError(f"region {url} was taken over by another process first")
+
+
 def _takeover_epoch(url: str, mapping: mmap.mmap, stale_after: float) -> int:
     """The epoch to CAS from when taking over ``mapping``; FileExistsError if it is in use."""
     with AtomicMemory(mapping) as mem:
+        if _native_flush is not None:
+            mem.use_flushes()  # the owner may be a host without coherence: read fresh lines
         epoch = mem.load(_EPOCH, ACQUIRE)
         try:
             reason = _busy_reason(url, mem, memoryview(mapping), stale_after)

@@ -20,7 +20,8 @@ PREFIX = f"t{os.getpid()}-"
 
 
 def _ours() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("cxlrpc." + PREFIX)}
+    return {n for n in os.listdir("/dev/shm")
+            if n.startswith(("cxlrpc." + PREFIX, "cxlrpc.sim." + PREFIX))}
 
 
 @pytest.fixture

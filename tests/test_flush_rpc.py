@@ -124,3 +124,24 @@ def test_the_scenario_passes_unmutated(name):
 def test_removing_a_channel_flush_or_invalidate_breaks_the_rpc_scenario(name, site):
     outcome = _scenario(f"sim://{name}", site[1])
     assert outcome.startswith("fail"), f"removing {site} went unnoticed"
+
+
+async def test_a_flush_mode_server_restarts_on_its_dead_predecessors_region(name):
+    """A flush-mode region left by a killed server is taken over (its owner is proven dead),
+    and one whose server is alive is refused."""
+    url = f"sim://{name}"
+    ready, done = CTX.Event(), CTX.Event()
+    first = CTX.Process(target=_serve, args=(url, "flush", ready, done), daemon=True)
+    first.start()
+    try:
+        assert await asyncio.to_thread(ready.wait, 30), "server did not start"
+        with pytest.raises(FileExistsError, match="in use"):
+            await cxlrpc.Server(url, request_capacity=1 << 16, response_capacity=1 << 16).start()
+        first.kill()
+        await asyncio.to_thread(first.join, 10)
+    finally:
+        await asyncio.to_thread(stop, first)
+    server = cxlrpc.Server(url, request_capacity=1 << 16, response_capacity=1 << 16)
+    server.add_method("echo", lambda payload: payload)
+    async with server, cxlrpc.connect(url) as client:
+        assert await client.call("echo", b"again", timeout=5) == b"again"

@@ -42,12 +42,13 @@ KIND_RPC = 1
 PAGE = 4096
 SLOT_STRIDE = 640
 MAX_SLOTS = 1024
+MAX_HEAP = 1 << 40
 
 STATE_STARTING, STATE_RUNNING, STATE_CLOSED = 0, 1, 2
 
 # control block offsets (relative to CONTROL)
 CONTROL = REGION_HEADER
-_STATE, _SLOTS, _REQ_CAP, _RESP_CAP = 0, 8, 16, 24
+_STATE, _SLOTS, _REQ_CAP, _RESP_CAP, _HEAP_SIZE, _MAX_MESSAGE = 0, 8, 16, 24, 32, 40
 _SERVER_PARKED = 128
 _DROPPED = 256
 # slot offsets (relative to the slot's base); each line has one writer except the state
@@ -73,12 +74,22 @@ class Geometry:
     #: Single-writer layout (memory without coherence): one SPSC request ring per slot, of
     #: ``request_capacity`` each, instead of one shared MPSC ring.
     per_client_requests: bool = False
+    #: Bytes of the heap that carries bodies too big for a ring (a multiple of the page size),
+    #: and the largest message either side may send (``max_message_size``).
+    heap_size: int = 0
+    max_message_size: int = 0
 
     def __post_init__(self) -> None:
         if not 1 <= self.slots <= MAX_SLOTS:
             raise ValueError(f"slots must be in [1, {MAX_SLOTS}], got {self.slots}")
         ring_size(self.request_capacity)  # validates the capacities
         ring_size(self.response_capacity)
+        if not 0 <= self.heap_size <= MAX_HEAP or self.heap_size % PAGE:
+            raise ValueError(f"heap_size must be a multiple of {PAGE} in [0, {MAX_HEAP}], "
+                             f"got {self.heap_size}")
+        if not 0 <= self.max_message_size <= max(self.heap_size, 1 << 31):
+            raise ValueError(f"max_message_size {self.max_message_size} does not fit the "
+                             f"heap of {self.heap_size} bytes: raise heap_size")
 
     @property
     def request_ring(self) -> int:
@@ -105,15 +116,22 @@ class Geometry:
         return self.response_ring(self.slots) + i * _page(ring_size(self.request_capacity))
 
     @property
-    def size(self) -> int:
+    def heap(self) -> int:
+        """Where the heap starts (after the rings)."""
         if self.per_client_requests:
             return self.client_request_ring(self.slots)
         return self.response_ring(self.slots)
 
+    @property
+    def size(self) -> int:
+        return self.heap + self.heap_size
 
-def layout(slots: int, request_capacity: int, response_capacity: int, coherence: str) -> Geometry:
+
+def layout(slots: int, request_capacity: int, response_capacity: int, coherence: str,
+           heap_size: int = 0, max_message_size: int = 0) -> Geometry:
     """The geometry a server region of that coherence mode uses."""
-    return Geometry(slots, request_capacity, response_capacity, check_coherence(coherence) == FLUSH)
+    return Geometry(slots, request_capacity, response_capacity, check_coherence(coherence) == FLUSH,
+                    _page(heap_size), max_message_size)
 
 
 def read_geometry(region: Region) -> Geometry:
@@ -122,7 +140,8 @@ def read_geometry(region: Region) -> Geometry:
     mem.invalidate(CONTROL, 64)
     try:
         geo = Geometry(mem.load(CONTROL + _SLOTS, ACQUIRE), mem.load(CONTROL + _REQ_CAP, ACQUIRE),
-                       mem.load(CONTROL + _RESP_CAP, ACQUIRE), region.coherence == FLUSH)
+                       mem.load(CONTROL + _RESP_CAP, ACQUIRE), region.coherence == FLUSH,
+                       mem.load(CONTROL + _HEAP_SIZE, ACQUIRE), mem.load(CONTROL + _MAX_MESSAGE, ACQUIRE))
     except ValueError as exc:
         raise RegionError(f"{region.url}: bad geometry in control block ({exc})") from exc
     if geo.size > region.size:
@@ -167,6 +186,8 @@ class ServerChannel:
         mem.store(CONTROL + _SLOTS, geo.slots, RELAXED)
         mem.store(CONTROL + _REQ_CAP, geo.request_capacity, RELAXED)
         mem.store(CONTROL + _RESP_CAP, geo.response_capacity, RELAXED)
+        mem.store(CONTROL + _HEAP_SIZE, geo.heap_size, RELAXED)
+        mem.store(CONTROL + _MAX_MESSAGE, geo.max_message_size, RELAXED)
         self.requests = MpscRing(region.buf, mem, geo.request_ring, geo.request_capacity)
         self.requests.reset()
         self.responses: list[SpscRing] = []
@@ -471,6 +492,8 @@ class FlushServerChannel:
         mem.store(CONTROL + _SLOTS, geo.slots, RELAXED)
         mem.store(CONTROL + _REQ_CAP, geo.request_capacity, RELAXED)
         mem.store(CONTROL + _RESP_CAP, geo.response_capacity, RELAXED)
+        mem.store(CONTROL + _HEAP_SIZE, geo.heap_size, RELAXED)
+        mem.store(CONTROL + _MAX_MESSAGE, geo.max_message_size, RELAXED)
         self.requests = _ClientRequestRings()
         self.request_rings: list[SpscRing] = []
         self.responses: list[SpscRing] = []

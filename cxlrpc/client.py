@@ -12,17 +12,26 @@ import itertools
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import frame as fr
 from .channel import KIND_RPC, ClientChannel, FlushClientChannel, client_channel
 from .doorbell import WaitStrategy, resolve
 from .errors import (DeadlineExceeded, InvalidArgument, ResourceExhausted, RpcError,
                      Unavailable, error_for)
+from .heap import EXTENT, OFFSET, HeapAccess
 from .region import Region, RegionError
 from .ring import ClaimRevoked
 
 _BEAT_INTERVAL = 0.1
+
+
+class _Large(NamedTuple):
+    """A request too big for the ring: its body goes through the server's heap."""
+
+    flags: int
+    method: bytes
+    body: bytes | memoryview
 
 
 def _attach(url: str, poll_interval: float) -> ClientChannel | FlushClientChannel:
@@ -65,9 +74,14 @@ class _Base:
         self._gone: str | None = None
         self._stop = threading.Event()
         self._monitor: threading.Thread | None = None
+        self._heap: HeapAccess | None = None
+        self._frees: list[int] = []  # heap extents of replies read, to give back
+        self._allocs: set[int] = set()  # call ids of ALLOCs whose reply may still come
 
     def _open(self) -> None:
         self._chan = _attach(self.url, self.poll_interval)
+        geo, region = self._chan.geo, self._chan.region
+        self._heap = HeapAccess(region.buf, region.mem, geo.heap, geo.heap_size)
         self._monitor = threading.Thread(target=self._watch, name="cxlrpc-client-monitor", daemon=True)
         self._monitor.start()
 
@@ -136,9 +150,82 @@ class _Base:
         head = fr.HEADER.pack(fr.REQUEST, flags, 0, chan.slot, chan.gen, call_id, timeout, len(mb))
         size = len(head) + len(mb) + len(body)
         if size > chan.requests.max_payload:
-            raise ResourceExhausted(
-                f"request of {len(body)} bytes exceeds the request ring's limit {chan.requests.max_payload}")
+            limit = chan.geo.max_message_size
+            if not chan.geo.heap_size:
+                raise ResourceExhausted(f"request of {len(body)} bytes exceeds the request ring's "
+                                        f"limit {chan.requests.max_payload} (the server has no heap)")
+            if len(body) > limit:
+                raise ResourceExhausted(f"request of {len(body)} bytes exceeds the server's "
+                                        f"max_message_size={limit}")
+            return _Large(flags, mb, body)
         return head, mb, body
+
+    def _alloc_request(self, size: int, timeout: float) -> tuple[int, tuple]:
+        """An ALLOC frame asking the server for ``size`` bytes of heap: (its call id, parts)."""
+        chan = self._chan
+        alloc_id = next(self._ids)
+        self._allocs.add(alloc_id)
+        head = fr.header(fr.ALLOC, fr.RAW, 0, chan.slot, chan.gen, alloc_id, timeout, b"")
+        return alloc_id, (head, OFFSET.pack(size))
+
+    def _staged(self, large: _Large, reply: bytes, call_id: int, timeout: float) -> tuple[tuple, int]:
+        """Write the body into the extent the server granted; the request's parts and the
+        extent's offset (to give back if the request is never sent)."""
+        chan = self._chan
+        (offset,) = OFFSET.unpack(reply)
+        try:
+            self._heap.write(offset, (large.body,))
+        except ValueError as exc:
+            raise InvalidArgument(f"the server granted a bad heap extent: {exc}") from exc
+        head = fr.HEADER.pack(fr.REQUEST, large.flags | fr.HEAP, 0, chan.slot, chan.gen, call_id,
+                              timeout, len(large.method))
+        return (head, large.method, EXTENT.pack(offset, len(large.body))), offset
+
+    def _heap_body(self, f: fr.Frame, wanted: bool) -> bool:
+        """An out-of-line reply: copy its body out (if ``wanted``) and give the extent back;
+        False when the extent is garbage."""
+        if len(f.body) != EXTENT.size:
+            return False
+        offset, length = EXTENT.unpack(f.body)
+        try:
+            body = self._heap.read(offset, length) if wanted else b""
+        except ValueError:
+            return False
+        f.body, f.flags = body, f.flags & ~fr.HEAP
+        self._give_back(offset)
+        return True
+
+    def _granted_late(self, f: fr.Frame) -> None:
+        """A reply nobody waits for: if it grants an extent (its ALLOC was abandoned), give
+        the extent back; if it carries one, too."""
+        if f.call_id in self._allocs:
+            self._allocs.discard(f.call_id)
+            if f.kind == fr.RESPONSE and len(f.body) == OFFSET.size:
+                self._give_back(OFFSET.unpack(f.body)[0])
+        elif f.flags & fr.HEAP:
+            self._heap_body(f, wanted=False)
+
+    def _give_back(self, offset: int) -> None:
+        """Queue a FREE of a heap extent and send what the ring takes now."""
+        self._frees.append(offset)
+        self._send_frees()
+
+    def _send_frees(self) -> None:
+        chan = self._chan
+        if chan is None or self._gone is not None:
+            return
+        sent = 0
+        try:
+            while self._frees:
+                head = fr.header(fr.FREE, fr.RAW, 0, chan.slot, chan.gen, fr.NO_REPLY, 0.0, b"")
+                if not chan.push((head, OFFSET.pack(self._frees[0]))):
+                    break  # the ring is full: the next call sends the rest
+                self._frees.pop(0)
+                sent += 1
+        except ClaimRevoked:
+            return
+        if sent:
+            chan.server_bell.ring()
 
     def send_nowait(self, method: str, arg: Any = None) -> None:
         """One-way call: queue ``method(arg)`` without waiting and without a reply (ordered
@@ -149,6 +236,9 @@ class _Base:
         if self._gone is not None:
             raise Unavailable(self._gone)
         parts = self._request(fr.NO_REPLY, method, arg, 0.0)
+        if type(parts) is _Large:
+            raise ResourceExhausted(f"a one-way call carries at most the request ring's "
+                                    f"{self._chan.requests.max_payload} bytes")
         if not self._push(parts):
             raise ResourceExhausted("request ring is full")
         chan.server_bell.ring()
@@ -233,17 +323,40 @@ class Client(_Base):
             raise DeadlineExceeded("timeout must be positive")
         call_id = next(self._ids)
         parts = self._request(call_id, method, arg, timeout or 0.0)
+        deadline = None if timeout is None else self._loop.time() + timeout
+        if type(parts) is _Large:
+            return await self._call_large(call_id, parts, timeout or 0.0, deadline, response_type)
+        return await self._roundtrip(call_id, parts, deadline, response_type)
+
+    async def _call_large(self, call_id: int, large: _Large, timeout: float,
+                          deadline: float | None, response_type: Any) -> Any:
+        """A request through the heap: ALLOC an extent, write the body there, then call."""
+        alloc_id, alloc = self._alloc_request(len(large.body), timeout)
+        try:
+            reply = await self._roundtrip(alloc_id, alloc, deadline, None)
+        finally:
+            self._allocs.discard(alloc_id)
+        parts, offset = self._staged(large, reply, call_id, timeout)
+        return await self._roundtrip(call_id, parts, deadline, response_type, unsent=offset)
+
+    async def _roundtrip(self, call_id: int, parts: tuple, deadline: float | None,
+                         response_type: Any, unsent: int | None = None) -> Any:
+        """Push a request and await its reply. ``unsent``: a heap extent to give back if the
+        request never left."""
         loop = self._loop
         fut = loop.create_future()
         self._pending[call_id] = (fut, response_type)
-        deadline = None if timeout is None else loop.time() + timeout
         timer = None
+        pushed = False
         try:
             chan = self._chan
+            if self._frees:
+                self._send_frees()
             if self._push(parts):
                 chan.server_bell.ring()
             else:
                 await self._push_slow(parts, deadline)
+            pushed = True
             if deadline is not None:
                 timer = loop.call_at(deadline, _expire, fut)
             if not self._direct and len(self._pending) == 1:
@@ -259,6 +372,8 @@ class Client(_Base):
             self._pending.pop(call_id, None)
             if timer is not None:
                 timer.cancel()
+            if unsent is not None and not pushed:
+                self._give_back(unsent)
 
     async def _push_slow(self, parts: tuple, deadline: float | None) -> None:
         """Backpressure: retry while the request ring is full, until the deadline."""
@@ -341,10 +456,12 @@ class Client(_Base):
         if f.gen != chan.gen or f.slot != chan.slot:
             return  # a reply meant for this slot's previous holder
         entry = self._pending.pop(f.call_id, None)
-        if entry is None:
-            return  # the caller gave up (timeout, cancel)
+        if entry is None or entry[0].done():
+            self._granted_late(f)  # the caller gave up (timeout, cancel)
+            return
         fut, response_type = entry
-        if fut.done():
+        if f.flags & fr.HEAP and not self._heap_body(f, wanted=True):
+            fut.set_exception(InvalidArgument("the reply's heap extent is not inside the heap"))
             return
         if f.kind == fr.RESPONSE and f.flags & fr.RAW and response_type is None:
             fut.set_result(f.body)  # raw bytes: nothing to decode
@@ -439,37 +556,65 @@ class SyncClient(_Base):
             call_id = next(self._ids)
             parts = self._request(call_id, method, arg, timeout or 0.0)
             deadline = None if timeout is None else time.monotonic() + timeout
-            backoff = 0.0
+            unsent = None
+            if type(parts) is _Large:  # through the heap: ALLOC an extent, write the body there
+                alloc_id, alloc = self._alloc_request(len(parts.body), timeout or 0.0)
+                try:
+                    reply = self._decode_reply(self._roundtrip(alloc_id, alloc, deadline), None)
+                finally:
+                    self._allocs.discard(alloc_id)
+                parts, unsent = self._staged(parts, reply, call_id, timeout or 0.0)
+            return self._decode_reply(self._roundtrip(call_id, parts, deadline, unsent), response_type)
+
+    def _roundtrip(self, call_id: int, parts: tuple, deadline: float | None,
+                   unsent: int | None = None) -> fr.Frame:
+        """Push a request and wait for its reply frame. ``unsent``: a heap extent to give back
+        if the request never left."""
+        chan = self._chan
+        if self._frees:
+            self._send_frees()
+        backoff = 0.0
+        try:
             while not self._push(parts):
                 self._check(deadline, call_id, sent=False)
                 chan.server_bell.ring()
                 time.sleep(backoff)  # backpressure: the server is draining a full ring
                 backoff = min(0.001, backoff * 2 + 1e-5)
-            chan.server_bell.ring()
-            ring, bell, strategy = chan.responses, chan.bell, self.strategy
-            got: list[fr.Frame] = []
+        except BaseException:
+            if unsent is not None:
+                self._give_back(unsent)
+            raise
+        chan.server_bell.ring()
+        ring, bell, strategy = chan.responses, chan.bell, self.strategy
+        got: list[fr.Frame] = []
 
-            def on_reply(view: memoryview) -> None:
-                try:
-                    f = fr.decode(view)
-                except fr.FrameError:
-                    ring.dropped += 1
-                    return
-                if f.call_id == call_id and f.gen == chan.gen and f.slot == chan.slot:
-                    got.append(f)
+        def on_reply(view: memoryview) -> None:
+            try:
+                f = fr.decode(view)
+            except fr.FrameError:
+                ring.dropped += 1
+                return
+            if f.gen != chan.gen or f.slot != chan.slot:
+                return
+            if f.call_id != call_id or got:
+                self._granted_late(f)
+            elif f.flags & fr.HEAP and not self._heap_body(f, wanted=True):
+                ring.dropped += 1
+            else:
+                got.append(f)
 
-            ready = lambda: ring.readable() or self._gone is not None
-            idle = False
-            while True:
-                if ring.poll(on_reply):
-                    idle = False
-                if got:
-                    return self._decode_reply(got[0], response_type)
-                self._check(deadline, call_id, sent=True)
-                wait = _BEAT_INTERVAL
-                if deadline is not None:
-                    wait = min(wait, max(deadline - time.monotonic(), 0.0))
-                idle = not bell.wait_sync(ready, strategy, wait, idle)
+        ready = lambda: ring.readable() or self._gone is not None
+        idle = False
+        while True:
+            if ring.poll(on_reply):
+                idle = False
+            if got:
+                return got[0]
+            self._check(deadline, call_id, sent=True)
+            wait = _BEAT_INTERVAL
+            if deadline is not None:
+                wait = min(wait, max(deadline - time.monotonic(), 0.0))
+            idle = not bell.wait_sync(ready, strategy, wait, idle)
 
     def _check(self, deadline: float | None, call_id: int, sent: bool) -> None:
         if self._gone is not None:

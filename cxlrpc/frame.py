@@ -5,7 +5,8 @@ A frame is a fixed little-endian header, the method name, then the body::
     kind u8 | flags u8 | status u16 | slot u16 | gen u32 | call_id u64 | timeout f64 | method_len u16
 
 ``bytes``-like bodies travel raw (flag ``RAW``: one copy into the ring, one out); anything
-else is msgspec MessagePack.  Every field is validated on decode: a frame from shared
+else is msgspec MessagePack. A body too big for a ring travels through the region's heap
+(flag ``HEAP``: the frame's body is the extent, see :mod:`cxlrpc.heap`).  Every field is validated on decode: a frame from shared
 memory may be garbage.
 """
 from __future__ import annotations
@@ -18,8 +19,10 @@ import msgspec
 from .errors import InvalidArgument
 
 REQUEST, RESPONSE, ERROR, CANCEL = 1, 2, 3, 4
-_KINDS = frozenset((REQUEST, RESPONSE, ERROR, CANCEL))
+ALLOC, FREE = 5, 6  # ask the server for a heap extent (body: size); give one back (body: offset)
+_KINDS = frozenset((REQUEST, RESPONSE, ERROR, CANCEL, ALLOC, FREE))
 RAW = 1  # body is the caller's bytes, not MessagePack
+HEAP = 2  # the body is out of line: the frame carries its heap extent (offset, length)
 NO_REPLY = 0  # call id of a one-way request: the server runs the handler and sends nothing back
 
 HEADER = struct.Struct("<BBHHIQdH")
@@ -87,6 +90,11 @@ def header(kind: int, flags: int, status: int, slot: int, gen: int, call_id: int
     return HEADER.pack(kind, flags, status, slot, gen & 0xFFFFFFFF, call_id, timeout, len(method))
 
 
+def out_of_line(head: bytes) -> bytes:
+    """The same header, flagged ``HEAP``: the record's body is the extent, not the bytes."""
+    return head[:1] + bytes((head[1] | HEAP,)) + head[2:]
+
+
 _unpack = HEADER.unpack_from
 
 
@@ -98,7 +106,7 @@ def decode(view: memoryview) -> Frame:
     kind, flags, status, slot, gen, call_id, timeout, mlen = _unpack(view)
     end = HEADER_SIZE + mlen
     # ``not timeout >= 0`` also rejects NaN
-    if kind not in _KINDS or mlen > MAX_METHOD or end > n or flags & ~RAW or not timeout >= 0:
+    if kind not in _KINDS or mlen > MAX_METHOD or end > n or flags & ~(RAW | HEAP) or not timeout >= 0:
         raise FrameError("frame header out of range")
     method = ""
     if mlen:

@@ -24,6 +24,7 @@ from . import frame as fr
 from .channel import KIND_RPC, FlushServerChannel, ServerChannel, layout, server_channel
 from .doorbell import WaitStrategy, resolve
 from .errors import RpcError, StatusCode
+from .heap import EXTENT, OFFSET, HeapAccess, ServerHeap
 from .memory import ACQ_REL
 from .memory import HARDWARE
 from .region import Region, RegionError, coherence_for, parse_url
@@ -108,7 +109,8 @@ class Server:
                  response_capacity: int = 4 << 20, doorbell: WaitStrategy | str | None = None,
                  client_timeout: float = 1.0, heartbeat_interval: float = 0.1,
                  poll_interval: float = 1e-3, size: int | None = None, mode: int = 0o600,
-                 error_details: bool = True, coherence: str = HARDWARE) -> None:
+                 error_details: bool = True, coherence: str = HARDWARE,
+                 max_message_size: int = 64 << 20, heap_size: int | None = None) -> None:
         parse_url(url)  # fail fast on a malformed URL
         if not poll_interval > 0:
             raise ValueError("poll_interval must be > 0 seconds")
@@ -118,7 +120,12 @@ class Server:
         self.coherence = coherence_for(url, coherence)
         if request_capacity is None:  # one shared ring, or (flush) one per client
             request_capacity = 4 << 20 if self.coherence == HARDWARE else 1 << 20
-        self.geometry = layout(slots, request_capacity, response_capacity, self.coherence)
+        #: Largest request or response body; bodies too big for a ring go through the heap
+        #: (``heap_size`` bytes, by default ``max_message_size``: one such body at a time).
+        self.max_message_size = max_message_size
+        self.geometry = layout(slots, request_capacity, response_capacity, self.coherence,
+                               max_message_size if heap_size is None else heap_size,
+                               max_message_size)
         self.size = max(size or 0, self.geometry.size)
         self.strategy = resolve(doorbell)
         self.client_timeout = client_timeout
@@ -136,6 +143,8 @@ class Server:
         self._tasks: dict[tuple[int, int, int], asyncio.Task] = {}
         self._expired: set[tuple[int, int, int]] = set()  # calls whose deadline cancelled them
         self._backlog: dict[int, list[tuple]] = {}
+        self._heap: ServerHeap | None = None
+        self._heap_waiting: list[tuple] = []  # ALLOCs the full heap could not serve yet
         self._oneway_ids = itertools.count(1)
         self._peers: dict[int, Peer] = {}  # per slot, so a request costs no Peer allocation
         self._closing = False
@@ -188,6 +197,10 @@ class Server:
         self._beater.start()
         try:
             self._chan = server_channel(self._region, self.geometry, self.poll_interval)
+            geo = self.geometry
+            if geo.heap_size:
+                self._heap = ServerHeap(HeapAccess(self._region.buf, self._region.mem, geo.heap,
+                                                   geo.heap_size))
         except BaseException:
             self._stop_beating()
             self._region.mark_closed()
@@ -279,6 +292,8 @@ class Server:
         chan = self._chan
         for slot, gen in chan.reap(self.client_timeout, now):
             self._departed(slot, gen)
+        if self._heap_waiting:
+            self._expire_heap_waiters(now)
         ring = chan.requests
         if ring.blocked_producer() is None or ring.unblock(chan.producer_dead, chan.live_claims):
             return None
@@ -286,7 +301,11 @@ class Server:
 
     def _departed(self, slot: int, gen: int) -> None:
         """A slot's holder left (detached, reaped, or replaced by a new holder): cancel its
-        handlers, drop its replies, tell the on_disconnect callbacks."""
+        handlers, drop its replies, free its heap extents, tell the on_disconnect callbacks."""
+        if self._heap is not None:
+            self._heap_waiting = [w for w in self._heap_waiting if w[1:3] != (slot, gen)]
+            if self._heap.release_owner(slot, gen):
+                self._heap_freed()
         queue = self._backlog.get(slot)
         if queue:
             queue[:] = [entry for entry in queue if entry[0] != gen]
@@ -332,8 +351,17 @@ class Server:
                 task = self._tasks.get((slot, f.gen, f.call_id))
                 if task is not None:
                     task.cancel()
+                elif self._heap_waiting:
+                    self._heap_waiting = [w for w in self._heap_waiting
+                                          if w[1:4] != (slot, f.gen, f.call_id)]
+            elif f.kind == fr.ALLOC:
+                self._alloc(f)
+            elif f.kind == fr.FREE:
+                self._free(f)
             else:
                 self._drop()
+            return
+        if f.flags & fr.HEAP and not self._take_body(f):
             return
         m = self._methods.get(f.method)
         if m is None:
@@ -483,14 +511,96 @@ class Server:
         if chan.slot_generation(slot) != gen:
             return  # the client left or died: nobody to answer
         ring = chan.responses[slot]
-        if len(head) + len(body) > ring.max_payload:
+        if len(head) + len(body) > ring.max_payload and (self._heap is None
+                                                         or len(body) > self.max_message_size):
             code = int(StatusCode.RESOURCE_EXHAUSTED)
-            msg = f"response of {len(body)} bytes exceeds the ring's limit {ring.max_payload}".encode()
+            limit = (f"max_message_size={self.max_message_size}" if self._heap is not None
+                     else f"the ring's limit {ring.max_payload} (this server has no heap)")
+            msg = f"response of {len(body)} bytes exceeds {limit}".encode()
             call_id = fr.HEADER.unpack_from(head)[5]
             head, body = fr.header(fr.ERROR, fr.RAW, code, slot, gen, call_id, 0.0, b""), msg
-        if slot in self._backlog or not ring.try_push_parts((head, body)):
+        if slot in self._backlog or not self._push_reply(slot, gen, ring, head, body):
             self._backlog.setdefault(slot, []).append((gen, head, bytes(body)))
         chan.ring_client(slot, gen)
+
+    def _push_reply(self, slot: int, gen: int, ring: Any, head: bytes, body: bytes | memoryview) -> bool:
+        """Push a reply, through the heap when it is too big for the ring; False while the
+        ring (or the heap) is full."""
+        if len(head) + len(body) <= ring.max_payload:
+            return ring.try_push_parts((head, body))
+        heap = self._heap
+        offset = heap.alloc(slot, gen, len(body))
+        if offset is None:
+            return False
+        heap.access.write(offset, (body,))
+        if ring.try_push_parts((fr.out_of_line(head), EXTENT.pack(offset, len(body)))):
+            return True
+        heap.free(offset, slot, gen)
+        return False
+
+    # ------------------------------------------------------------------ heap
+    def _alloc(self, f: fr.Frame) -> None:
+        """A client asks for a heap extent to write a big request into."""
+        if len(f.body) != OFFSET.size or self._heap is None:
+            self._error(f, StatusCode.RESOURCE_EXHAUSTED if self._heap is None
+                        else StatusCode.INVALID_ARGUMENT,
+                        "this server has no heap (heap_size=0)" if self._heap is None
+                        else "bad ALLOC frame")
+            return
+        (size,) = OFFSET.unpack(f.body)
+        if not 0 < size <= self.max_message_size:
+            self._error(f, StatusCode.RESOURCE_EXHAUSTED, f"request of {size} bytes exceeds the "
+                        f"server's max_message_size={self.max_message_size}")
+            return
+        deadline = time.monotonic() + f.timeout if f.timeout > 0 else None
+        self._heap_waiting.append((deadline, f.slot, f.gen, f.call_id, size))
+        self._heap_freed()
+
+    def _free(self, f: fr.Frame) -> None:
+        """A client is done with a response body we put in the heap."""
+        if (self._heap is None or len(f.body) != OFFSET.size
+                or not self._heap.free(OFFSET.unpack(f.body)[0], f.slot, f.gen)):
+            self._drop()
+            return
+        self._heap_freed()
+
+    def _heap_freed(self) -> None:
+        """Serve waiting ALLOCs in order while they fit (the first that does not, waits on)."""
+        heap, waiting = self._heap, self._heap_waiting
+        while waiting:
+            _, slot, gen, call_id, size = waiting[0]
+            offset = heap.alloc(slot, gen, size)
+            if offset is None:
+                return
+            waiting.pop(0)
+            self._send(slot, gen, fr.header(fr.RESPONSE, fr.RAW, 0, slot, gen, call_id, 0.0, b""),
+                       OFFSET.pack(offset))
+
+    def _expire_heap_waiters(self, now: float) -> None:
+        expired = [w for w in self._heap_waiting if w[0] is not None and w[0] <= now]
+        if not expired:
+            return
+        self._heap_waiting = [w for w in self._heap_waiting if w not in expired]
+        for _, slot, gen, call_id, size in expired:
+            self._send(slot, gen, fr.header(fr.ERROR, fr.RAW, int(StatusCode.DEADLINE_EXCEEDED),
+                                            slot, gen, call_id, 0.0, b""),
+                       f"the heap had no room for {size} bytes before the deadline".encode())
+
+    def _take_body(self, f: fr.Frame) -> bool:
+        """Replace an out-of-line request's extent by its bytes (and free the extent); False
+        (the request answered or dropped) when the extent is not the sender's."""
+        heap = self._heap
+        if heap is not None and len(f.body) == EXTENT.size:
+            offset, length = EXTENT.unpack(f.body)
+            if heap.owned(offset, length, f.slot, f.gen):
+                f.body = heap.access.read(offset, length)
+                f.flags &= ~fr.HEAP
+                heap.free(offset, f.slot, f.gen)
+                self._heap_freed()
+                return True
+        self._drop()
+        self._error(f, StatusCode.INVALID_ARGUMENT, "request body is not in a heap extent of its own")
+        return False
 
     def _flush_backlog(self) -> None:
         """Retry responses that met a full response ring (backpressure, never loss)."""
@@ -504,7 +614,7 @@ class Server:
                 if holder != gen:
                     queue.pop(0)
                     continue
-                if not ring.try_push_parts((head, body)):
+                if not self._push_reply(slot, gen, ring, head, body):
                     break
                 queue.pop(0)
             if holder >= 0:

@@ -17,7 +17,7 @@ import numpy as np
 
 from cxlrpc.errors import StatusCode, error_for
 from kvservice import wire as w
-from kvservice.allocator import PoolAllocator
+from cxlrpc.allocator import PoolAllocator
 from kvservice.client import KeyNotFound
 from kvservice.index import KVIndex, PoolFull
 from kvservice.keys import chunk_keys, normalize_key

@@ -34,7 +34,7 @@ from typing import Any
 
 import msgspec
 
-from kvservice.allocator import PoolAllocator
+from cxlrpc.allocator import PoolAllocator
 from kvservice.keys import normalize_key
 
 

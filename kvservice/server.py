@@ -13,7 +13,7 @@ from typing import Any
 
 import cxlrpc
 from kvservice import wire as w
-from kvservice.allocator import PoolAllocator
+from cxlrpc.allocator import PoolAllocator
 from kvservice.index import KVIndex, Lease, PoolFull, PutTicket
 from cxlrpc.region import RegionError, overlapping
 from kvservice.pool import Pool, pool_url_for

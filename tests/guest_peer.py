@@ -47,6 +47,7 @@ CLIENT_TIMEOUT = 1.0
 #: The server's idle poll step (cxlrpc's default is 1 ms); the host may override it for a run
 #: with CXLRPC_GUEST_POLL_INTERVAL to see what an after-idle call costs at other settings.
 POLL_INTERVAL = float(os.environ.get("CXLRPC_GUEST_POLL_INTERVAL", "1e-3"))
+COHERENCE = os.environ.get("CXLRPC_GUEST_COHERENCE", "hardware")  # the server's; clients read it
 KV_VALUE_SIZE = 1 << 20
 N_SEQUENTIAL = 5000
 N_CONCURRENT = 5000
@@ -118,9 +119,10 @@ def percentiles(lat: list[float]) -> dict[str, float]:
 # ---------------------------------------------------------------------------------- server
 async def serve() -> None:
     # 16 slots x 1 MiB reply rings (the test echoes 256 KiB) + a 4 MiB request ring: ~20 MiB,
-    # inside the 64 MiB device
+    # inside the 64 MiB device (flush mode: + 16 x 1 MiB request rings, one per client: ~33 MiB)
     kv = KVServer(RPC_URL, pool_size=POOL_SIZE, pool_url=POOL_URL, client_timeout=CLIENT_TIMEOUT,
-                  slots=16, response_capacity=1 << 20, poll_interval=POLL_INTERVAL)
+                  slots=16, response_capacity=1 << 20, poll_interval=POLL_INTERVAL,
+                  coherence=COHERENCE)
     rpc = kv.rpc
 
     def echo(payload: bytes) -> bytes:

@@ -8,9 +8,10 @@ ways; then (e) B is killed mid-traffic and the host times, through the backing f
 the server takes to reclaim B's slot; (f) a new client guest B2 calls in a loop while A is
 killed and measures how long ``Unavailable`` takes. At most two guests run at once.
 
-The whole scenario runs once (module fixture); each test asserts one part of it. The figures
-are printed (a line starting ``GUEST-FIGURES ``) and saved as JSON to $CXLRPC_GUEST_FIGURES
-(default /tmp/cxlrpc-guest-figures.json).
+The whole scenario runs once per coherence mode (module fixture: "hardware", and "flush", the
+single-writer layout with write-backs and invalidates); each test asserts one part of it. The
+figures are printed (a line starting ``GUEST-FIGURES ``) and saved as JSON beside
+$CXLRPC_GUEST_FIGURES (default /tmp/cxlrpc-guest-figures-MODE.json).
 """
 from __future__ import annotations
 
@@ -72,14 +73,23 @@ class SlotTable:
         self.geo = read_geometry(self.region)
 
     def claimed(self) -> list[int]:
-        mem, geo = self.region.mem, self.geo
-        return [i for i in range(geo.slots) if mem.load(geo.slot(i), ACQUIRE) & 1]
+        return [i for i in range(self.geo.slots) if self.word(i) & 1]
 
     def word(self, slot: int) -> int:
+        """A slot's state word (flush mode: the server's grant word, same held bit)."""
+        self.region.mem.invalidate(self.geo.slot(slot), 8)  # the host reads as one more peer
         return self.region.mem.load(self.geo.slot(slot), ACQUIRE)
 
     def request_tail(self) -> int:
-        return self.region.mem.load(self.geo.request_ring, ACQUIRE)
+        """Bytes of requests sent so far: the shared ring's tail, or (flush mode: a request
+        ring per client) the sum of the clients' tails."""
+        mem, geo = self.region.mem, self.geo
+        if not geo.per_client_requests:
+            return mem.load(geo.request_ring, ACQUIRE)
+        rings = [geo.client_request_ring(i) for i in range(geo.slots)]
+        for at in rings:
+            mem.invalidate(at, 8)
+        return sum(mem.load(at, ACQUIRE) for at in rings)
 
     def close(self) -> None:
         self.region.close()
@@ -95,14 +105,17 @@ def _until(cond, timeout: float, interval: float = 0.001) -> float | None:
     return time.monotonic() - t0
 
 
-def _run_scenario(image: GuestImage, shm: list[Path], log: dict[str, Any]) -> None:
+def _run_scenario(image: GuestImage, shm: list[Path], log: dict[str, Any], coherence: str) -> None:
     guests: list[Guest] = []
     with ExitStack() as stack:
         def guest(name: str, script: str) -> Guest:
             g = stack.enter_context(Guest(image, name, shm, mem_mb=512, smp=1))
             guests.append(g)
+            env = {"CXLRPC_GUEST_COHERENCE": coherence}
             knob = "CXLRPC_GUEST_POLL_INTERVAL"
-            g.start(script, {knob: os.environ[knob]} if knob in os.environ else None)
+            if knob in os.environ:
+                env[knob] = os.environ[knob]
+            g.start(script, env)
             return g
 
         try:
@@ -237,10 +250,13 @@ def _table(fig: dict[str, Any]) -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=["hardware", "flush"])
 def scenario(image: GuestImage, request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
+    """The whole scenario, once per coherence mode of the server (clients learn it from the
+    region): "flush" runs the single-writer layout with write-backs and invalidates."""
+    coherence = request.param
     shm: list[Path] = []
-    log: dict[str, Any] = {}
+    log: dict[str, Any] = {"coherence": coherence}
     try:
         for i in range(2):
             path = Path(f"/dev/shm/cxlrpc-guests-rpc-{os.getpid()}-{i}")
@@ -249,7 +265,7 @@ def scenario(image: GuestImage, request: pytest.FixtureRequest) -> Iterator[dict
             shm.append(path)
         t0 = time.monotonic()
         load = os.getloadavg()[0]
-        _run_scenario(image, shm, log)
+        _run_scenario(image, shm, log, coherence)
         log["host_loadavg"] = [round(load, 2), round(os.getloadavg()[0], 2)]
         guest_loop = log.get("phases", {}).get("calibrate_s")
         if guest_loop:
@@ -261,11 +277,12 @@ def scenario(image: GuestImage, request: pytest.FixtureRequest) -> Iterator[dict
         for path in shm:
             path.unlink(missing_ok=True)
     fig = _figures(log)
+    figures = FIGURES.with_name(f"{FIGURES.stem}-{coherence}{FIGURES.suffix}")
     try:
-        FIGURES.write_text(json.dumps({"figures": fig, "raw": log}, indent=1, default=str))
+        figures.write_text(json.dumps({"figures": fig, "raw": log}, indent=1, default=str))
     except OSError:
         pass
-    text = f"\n{_table(fig)}\nGUEST-FIGURES {json.dumps(fig)}\n(raw log: {FIGURES})"
+    text = f"\n{coherence}:\n{_table(fig)}\nGUEST-FIGURES {json.dumps(fig)}\n(raw log: {figures})"
     capman = request.config.pluginmanager.getplugin("capturemanager")
     if capman is not None:
         with capman.global_and_fixture_disabled():

@@ -5,7 +5,7 @@ Time is an injected fake clock; nothing sleeps.
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kvservice.allocator import PoolAllocator
+from cxlrpc.allocator import PoolAllocator
 from kvservice.index import KVIndex, Lease, PoolFull, PutTicket, QuotaExceeded
 
 U = 4096  # one allocation unit

@@ -26,6 +26,7 @@ def make_server(url: str, **opts) -> cxlrpc.Server:
     if url.startswith("sim://"):  # the simulator copies whole regions: keep them small
         opts.setdefault("request_capacity", 256 << 10)
         opts.setdefault("response_capacity", 256 << 10)
+        opts.setdefault("max_message_size", 1 << 20)
     server = cxlrpc.Server(url, **opts)
     started = {"n": 0}
     cancelled = asyncio.Event()
@@ -221,23 +222,32 @@ async def test_no_server_is_unavailable(url):
 
 
 async def test_oversized_request_is_resource_exhausted(url):
-    async with make_server(url, request_capacity=64 << 10, response_capacity=64 << 10), \
-            cxlrpc.connect(url) as client:
-        with pytest.raises(cxlrpc.ResourceExhausted, match="exceeds"):
-            await client.call("echo", b"x" * (64 << 10), timeout=5)
+    """Bodies too big for the ring go through the heap; past max_message_size they fail,
+    naming the setting (and with no heap, the ring's limit)."""
+    async with make_server(url, request_capacity=64 << 10, response_capacity=64 << 10,
+                           max_message_size=256 << 10), cxlrpc.connect(url) as client:
+        assert await client.call("echo", b"x" * (64 << 10), timeout=5) == b"x" * (64 << 10)
+        with pytest.raises(cxlrpc.ResourceExhausted, match="max_message_size=262144"):
+            await client.call("echo", b"x" * (300 << 10), timeout=5)
         assert await client.call("echo", b"x" * 1000, timeout=5) == b"x" * 1000
+    async with make_server(url, request_capacity=64 << 10, response_capacity=64 << 10,
+                           heap_size=0), cxlrpc.connect(url) as client:
+        with pytest.raises(cxlrpc.ResourceExhausted, match="ring's limit .* no heap"):
+            await client.call("echo", b"x" * (64 << 10), timeout=5)
 
 
 async def test_oversized_response_is_resource_exhausted(url):
-    server = cxlrpc.Server(url, request_capacity=1 << 20, response_capacity=64 << 10)
+    server = cxlrpc.Server(url, request_capacity=1 << 20, response_capacity=64 << 10,
+                           max_message_size=1 << 20)
 
     @server.method("big")
     def big(n: int) -> bytes:
         return b"y" * n
 
     async with server, cxlrpc.connect(url) as client:
-        with pytest.raises(cxlrpc.ResourceExhausted, match="response"):
-            await client.call("big", 100_000, timeout=5)
+        assert await client.call("big", 100_000, timeout=5) == b"y" * 100_000  # via the heap
+        with pytest.raises(cxlrpc.ResourceExhausted, match="response .* max_message_size=1048576"):
+            await client.call("big", 2 << 20, timeout=5)
         assert len(await client.call("big", 1000, timeout=5)) == 1000
 
 

@@ -1,4 +1,5 @@
-"""Offset allocator for the KV pool: hands out aligned byte ranges of a shared region, no I/O.
+"""Offset allocator for shared regions (the kvservice pool, the RPC heap): hands out aligned
+byte ranges, no I/O.
 
 Free ranges live in segregated size classes (TLSF-style: a power-of-two level split into 16
 linear sub-classes) whose lists are sorted by (size, offset), plus a bitmap of non-empty classes.

@@ -4,7 +4,7 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kvservice.allocator import PoolAllocator
+from cxlrpc.allocator import PoolAllocator
 
 
 def gaps(live: dict[int, int], capacity: int) -> list[int]:

@@ -1,0 +1,94 @@
+"""The heap of a server region: bodies too big for a ring travel here, out of line.
+
+The server alone allocates (no shared allocator state: nothing to corrupt, nothing to CAS, one
+writer per extent on memory without coherence). A response body is allocated by the server,
+written, then referenced by a small frame (offset, length); the client copies it out and sends
+a FREE frame. A request body is allocated on the client's behalf (an ALLOC round trip), written
+by the client, referenced by its request frame, and freed by the server once it has read it.
+Every extent belongs to one connection (slot, generation) and is freed when that one departs.
+Offsets and lengths read from frames are checked against what was handed out.
+"""
+from __future__ import annotations
+
+import struct
+from typing import Sequence
+
+from .allocator import PoolAllocator
+from .memory import AtomicMemory
+
+EXTENT = struct.Struct("<QQ")  # offset, length: the body of a HEAP frame
+OFFSET = struct.Struct("<Q")   # ALLOC's size, its reply's offset, FREE's offset
+UNIT = 4096
+
+
+class HeapAccess:
+    """Reading and writing extents of the heap at ``start`` (``size`` bytes) of a region."""
+
+    def __init__(self, buf: memoryview, mem: AtomicMemory, start: int, size: int) -> None:
+        self.buf, self.mem, self.start, self.size = buf, mem, start, size
+
+    def check(self, offset: int, length: int) -> None:
+        """Raise ValueError unless ``[offset, offset+length)`` lies inside the heap."""
+        if not (0 <= offset and 0 <= length and offset + length <= self.size and offset % UNIT == 0):
+            raise ValueError(f"extent ({offset}, {length}) is not inside the {self.size}-byte heap")
+
+    def write(self, offset: int, parts: Sequence[bytes | memoryview]) -> int:
+        """Copy ``parts`` to ``offset`` and write them back (memory without coherence); the
+        bytes written."""
+        length = sum(len(part) for part in parts)
+        self.check(offset, length)
+        at = self.start + offset
+        for part in parts:
+            n = len(part)
+            self.buf[at:at + n] = part
+            at += n
+        self.mem.writeback(self.start + offset, length)
+        return length
+
+    def read(self, offset: int, length: int) -> bytes:
+        """A copy of the extent (its lines invalidated first: another host wrote them)."""
+        self.check(offset, length)
+        at = self.start + offset
+        self.mem.invalidate(at, length)
+        return bytes(self.buf[at:at + length])
+
+
+class ServerHeap:
+    """The server's allocator over the heap, with each extent's owner (slot, generation)."""
+
+    def __init__(self, access: HeapAccess) -> None:
+        self.access = access
+        self._alloc = PoolAllocator(access.size, UNIT)
+        self._owners: dict[int, tuple[int, int, int]] = {}  # offset -> (slot, gen, length)
+
+    def alloc(self, slot: int, gen: int, length: int) -> int | None:
+        """An extent of ``length`` bytes for the connection, or None while the heap is full."""
+        offset = self._alloc.alloc(max(length, 1))
+        if offset is not None:
+            self._owners[offset] = (slot, gen, length)
+        return offset
+
+    def owned(self, offset: int, length: int, slot: int, gen: int) -> bool:
+        """Was this extent (at least ``length`` bytes) handed to that connection?"""
+        owner = self._owners.get(offset)
+        return owner is not None and owner[:2] == (slot, gen) and length <= owner[2]
+
+    def free(self, offset: int, slot: int, gen: int) -> bool:
+        """Free the connection's extent at ``offset``; False if it is not one of its own."""
+        owner = self._owners.get(offset)
+        if owner is None or owner[:2] != (slot, gen):
+            return False
+        del self._owners[offset]
+        self._alloc.free(offset)
+        return True
+
+    def release_owner(self, slot: int, gen: int) -> int:
+        """Free everything a departed connection held; how many extents."""
+        mine = [off for off, (s, g, _) in self._owners.items() if (s, g) == (slot, gen)]
+        for offset in mine:
+            self.free(offset, slot, gen)
+        return len(mine)
+
+    @property
+    def used(self) -> int:
+        return self._alloc.used

@@ -23,15 +23,17 @@ def capacity_for(max_payload: int) -> int:
 
 
 def serve(conn: Connection, address: str, max_payload: int = 1 << 20, doorbell: str = "adaptive",
-          loop: str = "uvloop", handler: str = "async", **_: object) -> None:
+          loop: str = "uvloop", handler: str = "async", coherence: str = "hardware", **_: object) -> None:
     """Serve ``echo`` on ``address`` until the parent says stop; close cleanly (unlinks the region).
 
     ``handler``: ``"async"`` (an ``async def``, what users write and what grpc.aio servicers
-    are) or ``"plain"`` (a plain function, the cheapest shape)."""
+    are) or ``"plain"`` (a plain function, the cheapest shape). ``coherence``: the server's
+    ``"hardware"`` or ``"flush"`` layout (flush: each client's own request ring of ``cap``)."""
     cap = capacity_for(max_payload)
 
     async def main() -> None:
-        server = cxlrpc.Server(address, doorbell=doorbell, request_capacity=cap, response_capacity=cap)
+        server = cxlrpc.Server(address, doorbell=doorbell, request_capacity=cap, response_capacity=cap,
+                               coherence=coherence)
 
         async def echo_async(payload: bytes) -> bytes:
             return payload

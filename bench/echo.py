@@ -11,7 +11,7 @@ import numpy as np
 
 from .grpc_echo import run_loop
 from .procs import Worker, WorkerError
-from .stats import cdf_points, median_of, pooled, summarize
+from .stats import cdf_points, change, median_of, pooled, summarize
 from .transports import ECHO, Transport, resolve
 
 KIB, MIB = 1024, 1024 * 1024
@@ -172,7 +172,8 @@ def run_echo(cfg: dict, progress: Any, log: Callable[[str], None]) -> dict:
 
 def summarize_echo(transports: list[Transport], raw: dict, sizes: tuple[int, ...], plan: list,
                    skipped: dict, errors: dict) -> dict:
-    """Per-round summaries, their medians, pooled percentiles, the gRPC baselines and 64 B CDFs."""
+    """Per-round summaries, their medians, pooled percentiles, the gRPC baselines, flush rows'
+    changes vs their hardware twin and 64 B CDFs."""
     out: dict[str, Any] = {"sizes": list(sizes), "plan": [list(p) for p in plan], "transports": {},
                            "skipped": skipped, "errors": errors, "baseline": {}, "cdf_64": {}}
     for t in transports:
@@ -183,7 +184,7 @@ def summarize_echo(transports: list[Transport], raw: dict, sizes: tuple[int, ...
                 continue
             per[str(s)] = {"rounds": rounds, "median": median_of(rounds),
                            "pooled": summarize(pooled(a for a, _ in raw[t.key][s]))}
-        out["transports"][t.key] = {"label": t.label, "family": t.family, "sizes": per}
+        out["transports"][t.key] = {"label": t.label, "family": t.family, "hardware": t.hardware, "sizes": per}
         if raw[t.key].get(64):
             xs, ys = cdf_points(pooled(a for a, _ in raw[t.key][64]))
             out["cdf_64"][t.key] = {"us": xs, "frac": ys}
@@ -206,4 +207,10 @@ def summarize_echo(transports: list[Transport], raw: dict, sizes: tuple[int, ...
             if m and base:
                 v["sizes"][str(s)]["reduction"] = {
                     metric: 1.0 - m[metric] / base[metric]["us"] for metric in ("p50", "p99", "p99.9") if metric in base}
+    for v in out["transports"].values():
+        twin = out["transports"].get(v["hardware"], {}).get("sizes", {})
+        for size, row in v["sizes"].items():
+            hw = twin.get(size, {}).get("median")
+            if hw:
+                row["vs_hardware"] = {m: change(row["median"][m], hw[m]) for m in ("p50", "p99", "p99.9")}
     return out

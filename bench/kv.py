@@ -181,7 +181,7 @@ def ops_client(conn: Connection, backend: str, address: Any, items: list[dict], 
 
 def _start_server(b: Backend, loop: str, pool_size: int, log: str) -> Worker:
     w = Worker(b.server, f"{b.key}-server", address=b.address(next_id()), pool_size=pool_size, loop=loop,
-               log=log, rpc_options=b.rpc_options)
+               log=log, rpc_options=b.rpc_options, coherence=b.coherence)
     try:
         w.start(timeout=60)
     except BaseException:
@@ -241,7 +241,8 @@ def run_ops(cfg: dict, progress: Any, log: Callable[[str], None], backends: list
 
 
 def summarize_ops(backends: list[Backend], items: list[dict], raw: dict, errors: dict) -> dict:
-    """Per-round summaries, medians, pooled percentiles, changes vs the twin, and the targets."""
+    """Per-round summaries, medians, pooled percentiles, changes vs the twin (and of flush rows vs
+    their hardware twin), and the targets."""
     out: dict[str, Any] = {"items": items, "backends": {}, "errors": errors, "baseline": KV_GRPC.key}
     for b in backends:
         per = {}
@@ -252,13 +253,17 @@ def summarize_ops(backends: list[Backend], items: list[dict], raw: dict, errors:
             rounds = [summarize(a, w) for a, w in samples]
             per[it["id"]] = {"rounds": rounds, "median": median_of(rounds),
                              "pooled": summarize(pooled(a for a, _ in samples))}
-        out["backends"][b.key] = {"label": b.label, "family": b.family, "items": per}
+        out["backends"][b.key] = {"label": b.label, "family": b.family, "hardware": b.hardware, "items": per}
     base = out["backends"].get(KV_GRPC.key, {}).get("items", {})
     for v in out["backends"].values():
+        twin = out["backends"].get(v["hardware"], {}).get("items", {})
         for item_id, s in v["items"].items():
             g = base.get(item_id, {}).get("median")
             if g:
                 s["vs_grpc"] = {m: change(s["median"][m], g[m]) for m in ("p50", "p99", "p99.9")}
+            hw = twin.get(item_id, {}).get("median")
+            if hw:
+                s["vs_hardware"] = {m: change(s["median"][m], hw[m]) for m in ("p50", "p99", "p99.9")}
     targets = []
     for b in (KV_SHM, KV_SPIN):
         ours = out["backends"].get(b.key, {}).get("items", {})
@@ -508,4 +513,7 @@ def run_kv(cfg: dict, progress: Any, log: Callable[[str], None]) -> dict:
     return {"ops": ops, "pods": pods, "skipped": skipped,
             "notes": {"mooncake": "put = upsert, get = get_buffer (a copy into the client's local buffer); "
                                   "not in the multi-pod run (no lookup_prefix)",
-                      "busy-spin": "not in the multi-pod run (5 spinning processes on 2 cores)"}}
+                      "busy-spin": "not in the multi-pod run (5 spinning processes on 2 cores)",
+                      "flush": "flush mode = coherence='flush' on this machine's coherent memory: its write-backs "
+                               "and invalidations are real instructions, a lower bound of their cost on CXL; "
+                               "not in the multi-pod run"}}

@@ -42,6 +42,8 @@ class Backend:
     client_env: dict[str, str] = field(default_factory=dict)
     rpc_options: dict[str, Any] = field(default_factory=dict)  # cxlrpc options of server and client
     default: bool = True  # in the default run; others only when named with --transports
+    coherence: str = "hardware"  # the kvservice server's layout ("flush": no cross-host coherence)
+    hardware: str = ""  # a flush-mode row's hardware-coherence twin: the tables show its cost over that row
 
     def address(self, n: int) -> str:
         return {"shm": f"shm://{RUN_ID}-kv-{n}", "tcp": "127.0.0.1:0", "mooncake": "127.0.0.1"}[self.addr]
@@ -58,6 +60,8 @@ KV_SPIN = Backend("kv-shm-spin", "kvservice aio busy-spin", "kvservice", "bench.
                   True, rpc_options={"doorbell": "busy-spin"}, default=False)
 KV_SYNC = Backend("kv-shm-sync", "kvservice sync adaptive", "kvservice", "bench.kv_backends:serve_kv", "shm",
                   False, rpc_options={"doorbell": "adaptive"})
+KV_FLUSH = Backend("kv-shm-flush", "kvservice aio adaptive, flush mode", "kvservice", "bench.kv_backends:serve_kv",
+                   "shm", True, rpc_options={"doorbell": "adaptive"}, coherence="flush", hardware=KV_SHM.key)
 KV_GRPC = Backend("kv-grpc", "gRPC twin (grpc.aio TCP)", "grpc", "bench.kv_backends:serve_grpc_kv", "tcp", True)
 MC_MEMCPY = Backend("mc-memcpy", "Mooncake Store memcpy", "mooncake", "bench.kv_backends:serve_mooncake",
                     "mooncake", False, {"MC_TCP_BIND_ADDRESS": "127.0.0.1"})
@@ -65,19 +69,21 @@ MC_TCP = Backend("mc-tcp", "Mooncake Store TCP", "mooncake", "bench.kv_backends:
                  False, {"MC_TCP_BIND_ADDRESS": "127.0.0.1", "MC_STORE_MEMCPY": "0"})
 KV_MC_API = Backend("kv-mc-api", "kvservice, Mooncake API (facade)", "mooncake-api",
                     "bench.kv_backends:serve_kv", "shm", False)
-BACKENDS: tuple[Backend, ...] = (KV_SHM, KV_SPIN, KV_SYNC, KV_GRPC, KV_MC_API, MC_MEMCPY, MC_TCP)
+BACKENDS: tuple[Backend, ...] = (KV_SHM, KV_SPIN, KV_SYNC, KV_FLUSH, KV_GRPC, KV_MC_API, MC_MEMCPY, MC_TCP)
 BY_KEY: dict[str, Backend] = {b.key: b for b in BACKENDS}
 
 
 # ---- kvservice and its gRPC twin ------------------------------------------------------------
 
 def serve_kv(conn: Connection, address: str, pool_size: int, loop: str = "uvloop",
-             rpc_options: dict | None = None, **_: object) -> None:
-    """KVServer on ``address`` until the parent says stop; closing unlinks its region and pool."""
+             rpc_options: dict | None = None, coherence: str = "hardware", **_: object) -> None:
+    """KVServer on ``address`` until the parent says stop; closing unlinks its region and pool.
+
+    ``coherence`` goes to the server alone (clients read it from the region header)."""
     from kvservice import KVServer
 
     async def main() -> None:
-        async with KVServer(address, pool_size, **(rpc_options or {})) as server:
+        async with KVServer(address, pool_size, coherence=coherence, **(rpc_options or {})) as server:
             conn.send(("ready", {"pid": os.getpid(), "address": address, "pool_url": server.pool_url}))
             await wait_readable(conn, on_sigterm=True)
 

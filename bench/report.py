@@ -75,22 +75,40 @@ def size_label(n: int) -> str:
 
 
 def echo_table(res: dict) -> Table:
-    """Echo round trip: one section per payload; changes relative to the fastest gRPC variant."""
-    t = Table(title="Echo round trip (median of rounds; change vs fastest gRPC at that payload)")
-    for col in ("payload", "transport", "p50 µs", "p99 µs", "p99.9 µs", "calls/s", "p50 vs gRPC", "p99 vs gRPC"):
+    """Echo round trip: one section per payload; changes relative to the fastest gRPC variant, and
+    of flush-mode rows relative to their hardware twin."""
+    t = Table(title="Echo round trip (median of rounds; change vs fastest gRPC at that payload; "
+                    "flush-mode rows vs their hardware twin)")
+    for col in ("payload", "transport", "p50 µs", "p99 µs", "p99.9 µs", "calls/s", "p50 vs gRPC", "p99 vs gRPC",
+                "p50 vs hw", "p99 vs hw"):
         t.add_column(col, justify="left" if col in ("payload", "transport") else "right")
+    twins = _hardware_twins(res["transports"])
     for s in res["sizes"]:
         base = res["baseline"].get(str(s), {})
         rows = [(k, v) for k, v in res["transports"].items() if str(s) in v["sizes"]]
         for i, (k, v) in enumerate(rows):
-            m = v["sizes"][str(s)]["median"]
+            row = v["sizes"][str(s)]
+            m, hw = row["median"], row.get("vs_hardware", {})
             b50, b99 = base.get("p50", {}), base.get("p99", {})
             t.add_row(size_label(s) if i == 0 else "", v["label"], fmt_us(m["p50"]), fmt_us(m["p99"]),
                       fmt_us(m["p99.9"]), fmt_rate(m["calls_per_s"]),
                       fmt_change(m["p50"], b50.get("us"), b50.get("transport") == k),
-                      fmt_change(m["p99"], b99.get("us"), b99.get("transport") == k))
+                      fmt_change(m["p99"], b99.get("us"), b99.get("transport") == k),
+                      _vs_hardware(hw.get("p50"), k in twins), _vs_hardware(hw.get("p99"), k in twins))
         t.add_section()
     return t
+
+
+def _hardware_twins(rows: dict[str, dict]) -> set[str]:
+    """Keys of the rows some flush-mode row of ``rows`` is compared with."""
+    return {v["hardware"] for v in rows.values() if v.get("hardware") in rows}
+
+
+def _vs_hardware(c: float | None, is_twin: bool) -> str:
+    """A flush-mode row's change vs its hardware twin; "baseline" on the twin, blank on other rows."""
+    if is_twin:
+        return "[dim]baseline"
+    return "" if c is None else _pct(c)
 
 
 def concurrency_table(res: dict) -> Table:
@@ -187,23 +205,27 @@ def kv_tables(res: dict) -> Any:
     parts: list[Any] = []
     ops = res.get("ops")
     if ops:
-        t = Table(title="kvservice operations (median of rounds; change vs the gRPC twin)")
-        for col in ("op", "value", "backend", "p50 µs", "p99 µs", "calls/s", "p50 vs gRPC", "p99 vs gRPC"):
+        t = Table(title="kvservice operations (median of rounds; change vs the gRPC twin; "
+                        "flush-mode rows vs their hardware twin)")
+        for col in ("op", "value", "backend", "p50 µs", "p99 µs", "calls/s", "p50 vs gRPC", "p99 vs gRPC",
+                    "p50 vs hw", "p99 vs hw"):
             t.add_column(col, justify="left" if col in ("op", "value", "backend") else "right")
         base_key = ops["baseline"]
+        twins = _hardware_twins(ops["backends"])
         for it in ops["items"]:
             first = True
             for key, v in ops["backends"].items():
                 s = v["items"].get(it["id"])
                 if not s:
                     continue
-                m, vs = s["median"], s.get("vs_grpc", {})
+                m, vs, hw = s["median"], s.get("vs_grpc", {}), s.get("vs_hardware", {})
                 is_base = key == base_key
                 value = size_label(it["size"]) if it["count"] == 1 else f"{it['count']} x {size_label(it['size'])}"
                 t.add_row(it["op"] if first else "", value if first else "", v["label"], fmt_us(m["p50"]),
                           fmt_us(m["p99"]), fmt_rate(m["calls_per_s"]),
                           "[dim]baseline" if is_base else _pct(vs.get("p50")),
-                          "[dim]baseline" if is_base else _pct(vs.get("p99")))
+                          "[dim]baseline" if is_base else _pct(vs.get("p99")),
+                          _vs_hardware(hw.get("p50"), key in twins), _vs_hardware(hw.get("p99"), key in twins))
                 first = False
             t.add_section()
         parts.append(t)

@@ -23,6 +23,7 @@ class Transport:
     server_opts: dict[str, Any] = field(default_factory=dict)
     client_opts: dict[str, Any] = field(default_factory=dict)
     needs: str = ""  # module that must be importable, else the row is skipped
+    hardware: str = ""  # a flush-mode row's hardware-coherence twin: the tables show its cost over that row
 
     def address(self, n: int) -> str:
         """A fresh address for run-unique instance ``n`` (servers may rewrite it, e.g. port 0)."""
@@ -51,10 +52,15 @@ _G_AIO_SRV, _G_SYNC_SRV = "bench.grpc_echo:serve_aio", "bench.grpc_echo:serve_sy
 _G_AIO, _G_SYNC = "bench.grpc_echo:open_aio", "bench.grpc_echo:open_sync"
 
 # cxlrpc servers use an ``async def`` handler (the shape users write, as grpc.aio's servicers
-# are) unless the row says "plain handler".
+# are) unless the row says "plain handler". Flush-mode rows lay the region out for memory without
+# cross-host coherence: on this machine's normal memory their write-backs and invalidations are
+# real instructions, so they show a lower bound of that cost.
 ECHO: tuple[Transport, ...] = (
     Transport("cxl-aio", "cxlrpc aio adaptive", "cxlrpc", _CXL_SRV, _CXL_AIO, True, "shm",
               {"doorbell": "adaptive"}, {"doorbell": "adaptive"}, needs="cxlrpc"),
+    Transport("cxl-aio-flush", "cxlrpc aio adaptive, flush mode", "cxlrpc", _CXL_SRV, _CXL_AIO, True, "shm",
+              {"doorbell": "adaptive", "coherence": "flush"}, {"doorbell": "adaptive"}, needs="cxlrpc",
+              hardware="cxl-aio"),
     Transport("cxl-aio-plain", "cxlrpc aio adaptive, plain handler", "cxlrpc", _CXL_SRV, _CXL_AIO,
               True, "shm", {"doorbell": "adaptive", "handler": "plain"}, {"doorbell": "adaptive"},
               needs="cxlrpc"),

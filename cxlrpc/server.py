@@ -519,7 +519,10 @@ class Server:
             msg = f"response of {len(body)} bytes exceeds {limit}".encode()
             call_id = fr.HEADER.unpack_from(head)[5]
             head, body = fr.header(fr.ERROR, fr.RAW, code, slot, gen, call_id, 0.0, b""), msg
-        if slot in self._backlog or not self._push_reply(slot, gen, ring, head, body):
+        # a small reply need not wait behind replies that wait for the heap (it may be the
+        # ALLOC grant whose request frees the heap for them)
+        inline = len(head) + len(body) <= ring.max_payload
+        if (slot in self._backlog and not inline) or not self._push_reply(slot, gen, ring, head, body):
             self._backlog.setdefault(slot, []).append((gen, head, bytes(body)))
         chan.ring_client(slot, gen)
 
@@ -565,7 +568,10 @@ class Server:
         self._heap_freed()
 
     def _heap_freed(self) -> None:
-        """Serve waiting ALLOCs in order while they fit (the first that does not, waits on)."""
+        """Heap space came back: replies waiting for it go first (finishing calls frees more),
+        then waiting ALLOCs in order while they fit (the first that does not, waits on)."""
+        if self._backlog:
+            self._flush_backlog()
         heap, waiting = self._heap, self._heap_waiting
         while waiting:
             _, slot, gen, call_id, size = waiting[0]

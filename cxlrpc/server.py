@@ -190,8 +190,9 @@ class Server:
                 raise
             g = self.geometry
             raise RegionError(f"{exc}: {g.slots} slots x response_capacity={g.response_capacity} "
-                              f"+ request_capacity={g.request_capacity}; lower slots= or the "
-                              f"capacities to fit") from exc
+                              f"+ request_capacity={g.request_capacity} + heap_size={g.heap_size} "
+                              f"(max_message_size={g.max_message_size}); lower slots=, the "
+                              f"capacities or heap_size= to fit") from exc
         # beat from the start: a racing server sees this region being created, not abandoned
         self._beater = threading.Thread(target=self._beat, name="cxlrpc-server-heartbeat", daemon=True)
         self._beater.start()

@@ -399,8 +399,8 @@ async def test_unknown_method_and_bad_method_names(url):
 
 
 async def test_oversize_payloads_through_the_blocking_client(url):
-    """Requests beyond the request ring's limit are RESOURCE_EXHAUSTED in the blocking client, nothing is sent, the client keeps working."""
-    with fault_server(url, slots=2, request_capacity=1 << 15, response_capacity=1 << 14):
+    """Without a heap, requests beyond the request ring's limit are RESOURCE_EXHAUSTED in the blocking client, nothing is sent, the client keeps working."""
+    with fault_server(url, slots=2, request_capacity=1 << 15, response_capacity=1 << 14, heap_size=0):
         with cxlrpc.connect_sync(url) as client:
             limit = client._chan.requests.max_payload
             with pytest.raises(cxlrpc.ResourceExhausted, match="exceeds"):

@@ -22,7 +22,8 @@ pytestmark = pytest.mark.timeout(60)
 
 def _race_main(url: str, go, results) -> None:
     async def main() -> None:
-        server = cxlrpc.Server(url, slots=2, request_capacity=1 << 16, response_capacity=1 << 16)
+        server = cxlrpc.Server(url, slots=2, request_capacity=1 << 16, response_capacity=1 << 16,
+                               heap_size=0)
         go.wait(10)
         try:
             await server.start()

@@ -27,7 +27,8 @@ pytestmark = pytest.mark.timeout(60)
 MiB = 1 << 20
 DEVICE_SIZE = 64 * MiB
 PAGE = mmap.PAGESIZE
-SMALL_RPC = {"slots": 2, "request_capacity": 1 << 16, "response_capacity": 1 << 16}
+SMALL_RPC = {"slots": 2, "request_capacity": 1 << 16, "response_capacity": 1 << 16,
+             "max_message_size": 1 << 20}
 
 
 @pytest.fixture
@@ -324,7 +325,8 @@ async def test_kv_round_trip_with_service_and_pool_in_one_device(device):
     value = np.arange(50_000, dtype=np.float32)  # 200 KB: reserved, copied in place, committed
     for _ in range(2):  # a restarted service takes both ranges back
         async with KVServer(url, pool_size=16 * MiB, pool_url=pool_url, slots=4,
-                            request_capacity=1 << 20) as server, KVClient.connect(url) as kv:
+                            request_capacity=1 << 20, max_message_size=1 << 20) as server, \
+                KVClient.connect(url) as kv:
             assert server.stats()["pool_url"] == pool_url
             await kv.put("small", b"inline")
             await kv.put("big", value)

@@ -14,6 +14,8 @@ import threading
 import time
 from typing import Any
 
+import msgspec
+
 from . import frame as fr
 from .channel import KIND_RPC, ClientChannel, FlushClientChannel, client_channel
 from .doorbell import WaitStrategy, resolve
@@ -23,6 +25,12 @@ from .region import Region, RegionError
 from .ring import ClaimRevoked
 
 _BEAT_INTERVAL = 0.1
+
+
+class _Health(msgspec.Struct):
+    """The reply of ``cxlrpc.health``."""
+
+    status: str
 
 
 def _attach(url: str, poll_interval: float) -> ClientChannel | FlushClientChannel:
@@ -260,6 +268,14 @@ class Client(_Base):
             if timer is not None:
                 timer.cancel()
 
+    async def health(self, *, timeout: float | None = None) -> str:
+        """The server's status (``cxlrpc.health``): "SERVING", or "NOT_SERVING" while it shuts down."""
+        return (await self.call(fr.HEALTH, timeout=timeout, response_type=_Health)).status
+
+    async def methods(self, *, timeout: float | None = None) -> list[str]:
+        """The names of the server's methods, sorted (``cxlrpc.methods``; reserved ones left out)."""
+        return await self.call(fr.LIST_METHODS, timeout=timeout, response_type=list[str])
+
     async def _push_slow(self, parts: tuple, deadline: float | None) -> None:
         """Backpressure: retry while the request ring is full, until the deadline."""
         chan = self._chan
@@ -470,6 +486,14 @@ class SyncClient(_Base):
                 if deadline is not None:
                     wait = min(wait, max(deadline - time.monotonic(), 0.0))
                 idle = not bell.wait_sync(ready, strategy, wait, idle)
+
+    def health(self, *, timeout: float | None = None) -> str:
+        """The server's status (``cxlrpc.health``): "SERVING", or "NOT_SERVING" while it shuts down."""
+        return self.call(fr.HEALTH, timeout=timeout, response_type=_Health).status
+
+    def methods(self, *, timeout: float | None = None) -> list[str]:
+        """The names of the server's methods, sorted (``cxlrpc.methods``; reserved ones left out)."""
+        return self.call(fr.LIST_METHODS, timeout=timeout, response_type=list[str])
 
     def _check(self, deadline: float | None, call_id: int, sent: bool) -> None:
         if self._gone is not None:

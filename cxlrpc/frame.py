@@ -22,6 +22,11 @@ _KINDS = frozenset((REQUEST, RESPONSE, ERROR, CANCEL))
 RAW = 1  # body is the caller's bytes, not MessagePack
 NO_REPLY = 0  # call id of a one-way request: the server runs the handler and sends nothing back
 
+# Methods every server answers (users cannot register names under the prefix)
+RESERVED_PREFIX = "cxlrpc."
+HEALTH = "cxlrpc.health"  # -> {"status": "SERVING" | "NOT_SERVING"} (gRPC health's names)
+LIST_METHODS = "cxlrpc.methods"  # -> sorted names of the user's methods
+
 HEADER = struct.Struct("<BBHHIQdH")
 HEADER_SIZE = HEADER.size
 MAX_METHOD = 255

@@ -1,12 +1,17 @@
-"""``python -m cxlrpc ls`` lists the project's shared regions; ``clean`` removes dead owners' ones."""
+"""``python -m cxlrpc ls`` lists the project's shared regions; ``clean`` removes dead owners' ones;
+``health URL`` and ``methods URL`` ask a server for its status and its methods."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import sys
 import time
+from typing import Any
 
 from .channel import CONTROL, KIND_RPC, SLOT_STRIDE, STATE_RUNNING, read_geometry
+from .client import connect
+from .errors import RpcError
 from .memory import ACQUIRE
 from .region import SHM_PREFIX, Region, RegionError, in_use, unlink_shm
 
@@ -46,6 +51,39 @@ def _describe(region: Region) -> dict:
     return row
 
 
+async def _ask(url: str, what: str, timeout: float) -> Any:
+    """Connect to ``url`` and call the client helper ``what`` (health, methods), all within ``timeout`` s."""
+    async def ask() -> Any:
+        async with connect(url) as client:
+            return await getattr(client, what)()
+    return await asyncio.wait_for(ask(), timeout)
+
+
+def _query(url: str, what: str, timeout: float) -> int:
+    """Print the server's answer; the exit status is 0 only for an answer from a serving server."""
+    try:
+        answer = asyncio.run(_ask(url, what, timeout))
+    except asyncio.TimeoutError:
+        print(f"no answer from {url} within {timeout:g} s", file=sys.stderr)
+        return 1
+    except RpcError as exc:
+        print(f"{url}: {exc}", file=sys.stderr)
+        return 1
+    if what == "health":
+        print(answer)
+        return 0 if answer == "SERVING" else 1
+    for name in answer:
+        print(name)
+    return 0
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError("must be > 0 seconds")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cxlrpc", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -55,7 +93,16 @@ def main(argv: list[str] | None = None) -> int:
                        help="seconds a remote owner's (or an unfinished creator's) heartbeat "
                             "must stay still (default 1.0)")
     clean.add_argument("--dry-run", action="store_true")
+    for cmd, text in (("health", "print a server's status (SERVING, NOT_SERVING while it shuts "
+                                 "down); exit status 0 only when serving"),
+                      ("methods", "print the names of a server's methods")):
+        ask = sub.add_parser(cmd, help=text)
+        ask.add_argument("url", help="the server's URL (shm://NAME, file:///PATH, sim://NAME)")
+        ask.add_argument("--timeout", type=_positive, default=2.0,
+                         help="seconds to wait for the answer, connecting included (default 2)")
     args = parser.parse_args(argv)
+    if args.cmd in ("health", "methods"):
+        return _query(args.url, args.cmd, args.timeout)
 
     for seg in _segments():
         url = "shm://" + seg[len(SHM_PREFIX):]

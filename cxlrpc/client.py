@@ -14,6 +14,8 @@ import threading
 import time
 from typing import Any, NamedTuple
 
+import msgspec
+
 from . import frame as fr
 from .channel import KIND_RPC, ClientChannel, FlushClientChannel, client_channel
 from .doorbell import WaitStrategy, resolve
@@ -32,6 +34,12 @@ class _Large(NamedTuple):
     flags: int
     method: bytes
     body: bytes | memoryview
+
+
+class _Health(msgspec.Struct):
+    """The reply of ``cxlrpc.health``."""
+
+    status: str
 
 
 def _attach(url: str, poll_interval: float) -> ClientChannel | FlushClientChannel:
@@ -375,6 +383,14 @@ class Client(_Base):
             if unsent is not None and not pushed:
                 self._give_back(unsent)
 
+    async def health(self, *, timeout: float | None = None) -> str:
+        """The server's status (``cxlrpc.health``): "SERVING", or "NOT_SERVING" while it shuts down."""
+        return (await self.call(fr.HEALTH, timeout=timeout, response_type=_Health)).status
+
+    async def methods(self, *, timeout: float | None = None) -> list[str]:
+        """The names of the server's methods, sorted (``cxlrpc.methods``; reserved ones left out)."""
+        return await self.call(fr.LIST_METHODS, timeout=timeout, response_type=list[str])
+
     async def _push_slow(self, parts: tuple, deadline: float | None) -> None:
         """Backpressure: retry while the request ring is full, until the deadline."""
         chan = self._chan
@@ -615,6 +631,14 @@ class SyncClient(_Base):
             if deadline is not None:
                 wait = min(wait, max(deadline - time.monotonic(), 0.0))
             idle = not bell.wait_sync(ready, strategy, wait, idle)
+
+    def health(self, *, timeout: float | None = None) -> str:
+        """The server's status (``cxlrpc.health``): "SERVING", or "NOT_SERVING" while it shuts down."""
+        return self.call(fr.HEALTH, timeout=timeout, response_type=_Health).status
+
+    def methods(self, *, timeout: float | None = None) -> list[str]:
+        """The names of the server's methods, sorted (``cxlrpc.methods``; reserved ones left out)."""
+        return self.call(fr.LIST_METHODS, timeout=timeout, response_type=list[str])
 
     def _check(self, deadline: float | None, call_id: int, sent: bool) -> None:
         if self._gone is not None:

@@ -25,6 +25,11 @@ RAW = 1  # body is the caller's bytes, not MessagePack
 HEAP = 2  # the body is out of line: the frame carries its heap extent (offset, length)
 NO_REPLY = 0  # call id of a one-way request: the server runs the handler and sends nothing back
 
+# Methods every server answers (users cannot register names under the prefix)
+RESERVED_PREFIX = "cxlrpc."
+HEALTH = "cxlrpc.health"  # -> {"status": "SERVING" | "NOT_SERVING"} (gRPC health's names)
+LIST_METHODS = "cxlrpc.methods"  # -> sorted names of the user's methods
+
 HEADER = struct.Struct("<BBHHIQdH")
 HEADER_SIZE = HEADER.size
 MAX_METHOD = 255

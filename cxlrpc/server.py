@@ -103,6 +103,9 @@ class Server:
     ``request_capacity`` (default 1 MiB, else one shared 4 MiB ring), nobody rings anybody's
     doorbell (both sides poll, backing off to ``poll_interval``), and every line published is
     written back, every line read from a peer invalidated first.
+
+    ``shutdown_grace`` is the grace ``async with`` gives calls in flight when it closes the
+    server (see :meth:`close`; None: cancel them at once).
     """
 
     def __init__(self, url: str, *, slots: int = 16, request_capacity: int | None = None,
@@ -110,7 +113,8 @@ class Server:
                  client_timeout: float = 1.0, heartbeat_interval: float = 0.1,
                  poll_interval: float = 1e-3, size: int | None = None, mode: int = 0o600,
                  error_details: bool = True, coherence: str = HARDWARE,
-                 max_message_size: int = 64 << 20, heap_size: int | None = None) -> None:
+                 max_message_size: int = 64 << 20, heap_size: int | None = None,
+                 shutdown_grace: float | None = 1.0) -> None:
         parse_url(url)  # fail fast on a malformed URL
         if not poll_interval > 0:
             raise ValueError("poll_interval must be > 0 seconds")
@@ -135,7 +139,12 @@ class Server:
         #: Whether clients see a failing handler's exception text (False: a generic message;
         #: the server logs the traceback either way).
         self.error_details = error_details
-        self._methods: dict[str, _Method] = {}
+        #: Seconds ``async with`` lets calls in flight finish when it closes the server.
+        self.shutdown_grace = shutdown_grace
+        self._methods: dict[str, _Method] = {
+            fr.HEALTH: _Method(fr.HEALTH, self._health),
+            fr.LIST_METHODS: _Method(fr.LIST_METHODS, self._list_methods),
+        }
         self._on_disconnect: list[Callable[[Peer], None]] = []
         self._region: Region | None = None
         self._chan: ServerChannel | FlushServerChannel | None = None
@@ -147,7 +156,10 @@ class Server:
         self._heap_waiting: list[tuple] = []  # ALLOCs the full heap could not serve yet
         self._oneway_ids = itertools.count(1)
         self._peers: dict[int, Peer] = {}  # per slot, so a request costs no Peer allocation
-        self._closing = False
+        self._draining = False  # close() began: new calls are refused, health is NOT_SERVING
+        self._grace_over = asyncio.Event()
+        self._grace_timer: asyncio.TimerHandle | None = None
+        self._closing = False  # the grace is over: calls left are being cancelled
         self._closed = asyncio.Event()
         self._beat_stop = threading.Event()
         self._beater: threading.Thread | None = None
@@ -167,8 +179,11 @@ class Server:
         return register
 
     def add_method(self, name: str, fn: Handler, *, blocking: bool = False) -> None:
-        """Serve ``fn`` as ``name`` (see :meth:`method`)."""
+        """Serve ``fn`` as ``name`` (see :meth:`method`); names under ``cxlrpc.`` are reserved."""
         fr.method_bytes(name)
+        if name.startswith(fr.RESERVED_PREFIX):
+            raise ValueError(f"method {name!r}: names starting with {fr.RESERVED_PREFIX!r} are "
+                             f"reserved for the methods every server answers")
         if name in self._methods:
             raise ValueError(f"method {name!r} is already registered")
         self._methods[name] = _Method(name, fn, blocking)
@@ -212,28 +227,69 @@ class Server:
         self._region.publish()
         self._reader = asyncio.get_running_loop().create_task(self._serve())
 
-    async def close(self) -> None:
-        """Stop serving: clients see UNAVAILABLE at once; the shm region is unlinked."""
-        if self._region is None:
+    async def close(self, grace: float | None = None) -> None:
+        """Stop serving, first letting calls in flight finish for up to ``grace`` seconds
+        (gRPC's ``stop(grace)``; None or 0: cancel them at once); the shm region is unlinked.
+
+        From the start new calls get UNAVAILABLE and ``cxlrpc.health`` says NOT_SERVING, while
+        replies still go out; calls left when the grace ends are cancelled (their callers get
+        UNAVAILABLE). A later close() may shorten the grace, never lengthen it; every close()
+        returns once the server is closed, and a cancelled one still closes it."""
+        if grace is not None and grace < 0:
+            raise ValueError("grace must be >= 0 seconds, or None")
+        if self._region is None or self._closed.is_set():
             return
-        if self._closing:
+        self._end_grace_within(grace)
+        if self._draining:
             await self._closed.wait()
             return
+        self._draining = True
+        try:
+            self._note_drained()
+            await self._grace_over.wait()
+        finally:
+            await self._stop()
+
+    def _end_grace_within(self, grace: float | None) -> None:
+        """Make the grace end ``grace`` seconds from now (None or 0: now) unless it ends sooner."""
+        if self._grace_over.is_set():
+            return
+        if not grace:
+            self._grace_over.set()
+            return
+        loop = asyncio.get_running_loop()
+        end = loop.time() + grace
+        timer = self._grace_timer
+        if timer is None or end < timer.when():
+            if timer is not None:
+                timer.cancel()
+            self._grace_timer = loop.call_at(end, self._grace_over.set)
+
+    def _note_drained(self) -> None:
+        """While draining: end the grace early once no call runs and no reply waits for room."""
+        if not self._tasks and not self._backlog:
+            self._grace_over.set()
+
+    async def _stop(self) -> None:
+        """Close at once: state CLOSED (clients see UNAVAILABLE), the reader and every call
+        left cancelled, then the region released (even if this is cancelled meanwhile)."""
         self._closing = True
+        self._grace_over.set()  # also when close() was cancelled in its grace
+        if self._grace_timer is not None:
+            self._grace_timer.cancel()
         self._chan.close()  # state CLOSED + wake every client
-        reader = self._reader
-        if reader is not None:
-            reader.cancel()
-            await asyncio.gather(reader, return_exceptions=True)
+        self._reader.cancel()
         tasks = list(self._tasks.values())
         for t in tasks:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        self._stop_beating()
-        self._region.mark_closed()
-        self._region.unlink()
-        self._region.close()
-        self._closed.set()
+        try:
+            await asyncio.gather(self._reader, *tasks, return_exceptions=True)
+        finally:
+            self._stop_beating()
+            self._region.mark_closed()
+            self._region.unlink()
+            self._region.close()
+            self._closed.set()
 
     async def serve_forever(self) -> None:
         """Wait until :meth:`close` is called (by a handler, a signal handler or another task)."""
@@ -244,7 +300,7 @@ class Server:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await self.close()
+        await self.close(self.shutdown_grace)
 
     def _stop_beating(self) -> None:
         self._beat_stop.set()
@@ -274,6 +330,8 @@ class Server:
             if now >= next_housekeeping:
                 next_housekeeping = now + housekeeping_every
                 stuck_at = self._housekeeping(now)
+            if self._draining:  # replies flushed, departed clients' calls cancelled: done?
+                self._note_drained()
             if n:
                 idle = False
                 await asyncio.sleep(0)
@@ -363,6 +421,9 @@ class Server:
                 self._drop()
             return
         if f.flags & fr.HEAP and not self._take_body(f):
+            return
+        if self._draining and not f.method.startswith(fr.RESERVED_PREFIX):
+            self._error(f, StatusCode.UNAVAILABLE, "server is shutting down")
             return
         m = self._methods.get(f.method)
         if m is None:
@@ -478,6 +539,8 @@ class Server:
         finally:
             self._tasks.pop(key, None)
             self._expired.discard(key)
+            if self._draining:
+                self._note_drained()
 
     def _fail(self, f: fr.Frame, exc: BaseException) -> None:
         if isinstance(exc, asyncio.CancelledError):
@@ -632,6 +695,15 @@ class Server:
     def _drop(self) -> None:
         self.dropped_frames += 1
         self._chan.dropped.fetch_add(1, ACQ_REL)
+
+    # ------------------------------------------------------------------ reserved methods
+    def _health(self) -> dict[str, str]:
+        """``cxlrpc.health``: SERVING, or NOT_SERVING once close() began (gRPC health's names)."""
+        return {"status": "NOT_SERVING" if self._draining else "SERVING"}
+
+    def _list_methods(self) -> list[str]:
+        """``cxlrpc.methods``: the user's method names, sorted (not the reserved ones)."""
+        return sorted(name for name in self._methods if not name.startswith(fr.RESERVED_PREFIX))
 
 
 

@@ -71,9 +71,13 @@ async def test_bodies_past_the_ring_in_both_clients(name, scheme):
                        max_message_size=2 * MiB) as server:
         async with cxlrpc.connect(url) as client:
             sizes = [40_000, 100_000, 1 * MiB, 2 * MiB]
-            for size in sizes:
+            for i, size in enumerate(sizes):
                 payload = os.urandom(size)
+                # the digest shows what the server read; the made reply, what the client read
+                # (an echo alone could hide a stale read: the extent is often the same one)
+                assert await client.call("digest", payload, timeout=30) == hashlib.sha256(payload).hexdigest()
                 assert await client.call("echo", payload, timeout=30) == payload
+                assert await client.call("make", [size, i + 1], timeout=30) == bytes([i + 1]) * size
         def blocking() -> list[bool]:
             with cxlrpc.connect_sync(url) as sync:
                 return [sync.call("echo", bytes([i]) * size, timeout=30) == bytes([i]) * size
@@ -177,3 +181,46 @@ async def test_extents_that_are_not_the_senders_are_refused(url):
         assert server.dropped_frames == dropped + 1
         assert await client.call("echo", b"k" * MiB, timeout=10) == b"k" * MiB
         assert await _heap_empty(server)
+
+
+def _heap_flush_sites() -> list[tuple[str, int]]:
+    """(method, line) of every write-back or invalidate call in HeapAccess."""
+    import ast
+    import inspect
+
+    import cxlrpc.heap as heap
+    tree = ast.parse(inspect.getsource(heap))
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "HeapAccess")
+    return [(fn.name, call.lineno) for fn in cls.body if isinstance(fn, ast.FunctionDef)
+            for call in ast.walk(fn) if isinstance(call, ast.Call)
+            and isinstance(call.func, ast.Attribute) and call.func.attr in ("writeback", "invalidate")]
+
+
+HEAP_SITES = _heap_flush_sites()
+
+
+def test_the_heap_mutation_test_sees_both_sites():
+    assert sorted(m for m, _ in HEAP_SITES) == ["read", "write"], HEAP_SITES
+
+
+@pytest.mark.parametrize("site", HEAP_SITES, ids=[f"{m}:{n}" for m, n in HEAP_SITES])
+async def test_removing_a_heap_flush_or_invalidate_breaks_big_bodies(name, site, monkeypatch):
+    """The simulator catches a forgotten write-back or invalidate of a heap extent."""
+    import inspect
+
+    import cxlrpc.heap as heap
+    lines = inspect.getsource(heap).splitlines()
+    code = lines[site[1] - 1]
+    lines[site[1] - 1] = code[:len(code) - len(code.lstrip())] + "pass"
+    mutated: dict = {"__name__": "cxlrpc.heap_mutated", "__package__": "cxlrpc"}
+    exec(compile("\n".join(lines), heap.__file__, "exec"), mutated)
+    monkeypatch.setattr(heap.HeapAccess, site[0], getattr(mutated["HeapAccess"], site[0]))
+    url = f"sim://{name}"
+    async with _server(url), cxlrpc.connect(url) as client:
+        payload = os.urandom(300_000)
+        try:
+            ok = (await client.call("digest", payload, timeout=10) == hashlib.sha256(payload).hexdigest()
+                  and await client.call("make", [300_000, 5], timeout=10) == b"\x05" * 300_000)
+        except cxlrpc.RpcError:
+            ok = False
+        assert not ok, f"removing {site} went unnoticed"

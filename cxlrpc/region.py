@@ -616,18 +616,25 @@ def _dax_alignment(path: str, st: os.stat_result) -> int:
 
 
 def _map_new_file(path: str, size: int, mode: int) -> mmap.mmap:
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
-    except FileExistsError as exc:
-        raise FileExistsError(f"region file {path} already exists") from exc
+    """Create, size and map a new region file. It appears under its name only at full size
+    (made under a temporary name, then linked: exclusive), so a racing creator never maps a
+    file still being sized."""
+    if os.path.exists(path):
+        raise FileExistsError(f"region file {path} already exists")
+    tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.creating"
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
     try:
         os.ftruncate(fd, size)
         _reserve(fd, size, "file://" + path, os.path.dirname(path) or "/")
-        return mmap.mmap(fd, size)
-    except BaseException:
-        os.unlink(path)
-        raise
+        mapping = mmap.mmap(fd, size)
+        try:
+            os.link(tmp, path)
+        except FileExistsError as exc:
+            mapping.close()
+            raise FileExistsError(f"region file {path} already exists") from exc
+        return mapping
     finally:
+        os.unlink(tmp)
         os.close(fd)
 
 

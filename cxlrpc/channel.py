@@ -12,6 +12,8 @@ Layout on coherent memory (after the region header)::
                     client doorbell word, pid hint + host identity + claim word (client's),
                     acknowledged generation (server's)
     response rings  SPSC per slot: server -> the client holding the slot
+    heap            bodies too big for a ring (see :mod:`cxlrpc.heap`); in the single-writer
+                    layout, after the per-client request rings
 
 A client claims a free slot with a CAS that bumps its generation, adopts the response
 ring's tail as its head (whatever an earlier holder left is skipped), records its host

@@ -6,9 +6,10 @@ from .errors import (Cancelled, DeadlineExceeded, Internal, InvalidArgument, Not
 from .loop import run
 from .region import RegionError
 from .server import Peer, Server, current_peer
+from .service import Service
 
 __all__ = [
-    "Server", "Peer", "current_peer", "Client", "SyncClient", "connect", "connect_sync",
+    "Server", "Peer", "current_peer", "Service", "Client", "SyncClient", "connect", "connect_sync",
     "RpcError", "StatusCode", "Cancelled", "DeadlineExceeded", "Internal", "InvalidArgument",
     "NotFound", "ResourceExhausted", "Unavailable", "RegionError",
     "WaitStrategy", "adaptive", "busy_spin", "spin_yield", "run",

@@ -12,7 +12,7 @@ import itertools
 import os
 import threading
 import time
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import msgspec
 
@@ -22,6 +22,7 @@ from .doorbell import WaitStrategy, resolve
 from .errors import (DeadlineExceeded, InvalidArgument, ResourceExhausted, RpcError,
                      Unavailable, error_for)
 from .heap import EXTENT, OFFSET, HeapAccess
+from .service import S, stub
 from .region import Region, RegionError
 from .ring import ClaimRevoked
 
@@ -305,6 +306,12 @@ class Client(_Base):
                 raise
         self._reader = self._loop.create_task(self._read())
         return self
+
+    def stub(self, service: Callable[..., S], *, timeout: float | None = None,
+             prefix: str | None = None) -> S:
+        """The typed ``service``'s methods as calls to the server (see :mod:`cxlrpc.service`):
+        ``await client.stub(Greeter).norm(p)`` is checked by mypy, unlike ``call("norm", p)``."""
+        return stub(self, service, timeout, prefix)
 
     async def close(self) -> None:
         """Detach from the server; calls still waiting fail with ``Unavailable``."""

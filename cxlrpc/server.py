@@ -25,6 +25,7 @@ from .channel import KIND_RPC, FlushServerChannel, ServerChannel, layout, server
 from .doorbell import WaitStrategy, resolve
 from .errors import RpcError, StatusCode
 from .heap import EXTENT, OFFSET, HeapAccess, ServerHeap
+from .service import add_service
 from .memory import ACQ_REL
 from .memory import HARDWARE
 from .region import Region, RegionError, coherence_for, parse_url
@@ -187,6 +188,11 @@ class Server:
         if name in self._methods:
             raise ValueError(f"method {name!r} is already registered")
         self._methods[name] = _Method(name, fn, blocking)
+
+    def add_service(self, service: type, impl: object, prefix: str | None = None) -> None:
+        """Serve ``impl``'s methods under the names the typed ``service`` declares
+        (``"Service.method"`` unless ``prefix`` says otherwise; see :mod:`cxlrpc.service`)."""
+        add_service(self, service, impl, prefix)
 
     def on_disconnect(self, callback: Callable[[Peer], None]) -> None:
         """Call ``callback(peer)`` when a client detaches or is reaped (to drop what it held)."""

@@ -392,17 +392,21 @@ class ClientChannel:
             return "server process died"
         if not self.holds_slot():
             return ("the server reclaimed this client's slot (it saw no heartbeat from it for "
-                    "its client_timeout); connect again")
+                    "its client_timeout)")
         return None
 
     def beat(self) -> None:
         self.heartbeat.fetch_add(1, ACQ_REL)
 
+    def release(self) -> None:
+        """Give the slot back if it is still ours (one CAS: safe from any thread, and twice)."""
+        word = (self.gen << 1) | 1
+        self._slot_state.cas(word, word & ~1, ACQ_REL)
+
     def detach(self) -> None:
         """Close the wake-up socket, then release the slot (if still ours)."""
         self.bell.close()
-        word = (self.gen << 1) | 1
-        self._slot_state.cas(word, word & ~1, ACQ_REL)
+        self.release()
 
 
 # ---------------------------------------------------------------------- single-writer layout
@@ -701,7 +705,7 @@ class FlushClientChannel:
             return "server process died"
         if not self.holds_slot():
             return ("the server reclaimed this client's slot (it saw no heartbeat from it for "
-                    "its client_timeout); connect again")
+                    "its client_timeout)")
         return None
 
     def beat(self) -> None:
@@ -712,15 +716,20 @@ class FlushClientChannel:
             self.region.mem.store(at, self._beat, RELEASE)
             self.region.mem.writeback(at, 8)
 
+    def release(self) -> None:
+        """Tell the server we released the slot, if it is still ours (safe from any thread,
+        and twice)."""
+        if self._granted and self.holds_slot():
+            at = self.geo.slot(self.slot) + _F_RELEASED
+            self.region.mem.store(at, self.gen, RELEASE)
+            self.region.mem.writeback(at, 8)
+
     def detach(self) -> None:
         """Close the wake-up socket and tell the server we released the slot."""
         if not self._granted:
             return
         self.bell.close()
-        if self.holds_slot():
-            at = self.geo.slot(self.slot) + _F_RELEASED
-            self.region.mem.store(at, self.gen, RELEASE)
-            self.region.mem.writeback(at, 8)
+        self.release()
 
 
 def server_channel(region: Region, geo: Geometry, poll_interval: float = 1e-3):

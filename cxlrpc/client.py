@@ -3,7 +3,11 @@
 Both claim a slot in the server's region, push request frames into the shared MPSC ring,
 and read replies from their own SPSC ring.  A monitor thread beats the slot's heartbeat
 and watches the server's, so a dead server surfaces as ``Unavailable`` within
-``server_timeout`` instead of a hang.
+``server_timeout`` instead of a hang; the next call then reconnects.
+
+Neither the monitor thread nor the reader task holds the client (they keep a weak reference
+and a :class:`_Link` of what they need), so a client dropped without ``close()`` is collected:
+its finalizer frees the slot and warns (``ResourceWarning``), as sockets do.
 """
 from __future__ import annotations
 
@@ -12,6 +16,8 @@ import itertools
 import os
 import threading
 import time
+import warnings
+import weakref
 from typing import Any, Callable, NamedTuple
 
 import msgspec
@@ -30,6 +36,8 @@ _BEAT_INTERVAL = 0.1
 #: Longest the sole caller in flight holds the event loop polling for its reply (within the
 #: strategy's spin phase); other tasks wait at most this long.
 _HOT_SPIN_S = 20e-6
+#: Backoff between looks for a server while ``wait_for_ready`` lets a connection wait.
+_RETRY_FIRST, _RETRY_MAX = 0.002, 0.1
 
 
 class _Large(NamedTuple):
@@ -54,6 +62,8 @@ def _attach(url: str, poll_interval: float) -> ClientChannel | FlushClientChanne
     except RegionError as exc:
         raise Unavailable(f"cannot use {url}: {exc}") from exc
     try:
+        if region.owner_alive_locally() is False:  # a region left by a server that closed or died
+            raise Unavailable(f"no server at {url} (its last server is gone)")
         return client_channel(region, poll_interval)
     except (ConnectionRefusedError, RegionError) as exc:
         region.close()
@@ -69,52 +79,155 @@ def _attach(url: str, poll_interval: float) -> ClientChannel | FlushClientChanne
         raise
 
 
+class _Link:
+    """One connection: its channel and the monitor thread beating its slot (and, for
+    :class:`Client`, the loop and reader task). It holds nothing of the client, so a client
+    dropped without ``close()`` is collected, and its finalizer ends the connection here."""
+
+    def __init__(self, chan: ClientChannel | FlushClientChannel, client: "_Base") -> None:
+        self.chan = chan
+        self.stop = threading.Event()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.reader: asyncio.Task | None = None
+        self._closed = False
+        self.monitor = threading.Thread(target=_watch, name="cxlrpc-client-monitor", daemon=True,
+                                        args=(weakref.ref(client), chan, self.stop, client.server_timeout))
+        self.monitor.start()
+
+    def close(self) -> None:
+        """Stop the monitor, detach (wake-up socket closed, slot released) and unmap; only
+        once the reader task, if any, has ended (it reads the mapping)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.stop.set()
+        if self.monitor is not threading.current_thread():
+            self.monitor.join()
+        self.chan.detach()
+        self.chan.region.close()
+
+    def abandon(self) -> None:
+        """For a client collected unclosed (in whatever thread the collector runs): free the
+        slot at once; the rest on the reader's loop once the reader has ended."""
+        self.stop.set()
+        loop = self.loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(self._end_reader)
+            except RuntimeError:
+                pass  # the loop closed meanwhile: its tasks will never run again
+            else:
+                # The slot's next holder may take it before our parked word is cleared (the
+                # reader's and the socket's last store): at worst it misses one wake-up and
+                # looks at its ring 0.1 s later.
+                self.chan.release()
+                return
+        self.close()
+
+    def _end_reader(self) -> None:
+        reader = self.reader
+        if reader is None or reader.done():
+            self.close()
+        else:
+            reader.cancel()
+            reader.add_done_callback(lambda _: self.close())
+
+
+def _watch(ref: "weakref.ref[_Base]", chan: ClientChannel | FlushClientChannel,
+           stop: threading.Event, server_timeout: float) -> None:
+    """The monitor thread: beat our slot's heartbeat and tell the client when its server is
+    gone. It holds the client only for a moment per beat."""
+    while not stop.wait(_BEAT_INTERVAL):
+        client = ref()
+        if client is None:
+            return
+        if client._gone is None and client._chan is chan:
+            reason = chan.server_gone(server_timeout)
+            if reason is not None:
+                client._set_gone(reason)
+        del client  # the finalizer of a client dropped meanwhile may run here: it sets stop
+        if stop.is_set():
+            return
+        if chan.holds_slot():
+            chan.beat()  # a reaped client stops writing its old slot's words
+
+
+def _collected(link: _Link, what: str) -> None:
+    """Finalizer of a client dropped without ``close()``: end its connection, and say so."""
+    try:
+        link.abandon()
+    finally:
+        warnings.warn(f"unclosed cxlrpc client {what}: its slot was freed when it was collected; "
+                      f"close() it or use a with block", ResourceWarning)
+
+
+def _wait_end(wait_for_ready: float | bool, now: float) -> float | None:
+    """When a connection stops looking for a server: at once (False), never (True), or after
+    ``wait_for_ready`` seconds."""
+    return None if wait_for_ready is True else now + float(wait_for_ready)
+
+
+def _lost(reason: str | None, exc: RpcError) -> RpcError:
+    """The error of a failed attempt: a reconnection's is Unavailable and says why it was needed."""
+    if reason is None:
+        return exc
+    return Unavailable(f"{reason}; reconnecting failed: {exc.message}")
+
+
 class _Base:
-    """What both clients share: the channel, request encoding, the monitor thread."""
+    """What both clients share: the connection, request encoding, the monitor thread."""
 
     def __init__(self, url: str, doorbell: WaitStrategy | str | None, server_timeout: float,
-                 poll_interval: float) -> None:
+                 poll_interval: float, wait_for_ready: float | bool) -> None:
         if not poll_interval > 0:
             raise ValueError("poll_interval must be > 0 seconds")
+        if not (isinstance(wait_for_ready, bool) or wait_for_ready >= 0):
+            raise ValueError("wait_for_ready must be a bool or >= 0 seconds")
         self.url = url
         self.strategy = resolve(doorbell)
         self.server_timeout = server_timeout
         self.poll_interval = poll_interval
+        #: How long connecting (and reconnecting) waits for a server: not at all (False),
+        #: that many seconds, or without limit (True).
+        self.wait_for_ready = wait_for_ready
         self._chan: ClientChannel | FlushClientChannel | None = None
+        self._link: _Link | None = None
+        self._finalizer: weakref.finalize | None = None
         self._ids = itertools.count(1)
         self._methods: dict[str, bytes] = {}
-        self._gone: str | None = None
-        self._stop = threading.Event()
-        self._monitor: threading.Thread | None = None
+        #: Why calls cannot go out now (None while connected): the one check on the hot path.
+        self._gone: str | None = "client is not connected"
+        self._closed = False
+        self._connected_once = False  # a failed attempt after this is a failed reconnection
         self._heap: HeapAccess | None = None
         self._frees: list[int] = []  # heap extents of replies read, to give back
         self._allocs: set[int] = set()  # call ids of ALLOCs whose reply may still come
 
-    def _open(self) -> None:
-        self._chan = _attach(self.url, self.poll_interval)
-        geo, region = self._chan.geo, self._chan.region
+    def _open(self) -> _Link:
+        """Attach (claim a slot) and start the monitor: a connection not yet acknowledged."""
+        chan = _attach(self.url, self.poll_interval)
+        try:
+            link = _Link(chan, self)
+        except BaseException:
+            chan.detach()
+            chan.region.close()
+            raise
+        self._link, self._chan = link, chan
+        geo, region = chan.geo, chan.region
         self._heap = HeapAccess(region.buf, region.mem, geo.heap, geo.heap_size)
-        self._monitor = threading.Thread(target=self._watch, name="cxlrpc-client-monitor", daemon=True)
-        self._monitor.start()
+        self._finalizer = weakref.finalize(self, _collected, link, f"{type(self).__name__}({self.url!r})")
+        self._finalizer.atexit = False  # at exit the server reclaims the slot by our PID
+        return link
 
-    def _shutdown(self) -> None:
-        self._stop.set()
-        if self._monitor is not None and self._monitor is not threading.current_thread():
-            self._monitor.join()
-        if self._chan is not None:
-            self._chan.detach()
-            self._chan.region.close()
-            self._chan = None
-
-    def _watch(self) -> None:
-        chan = self._chan
-        while not self._stop.wait(_BEAT_INTERVAL):
-            if self._gone is None:
-                reason = chan.server_gone(self.server_timeout)
-                if reason is not None:
-                    self._set_gone(reason)
-            if chan.holds_slot():
-                chan.beat()  # a reaped client stops writing its old slot's words
+    def _forget_link(self) -> _Link | None:
+        """Take the connection away from the client (the caller ends it); ``_gone`` is set."""
+        link, self._link = self._link, None
+        if link is not None:
+            self._finalizer.detach()
+            self._chan = self._heap = None
+            self._frees.clear()  # extents of that server's heap
+            self._allocs.clear()
+        return link
 
     def _set_gone(self, reason: str) -> None:
         if self._gone is None:
@@ -130,15 +243,13 @@ class _Base:
         return None if self._chan.server_local else self.server_timeout + 2 * _BEAT_INTERVAL
 
     def _acknowledged(self) -> bool:
-        """Has the server seen us yet? ResourceExhausted (detached) when every slot is taken."""
+        """Has the server seen us yet? ResourceExhausted when every slot is taken."""
         try:
             return self._chan.acknowledged()
         except BlockingIOError as exc:
-            self._shutdown()
             raise ResourceExhausted(str(exc)) from exc
 
     def _unacknowledged(self, waited: float) -> Unavailable:
-        self._shutdown()
         return Unavailable(f"the server at {self.url} did not acknowledge this connection within "
                            f"{waited:.1f} s")
 
@@ -147,7 +258,7 @@ class _Base:
         try:
             return self._chan.push(parts)
         except ClaimRevoked as exc:
-            self._set_gone(f"the server reclaimed this client's slot ({exc}); connect again")
+            self._set_gone(f"the server reclaimed this client's slot ({exc})")
             raise Unavailable(self._gone) from exc
 
     def _request(self, call_id: int, method: str, arg: Any, timeout: float) -> tuple:
@@ -218,9 +329,11 @@ class _Base:
             self._heap_body(f, wanted=False)
 
     def _give_back(self, offset: int) -> None:
-        """Queue a FREE of a heap extent and send what the ring takes now."""
-        self._frees.append(offset)
-        self._send_frees()
+        """Queue a FREE of a heap extent and send what the ring takes now (none to a server
+        that is gone: its heap went with it, or it freed our extents when it reaped us)."""
+        if self._gone is None:
+            self._frees.append(offset)
+            self._send_frees()
 
     def _send_frees(self) -> None:
         chan = self._chan
@@ -241,12 +354,11 @@ class _Base:
 
     def send_nowait(self, method: str, arg: Any = None) -> None:
         """One-way call: queue ``method(arg)`` without waiting and without a reply (ordered
-        with this client's other calls). ``ResourceExhausted`` if the request ring is full."""
-        chan = self._chan
-        if chan is None:
-            raise Unavailable("client is closed")
+        with this client's other calls). ``ResourceExhausted`` if the request ring is full;
+        ``Unavailable`` while the server is gone (the next :meth:`call` reconnects)."""
         if self._gone is not None:
             raise Unavailable(self._gone)
+        chan = self._chan
         parts = self._request(fr.NO_REPLY, method, arg, 0.0)
         if type(parts) is _Large:
             raise ResourceExhausted(f"a one-way call carries at most the request ring's "
@@ -277,34 +389,36 @@ class _Base:
 
 
 class Client(_Base):
-    """asyncio client. Many calls may be in flight at once; use ``async with connect(...)``."""
+    """asyncio client. Many calls may be in flight at once; use ``async with connect(...)``.
+
+    ``wait_for_ready``: connecting waits for a server to appear (True: without limit; a
+    number: that many seconds) instead of raising ``Unavailable`` at once.
+
+    It reconnects as a gRPC channel does: once it judged its server gone (closed, dead, or
+    the server reclaimed its slot), calls in flight fail with ``Unavailable`` and the next
+    call attaches anew (a new mapping and slot, one attempt shared by concurrent callers,
+    waiting as ``wait_for_ready`` says), then proceeds. A client dropped unclosed frees its
+    slot when collected, with a ``ResourceWarning``.
+    """
 
     def __init__(self, url: str, *, doorbell: WaitStrategy | str | None = None,
-                 server_timeout: float = 1.0, poll_interval: float = 1e-3) -> None:
-        super().__init__(url, doorbell, server_timeout, poll_interval)
+                 server_timeout: float = 1.0, poll_interval: float = 1e-3,
+                 wait_for_ready: float | bool = False) -> None:
+        super().__init__(url, doorbell, server_timeout, poll_interval, wait_for_ready)
         self._pending: dict[int, tuple[asyncio.Future, Any]] = {}
         self._reader: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._closed = False
+        self._connecting: asyncio.Task | None = None  # the attempt callers share
+        self._waiting = 0  # callers waiting for it
         self._direct = False  # a caller is polling the reply ring itself
         self._reader_wake: asyncio.Future | None = None
         self._direct_exhausted = False  # the direct poll spent the spin and yield budget
 
     async def open(self) -> "Client":
-        self._loop = asyncio.get_running_loop()
-        self._open()
-        wait = self._acknowledge_timeout()
-        if wait is not None:
-            deadline = self._loop.time() + wait
-            try:
-                while not self._acknowledged():
-                    if self._loop.time() >= deadline:
-                        raise self._unacknowledged(wait)
-                    await asyncio.sleep(0.002)
-            except asyncio.CancelledError:
-                self._shutdown()
-                raise
-        self._reader = self._loop.create_task(self._read())
+        """Connect (waiting for a server as ``wait_for_ready`` says): what ``connect()`` awaits."""
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        await self._connected(None)
         return self
 
     def stub(self, service: Callable[..., S], *, timeout: float | None = None,
@@ -318,11 +432,114 @@ class Client(_Base):
         if self._closed:
             return
         self._closed = True
-        if self._reader is not None:
-            self._reader.cancel()
-            await asyncio.gather(self._reader, return_exceptions=True)
-        self._fail_all(Unavailable("client closed"))
-        self._shutdown()
+        task = self._connecting
+        if task is not None:
+            task.cancel()
+            await asyncio.wait((task,))
+        self._gone = "client closed"
+        await self._drop_link()
+
+    async def _connected(self, timeout: float | None) -> float | None:
+        """Slow path of a call while not connected: reconnect (one attempt shared by the
+        callers, each bounded by its own ``timeout`` too) or raise why not. Returns the time
+        left of ``timeout``."""
+        loop = self._loop
+        if loop is None:
+            raise Unavailable("client is not open: await it (or use async with) first")
+        deadline = None if timeout is None else loop.time() + timeout
+        while self._gone is not None:
+            if self._closed:
+                raise Unavailable("client is closed")
+            task = self._connecting
+            if task is None:
+                task = self._connecting = loop.create_task(self._connect())
+                task.add_done_callback(self._connect_done)
+            self._waiting += 1
+            try:
+                await asyncio.wait((task,), timeout=None if deadline is None else deadline - loop.time())
+            finally:
+                self._waiting -= 1
+                if not self._waiting and not task.done():
+                    task.cancel()  # nobody waits for this attempt any more: end it
+                    await asyncio.wait((task,))
+            if not task.done() or (task.cancelled() and deadline is not None
+                                   and loop.time() >= deadline):
+                raise DeadlineExceeded("deadline exceeded while connecting")
+            if task.cancelled():
+                continue  # its last caller left it just before we came: try anew
+            exc = task.exception()
+            if exc is not None:  # a copy per caller: they raise it concurrently
+                if isinstance(exc, RpcError):
+                    raise type(exc)(exc.message, exc.code) from exc.__cause__
+                raise exc
+            if self._gone is not None:  # lost again at once: one reconnection per call
+                raise Unavailable(self._gone)
+        if deadline is None:
+            return None
+        left = deadline - loop.time()
+        if left <= 0:
+            raise DeadlineExceeded("deadline exceeded while connecting")
+        return left
+
+    def _connect_done(self, task: asyncio.Task) -> None:
+        if self._connecting is task:
+            self._connecting = None
+        if not task.cancelled():
+            task.exception()  # its callers raise it; none may be left to
+
+    async def _connect(self) -> None:
+        """One connection attempt: end what is left of the last connection, then attach
+        (looking for a server until ``wait_for_ready`` runs out) and start the reader."""
+        lost = self._gone if self._connected_once else None
+        await self._drop_link()
+        loop = self._loop
+        end = _wait_end(self.wait_for_ready, loop.time())
+        pause = _RETRY_FIRST
+        while True:
+            try:
+                link = self._open()
+                try:
+                    await self._acknowledge()
+                except BaseException:
+                    self._forget_link().close()
+                    raise
+                break
+            except Unavailable as exc:
+                if end is not None and loop.time() >= end:
+                    raise _lost(lost, exc) from exc.__cause__
+            except ResourceExhausted as exc:
+                raise _lost(lost, exc) from exc.__cause__
+            await asyncio.sleep(pause if end is None else max(0.0, min(pause, end - loop.time())))
+            pause = min(2 * pause, _RETRY_MAX)
+        link.loop = loop
+        link.reader = self._reader = loop.create_task(_read(weakref.ref(self), link.chan, self.strategy))
+        self._gone = None
+        self._connected_once = True
+
+    async def _acknowledge(self) -> None:
+        """Wait until a server on another host has seen our slot (it polls for us only then)."""
+        wait = self._acknowledge_timeout()
+        if wait is None:
+            return
+        deadline = self._loop.time() + wait
+        while not self._acknowledged():
+            if self._loop.time() >= deadline:
+                raise self._unacknowledged(wait)
+            await asyncio.sleep(0.002)
+
+    async def _drop_link(self) -> None:
+        """End the connection: its calls fail with ``Unavailable(_gone)``, its reader stops,
+        then the slot is released and the region unmapped (even if this is cancelled)."""
+        if self._link is None:
+            return
+        self._fail_all(Unavailable(self._gone))
+        link = self._forget_link()
+        reader = link.reader
+        if reader is not None and not reader.done():
+            reader.cancel()
+            reader.add_done_callback(lambda _: link.close())  # also if we are cancelled meanwhile
+            await asyncio.wait((reader,))
+        link.close()
 
     async def __aenter__(self) -> "Client":
         return self
@@ -333,10 +550,8 @@ class Client(_Base):
     async def call(self, method: str, arg: Any = None, *, timeout: float | None = None,
                    response_type: Any = None) -> Any:
         """Call ``method`` with ``arg``; raises an :class:`RpcError` subclass on failure."""
-        if self._closed or self._chan is None:
-            raise Unavailable("client is closed")
         if self._gone is not None:
-            raise Unavailable(self._gone)
+            timeout = await self._connected(timeout)
         if timeout is not None and timeout <= 0:
             raise DeadlineExceeded("timeout must be positive")
         call_id = next(self._ids)
@@ -349,11 +564,14 @@ class Client(_Base):
     async def _call_large(self, call_id: int, large: _Large, timeout: float,
                           deadline: float | None, response_type: Any) -> Any:
         """A request through the heap: ALLOC an extent, write the body there, then call."""
+        chan = self._chan
         alloc_id, alloc = self._alloc_request(len(large.body), timeout)
         try:
             reply = await self._roundtrip(alloc_id, alloc, deadline, None)
         finally:
             self._allocs.discard(alloc_id)
+        if self._gone is not None or self._chan is not chan:  # the extent is another server's
+            raise Unavailable(self._gone or "the connection was lost while the call waited for heap space")
         parts, offset = self._staged(large, reply, call_id, timeout)
         return await self._roundtrip(call_id, parts, deadline, response_type, unsent=offset)
 
@@ -402,17 +620,20 @@ class Client(_Base):
         return await self.call(fr.LIST_METHODS, timeout=timeout, response_type=list[str])
 
     async def _push_slow(self, parts: tuple, deadline: float | None) -> None:
-        """Backpressure: retry while the request ring is full, until the deadline."""
+        """Backpressure: retry while the request ring is full, until the deadline (or until
+        the connection the request was made for is gone)."""
         chan = self._chan
         backoff = 0.0
-        while not self._push(parts):
-            if self._gone is not None:
-                raise Unavailable(self._gone)
+        while True:
             if deadline is not None and self._loop.time() >= deadline:
                 raise DeadlineExceeded("request ring stayed full until the deadline")
             chan.server_bell.ring()
             await asyncio.sleep(backoff)
             backoff = min(0.001, backoff * 2 + 1e-5)
+            if self._gone is not None or self._chan is not chan:
+                raise Unavailable(self._gone or "the connection was lost while the request waited for room")
+            if self._push(parts):
+                break
         chan.server_bell.ring()
 
     async def _poll_directly(self, fut: asyncio.Future) -> None:
@@ -437,6 +658,7 @@ class Client(_Base):
             while not fut.done():
                 if not poll(on_reply, 1024):
                     if self._gone is not None:
+                        fut.set_exception(Unavailable(self._gone))  # the reader may have ended
                         return
                     t = now()
                     if t > spin_end:
@@ -452,30 +674,6 @@ class Client(_Base):
             wake = self._reader_wake
             if self._pending and wake is not None and not wake.done():
                 wake.set_result(None)
-
-    async def _read(self) -> None:
-        chan = self._chan
-        ring = chan.responses
-        poll = ring.poll
-        on_reply = self._on_reply
-        ready = lambda: ring.readable() or self._gone is not None or self._direct
-        idle = False
-        loop = self._loop
-        while True:
-            if self._direct:  # a caller is polling for us; sleep until it stops
-                self._reader_wake = loop.create_future()
-                await self._reader_wake
-                self._reader_wake = None
-                idle, self._direct_exhausted = self._direct_exhausted, False
-                continue
-            if poll(on_reply, 1024):
-                idle = False
-                await asyncio.sleep(0)
-                continue
-            if self._gone is not None:
-                self._fail_all(Unavailable(self._gone))
-                return
-            idle = not await chan.bell.wait_async(ready, self.strategy, _BEAT_INTERVAL, idle)
 
     def _on_reply(self, view: memoryview) -> None:
         chan = self._chan
@@ -517,6 +715,46 @@ class Client(_Base):
                 pass
 
 
+async def _read(ref: "weakref.ref[Client]", chan: ClientChannel | FlushClientChannel,
+                strategy: WaitStrategy) -> None:
+    """The reader task: dispatches the replies no caller polls for itself. It holds the client
+    only while it runs, never across an await, so a client dropped unclosed is collected."""
+    ring = chan.responses
+    poll = ring.poll
+
+    def ready() -> bool:
+        if ring.readable():
+            return True
+        client = ref()
+        return client is None or client._gone is not None or client._direct
+
+    idle = False
+    while True:
+        client = ref()
+        if client is None:
+            return
+        if client._direct:  # a caller is polling for us; sleep until it stops
+            wake = client._reader_wake = client._loop.create_future()
+            del client
+            await wake
+            client = ref()
+            if client is None:
+                return
+            client._reader_wake = None
+            idle, client._direct_exhausted = client._direct_exhausted, False
+            continue
+        if poll(client._on_reply, 1024):
+            idle = False
+            del client
+            await asyncio.sleep(0)
+            continue
+        if client._gone is not None:
+            client._fail_all(Unavailable(client._gone))
+            return
+        del client
+        idle = not await chan.bell.wait_async(ready, strategy, _BEAT_INTERVAL, idle)
+
+
 def _expire(fut: asyncio.Future) -> None:
     if not fut.done():
         fut.set_exception(DeadlineExceeded("deadline exceeded"))
@@ -539,35 +777,109 @@ class _Connecting:
 
 
 def connect(url: str, *, doorbell: WaitStrategy | str | None = None,
-            server_timeout: float = 1.0, poll_interval: float = 1e-3) -> _Connecting:
+            server_timeout: float = 1.0, poll_interval: float = 1e-3,
+            wait_for_ready: float | bool = False) -> _Connecting:
     """Connect an asyncio client: ``async with cxlrpc.connect("shm://NAME") as client``.
 
     ``poll_interval`` bounds how long the idle client sleeps between looks at its reply ring
-    when the server is on another host (which cannot wake it)."""
+    when the server is on another host (which cannot wake it). ``wait_for_ready``: wait for
+    a server to appear (True: without limit; a number: that many seconds), else
+    ``Unavailable`` at once."""
     return _Connecting(Client(url, doorbell=doorbell, server_timeout=server_timeout,
-                              poll_interval=poll_interval))
+                              poll_interval=poll_interval, wait_for_ready=wait_for_ready))
 
 
 class SyncClient(_Base):
     """Blocking client for synchronous callers. Thread-safe; calls from several threads are
-    serialised (open one client per thread for parallel calls)."""
+    serialised (open one client per thread for parallel calls).
+
+    Connects in the constructor (``wait_for_ready`` as for :class:`Client`), and reconnects
+    and is collected as :class:`Client` is."""
 
     def __init__(self, url: str, *, doorbell: WaitStrategy | str | None = None,
-                 server_timeout: float = 1.0, poll_interval: float = 1e-3) -> None:
-        super().__init__(url, doorbell, server_timeout, poll_interval)
+                 server_timeout: float = 1.0, poll_interval: float = 1e-3,
+                 wait_for_ready: float | bool = False) -> None:
+        super().__init__(url, doorbell, server_timeout, poll_interval, wait_for_ready)
         self._lock = threading.Lock()
-        self._open()
-        wait = self._acknowledge_timeout()
-        if wait is not None:
-            deadline = time.monotonic() + wait
-            while not self._acknowledged():
-                if time.monotonic() >= deadline:
-                    raise self._unacknowledged(wait)
-                time.sleep(0.002)
+        self._failures = 0  # failed reconnections: callers queued behind one share its error
+        self._failure: RpcError | None = None
+        self._connect(None)
 
     def close(self) -> None:
+        """Detach from the server; later calls raise ``Unavailable``."""
         with self._lock:
-            self._shutdown()
+            self._closed = True
+            self._gone = "client closed"
+            self._drop_link()
+
+    def _drop_link(self) -> None:
+        link = self._forget_link()
+        if link is not None:
+            link.close()
+
+    def _connected(self, timeout: float | None, failures: int) -> float | None:
+        """Slow path of a call while not connected (lock held): reconnect or raise why not;
+        a caller that waited for the lock while an attempt failed gets that attempt's error.
+        Returns the time left of ``timeout``."""
+        if self._closed:
+            raise Unavailable("client is closed")
+        failure = self._failure
+        if self._failures != failures and failure is not None:
+            raise type(failure)(failure.message, failure.code) from failure.__cause__
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            self._connect(deadline)
+        except (Unavailable, ResourceExhausted) as exc:
+            self._failures += 1
+            self._failure = exc
+            raise
+        if deadline is None:
+            return None
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceeded("deadline exceeded while connecting")
+        return left
+
+    def _connect(self, deadline: float | None) -> None:
+        """One connection attempt: end the last connection, then attach (looking for a server
+        until ``wait_for_ready`` or ``deadline`` runs out) and wait to be acknowledged."""
+        lost = self._gone if self._connected_once else None
+        self._drop_link()
+        end = _wait_end(self.wait_for_ready, time.monotonic())
+        stop = end if deadline is None else deadline if end is None else min(end, deadline)
+        pause = _RETRY_FIRST
+        while True:
+            try:
+                self._open()
+                try:
+                    self._acknowledge()
+                except BaseException:
+                    self._forget_link().close()
+                    raise
+                break
+            except Unavailable as exc:
+                now = time.monotonic()
+                if end is not None and now >= end:
+                    raise _lost(lost, exc) from exc.__cause__
+                if deadline is not None and now >= deadline:
+                    raise DeadlineExceeded("deadline exceeded while connecting") from exc
+            except ResourceExhausted as exc:
+                raise _lost(lost, exc) from exc.__cause__
+            time.sleep(pause if stop is None else max(0.0, min(pause, stop - time.monotonic())))
+            pause = min(2 * pause, _RETRY_MAX)
+        self._gone = None
+        self._connected_once = True
+
+    def _acknowledge(self) -> None:
+        """Wait until a server on another host has seen our slot (it polls for us only then)."""
+        wait = self._acknowledge_timeout()
+        if wait is None:
+            return
+        deadline = time.monotonic() + wait
+        while not self._acknowledged():
+            if time.monotonic() >= deadline:
+                raise self._unacknowledged(wait)
+            time.sleep(0.002)
 
     def __enter__(self) -> "SyncClient":
         return self
@@ -578,10 +890,11 @@ class SyncClient(_Base):
     def call(self, method: str, arg: Any = None, *, timeout: float | None = None,
              response_type: Any = None) -> Any:
         """Call ``method`` with ``arg`` and wait for the reply (or raise an RpcError)."""
+        failures = self._failures
         with self._lock:
+            if self._gone is not None:
+                timeout = self._connected(timeout, failures)
             chan = self._chan
-            if chan is None:
-                raise Unavailable("client is closed")
             if timeout is not None and timeout <= 0:
                 raise DeadlineExceeded("timeout must be positive")
             call_id = next(self._ids)
@@ -665,7 +978,9 @@ class SyncClient(_Base):
 
 
 def connect_sync(url: str, *, doorbell: WaitStrategy | str | None = None,
-                 server_timeout: float = 1.0, poll_interval: float = 1e-3) -> SyncClient:
-    """Connect a blocking client: ``with cxlrpc.connect_sync("shm://NAME") as client``."""
+                 server_timeout: float = 1.0, poll_interval: float = 1e-3,
+                 wait_for_ready: float | bool = False) -> SyncClient:
+    """Connect a blocking client: ``with cxlrpc.connect_sync("shm://NAME") as client``
+    (``wait_for_ready`` as for :func:`connect`)."""
     return SyncClient(url, doorbell=doorbell, server_timeout=server_timeout,
-                      poll_interval=poll_interval)
+                      poll_interval=poll_interval, wait_for_ready=wait_for_ready)

@@ -110,7 +110,7 @@ def test_the_mutation_test_sees_every_site():
     where = sorted({w for w, _ in SITES})
     assert where == ["FlushClientChannel._grant", "FlushClientChannel._knock_next",
                      "FlushClientChannel._server_state", "FlushClientChannel._take",
-                     "FlushClientChannel.beat", "FlushClientChannel.detach",
+                     "FlushClientChannel.beat", "FlushClientChannel.release",
                      "FlushServerChannel._publish_grant", "FlushServerChannel.close",
                      "FlushServerChannel.reap"], where
     assert len(LOAD_BEARING) == 7, LOAD_BEARING

@@ -319,7 +319,8 @@ def _check_decoded(data: bytes) -> None:
     except fr.FrameError:
         return
     kind, flags, status, slot, gen, call_id, timeout, mlen = fr.HEADER.unpack_from(data)
-    assert f.kind in (fr.REQUEST, fr.RESPONSE, fr.ERROR, fr.CANCEL) and not f.flags & ~(fr.RAW | fr.HEAP | fr.META)
+    assert f.kind in (fr.REQUEST, fr.RESPONSE, fr.ERROR, fr.CANCEL, fr.ALLOC, fr.FREE)
+    assert not f.flags & ~(fr.RAW | fr.HEAP | fr.META)
     assert len(f.method.encode()) == mlen <= fr.MAX_METHOD
     assert f.timeout >= 0
     body = fr.HEADER_SIZE + mlen

@@ -1,17 +1,23 @@
 """cxlrpc: RPC over shared-memory ring buffers (CXL-pooled memory, or POSIX shm on one host)."""
-from .client import Client, SyncClient, connect, connect_sync
+from .client import Client, ClientInterceptor, SyncClient, connect, connect_sync
 from .doorbell import WaitStrategy, adaptive, busy_spin, spin_yield
-from .errors import (Cancelled, DeadlineExceeded, Internal, InvalidArgument, NotFound,
-                     ResourceExhausted, RpcError, StatusCode, Unavailable)
+from .errors import (Aborted, AlreadyExists, Cancelled, DataLoss, DeadlineExceeded,
+                     FailedPrecondition, Internal, InvalidArgument, NotFound, OutOfRange,
+                     PermissionDenied, ResourceExhausted, RpcError, StatusCode, Unauthenticated,
+                     Unavailable, Unimplemented, Unknown, error_for)
 from .loop import run
 from .region import RegionError
-from .server import Peer, Server, current_peer
+from .server import (HandlerContext, Peer, PeerInfo, Server, ServerInterceptor, context,
+                     current_peer)
 from .service import Service
 
 __all__ = [
-    "Server", "Peer", "current_peer", "Service", "Client", "SyncClient", "connect", "connect_sync",
-    "RpcError", "StatusCode", "Cancelled", "DeadlineExceeded", "Internal", "InvalidArgument",
-    "NotFound", "ResourceExhausted", "Unavailable", "RegionError",
+    "Server", "Peer", "PeerInfo", "HandlerContext", "ServerInterceptor", "context", "current_peer",
+    "Service", "Client", "SyncClient", "ClientInterceptor", "connect", "connect_sync",
+    "RpcError", "StatusCode", "error_for", "Cancelled", "Unknown", "InvalidArgument",
+    "DeadlineExceeded", "NotFound", "AlreadyExists", "PermissionDenied", "ResourceExhausted",
+    "FailedPrecondition", "Aborted", "OutOfRange", "Unimplemented", "Internal", "Unavailable",
+    "DataLoss", "Unauthenticated", "RegionError",
     "WaitStrategy", "adaptive", "busy_spin", "spin_yield", "run",
 ]
 __version__ = "0.1.0"

@@ -222,6 +222,18 @@ class ServerChannel:
         word = self.slot_state[slot].load(ACQUIRE)
         return (word >> 1) & 0xFFFFFFFF if word & 1 else -1
 
+    def peer_info(self, slot: int) -> tuple[int, int, int] | None:
+        """(generation, PID, host identity) the slot's holder published (0: not written), or
+        None while the slot is free or changes hands under the read."""
+        word = self.slot_state[slot].load(ACQUIRE)
+        if not word & 1:
+            return None
+        base, mem = self.geo.slot(slot), self.region.mem
+        pid, identity = mem.load(base + _SLOT_PID, ACQUIRE), mem.load(base + _SLOT_IDENTITY, ACQUIRE)
+        if self.slot_state[slot].load(ACQUIRE) != word:
+            return None
+        return (word >> 1) & 0xFFFFFFFF, pid, identity
+
     def reap(self, timeout: float, now: float) -> list[tuple[int, int]]:
         """Free slots whose client stopped beating for ``timeout`` s (or whose PID died, when
         the client shares our host identity); acknowledge new holders; note whether any
@@ -525,6 +537,18 @@ class FlushServerChannel:
     def slot_generation(self, slot: int) -> int:
         """Generation of the slot's holder, or -1 when it is free."""
         return self._held[slot] if 0 <= slot < self.geo.slots else -1
+
+    def peer_info(self, slot: int) -> tuple[int, int, int] | None:
+        """(generation, PID, host identity) the slot's holder published (0: not written), or
+        None while the slot is free or its holder has not written its line yet."""
+        gen = self.slot_generation(slot)
+        if gen < 0:
+            return None
+        base, mem = self.geo.slot(slot), self.region.mem
+        mem.invalidate(base + _F_HOLDER, 40)
+        if mem.load(base + _F_GEN, ACQUIRE) != gen:
+            return None
+        return gen, mem.load(base + _F_PID, ACQUIRE), mem.load(base + _F_IDENTITY, ACQUIRE)
 
     def reap(self, timeout: float, now: float) -> list[tuple[int, int]]:
         """Grant free slots that were knocked on; free those whose holder released them,

@@ -18,7 +18,7 @@ import threading
 import time
 import warnings
 import weakref
-from typing import Any, Callable, NamedTuple
+from typing import Any, Awaitable, Callable, Mapping, NamedTuple, Sequence
 
 import msgspec
 
@@ -40,12 +40,48 @@ _HOT_SPIN_S = 20e-6
 _RETRY_FIRST, _RETRY_MAX = 0.002, 0.1
 
 
+#: A client interceptor: ``await interceptor(method, arg, metadata, next)`` makes the call
+#: when it awaits ``next(method, arg, metadata)`` (``metadata``: a dict of its own to change);
+#: it may raise instead, or return another result. SyncClient's are plain functions.
+ClientInterceptor = Callable[[str, Any, dict, Callable[[str, Any, dict], Any]], Any]
+
+
 class _Large(NamedTuple):
-    """A request too big for the ring: its body goes through the server's heap."""
+    """A request too big for the ring: its body goes through the server's heap (its metadata
+    block stays in the frame)."""
 
     flags: int
-    method: bytes
+    method_len: int
+    prefix: bytes  # the method name, then the metadata block if any
     body: bytes | memoryview
+
+
+def _chained(interceptors: tuple, last: Callable[[str, Any, dict], Any]) -> Callable[[str, Any, dict], Any]:
+    """``last`` wrapped in the interceptors, the first outermost."""
+    def wrap(interceptor: ClientInterceptor, inner: Callable) -> Callable[[str, Any, dict], Any]:
+        return lambda method, arg, metadata: interceptor(method, arg, metadata, inner)
+
+    call = last
+    for interceptor in reversed(interceptors):
+        call = wrap(interceptor, call)
+    return call
+
+
+def _checked(interceptors: Sequence[ClientInterceptor]) -> tuple:
+    """The interceptors as a tuple (empty: the call path skips them), each callable."""
+    for interceptor in interceptors:
+        if not callable(interceptor):
+            raise TypeError(f"interceptor is not callable: {interceptor!r}")
+    return tuple(interceptors)
+
+
+def _own_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
+    """A copy of the caller's metadata for the interceptors to change ({} for None)."""
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping):
+        raise InvalidArgument(f"metadata must be a mapping of str to str, not {type(metadata).__name__}")
+    return dict(metadata)
 
 
 class _Health(msgspec.Struct):
@@ -261,17 +297,23 @@ class _Base:
             self._set_gone(f"the server reclaimed this client's slot ({exc})")
             raise Unavailable(self._gone) from exc
 
-    def _request(self, call_id: int, method: str, arg: Any, timeout: float) -> tuple:
-        """The parts of a request record: header, method name, body."""
+    def _request(self, call_id: int, method: str, arg: Any, timeout: float,
+                 metadata: Mapping[str, str] | None = None) -> tuple:
+        """The parts of a request record: header, method name (then the metadata block, if
+        any), body."""
         mb = self._methods.get(method)
         if mb is None:
             mb = fr.method_bytes(method)
             if len(self._methods) < 4096:
                 self._methods[method] = mb
         flags, body = fr.encode_body(arg)
+        prefix = mb
+        if metadata:
+            prefix = mb + fr.encode_metadata(metadata)
+            flags |= fr.META
         chan = self._chan
         head = fr.HEADER.pack(fr.REQUEST, flags, 0, chan.slot, chan.gen, call_id, timeout, len(mb))
-        size = len(head) + len(mb) + len(body)
+        size = len(head) + len(prefix) + len(body)
         if size > chan.requests.max_payload:
             limit = chan.geo.max_message_size
             if not chan.geo.heap_size:
@@ -280,8 +322,11 @@ class _Base:
             if len(body) > limit:
                 raise ResourceExhausted(f"request of {len(body)} bytes exceeds the server's "
                                         f"max_message_size={limit}")
-            return _Large(flags, mb, body)
-        return head, mb, body
+            if len(head) + len(prefix) + EXTENT.size > chan.requests.max_payload:
+                raise ResourceExhausted(f"request metadata of {len(prefix) - len(mb)} bytes does "
+                                        f"not fit the request ring's limit {chan.requests.max_payload}")
+            return _Large(flags, len(mb), prefix, body)
+        return head, prefix, body
 
     def _alloc_request(self, size: int, timeout: float) -> tuple[int, tuple]:
         """An ALLOC frame asking the server for ``size`` bytes of heap: (its call id, parts)."""
@@ -301,8 +346,8 @@ class _Base:
         except ValueError as exc:
             raise InvalidArgument(f"the server granted a bad heap extent: {exc}") from exc
         head = fr.HEADER.pack(fr.REQUEST, large.flags | fr.HEAP, 0, chan.slot, chan.gen, call_id,
-                              timeout, len(large.method))
-        return (head, large.method, EXTENT.pack(offset, len(large.body))), offset
+                              timeout, large.method_len)
+        return (head, large.prefix, EXTENT.pack(offset, len(large.body))), offset
 
     def _heap_body(self, f: fr.Frame, wanted: bool) -> bool:
         """An out-of-line reply: copy its body out (if ``wanted``) and give the extent back;
@@ -403,8 +448,10 @@ class Client(_Base):
 
     def __init__(self, url: str, *, doorbell: WaitStrategy | str | None = None,
                  server_timeout: float = 1.0, poll_interval: float = 1e-3,
-                 wait_for_ready: float | bool = False) -> None:
+                 wait_for_ready: float | bool = False,
+                 interceptors: Sequence[ClientInterceptor] = ()) -> None:
         super().__init__(url, doorbell, server_timeout, poll_interval, wait_for_ready)
+        self._interceptors = _checked(interceptors)
         self._pending: dict[int, tuple[asyncio.Future, Any]] = {}
         self._reader: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -548,18 +595,34 @@ class Client(_Base):
         await self.close()
 
     async def call(self, method: str, arg: Any = None, *, timeout: float | None = None,
-                   response_type: Any = None) -> Any:
-        """Call ``method`` with ``arg``; raises an :class:`RpcError` subclass on failure."""
+                   metadata: Mapping[str, str] | None = None, response_type: Any = None) -> Any:
+        """Call ``method`` with ``arg`` and optional ``metadata`` (small str pairs the handler
+        reads from its context); raises an :class:`RpcError` subclass on failure."""
+        if self._interceptors:
+            return await _chained(self._interceptors, lambda method, arg, metadata: self._start(
+                method, arg, timeout, metadata, response_type))(method, arg, _own_metadata(metadata))
+        return await self._start(method, arg, timeout, metadata, response_type)
+
+    def _start(self, method: str, arg: Any, timeout: float | None,
+               metadata: Mapping[str, str] | None, response_type: Any) -> Awaitable[Any]:
+        """Check and encode a call; the awaitable of its round trip (of reconnecting first,
+        when the server was judged gone)."""
         if self._gone is not None:
-            timeout = await self._connected(timeout)
+            return self._start_connected(method, arg, timeout, metadata, response_type)
         if timeout is not None and timeout <= 0:
             raise DeadlineExceeded("timeout must be positive")
         call_id = next(self._ids)
-        parts = self._request(call_id, method, arg, timeout or 0.0)
+        parts = self._request(call_id, method, arg, timeout or 0.0, metadata)
         deadline = None if timeout is None else self._loop.time() + timeout
         if type(parts) is _Large:
-            return await self._call_large(call_id, parts, timeout or 0.0, deadline, response_type)
-        return await self._roundtrip(call_id, parts, deadline, response_type)
+            return self._call_large(call_id, parts, timeout or 0.0, deadline, response_type)
+        return self._roundtrip(call_id, parts, deadline, response_type)
+
+    async def _start_connected(self, method: str, arg: Any, timeout: float | None,
+                               metadata: Mapping[str, str] | None, response_type: Any) -> Any:
+        """Slow path of a call while not connected: reconnect (or raise why not), then call."""
+        timeout = await self._connected(timeout)
+        return await self._start(method, arg, timeout, metadata, response_type)
 
     async def _call_large(self, call_id: int, large: _Large, timeout: float,
                           deadline: float | None, response_type: Any) -> Any:
@@ -778,15 +841,18 @@ class _Connecting:
 
 def connect(url: str, *, doorbell: WaitStrategy | str | None = None,
             server_timeout: float = 1.0, poll_interval: float = 1e-3,
-            wait_for_ready: float | bool = False) -> _Connecting:
+            wait_for_ready: float | bool = False,
+            interceptors: Sequence[ClientInterceptor] = ()) -> _Connecting:
     """Connect an asyncio client: ``async with cxlrpc.connect("shm://NAME") as client``.
 
     ``poll_interval`` bounds how long the idle client sleeps between looks at its reply ring
     when the server is on another host (which cannot wake it). ``wait_for_ready``: wait for
     a server to appear (True: without limit; a number: that many seconds), else
-    ``Unavailable`` at once."""
+    ``Unavailable`` at once. ``interceptors`` (async, see :data:`ClientInterceptor`) wrap
+    every call, the first outermost."""
     return _Connecting(Client(url, doorbell=doorbell, server_timeout=server_timeout,
-                              poll_interval=poll_interval, wait_for_ready=wait_for_ready))
+                              poll_interval=poll_interval, wait_for_ready=wait_for_ready,
+                              interceptors=interceptors))
 
 
 class SyncClient(_Base):
@@ -798,8 +864,10 @@ class SyncClient(_Base):
 
     def __init__(self, url: str, *, doorbell: WaitStrategy | str | None = None,
                  server_timeout: float = 1.0, poll_interval: float = 1e-3,
-                 wait_for_ready: float | bool = False) -> None:
+                 wait_for_ready: float | bool = False,
+                 interceptors: Sequence[ClientInterceptor] = ()) -> None:
         super().__init__(url, doorbell, server_timeout, poll_interval, wait_for_ready)
+        self._interceptors = _checked(interceptors)
         self._lock = threading.Lock()
         self._failures = 0  # failed reconnections: callers queued behind one share its error
         self._failure: RpcError | None = None
@@ -888,8 +956,16 @@ class SyncClient(_Base):
         self.close()
 
     def call(self, method: str, arg: Any = None, *, timeout: float | None = None,
-             response_type: Any = None) -> Any:
-        """Call ``method`` with ``arg`` and wait for the reply (or raise an RpcError)."""
+             metadata: Mapping[str, str] | None = None, response_type: Any = None) -> Any:
+        """Call ``method`` with ``arg`` and optional ``metadata`` and wait for the reply (or
+        raise an RpcError)."""
+        if self._interceptors:
+            return _chained(self._interceptors, lambda method, arg, metadata: self._call(
+                method, arg, timeout, metadata, response_type))(method, arg, _own_metadata(metadata))
+        return self._call(method, arg, timeout, metadata, response_type)
+
+    def _call(self, method: str, arg: Any, timeout: float | None,
+              metadata: Mapping[str, str] | None, response_type: Any) -> Any:
         failures = self._failures
         with self._lock:
             if self._gone is not None:
@@ -898,7 +974,7 @@ class SyncClient(_Base):
             if timeout is not None and timeout <= 0:
                 raise DeadlineExceeded("timeout must be positive")
             call_id = next(self._ids)
-            parts = self._request(call_id, method, arg, timeout or 0.0)
+            parts = self._request(call_id, method, arg, timeout or 0.0, metadata)
             deadline = None if timeout is None else time.monotonic() + timeout
             unsent = None
             if type(parts) is _Large:  # through the heap: ALLOC an extent, write the body there
@@ -979,8 +1055,11 @@ class SyncClient(_Base):
 
 def connect_sync(url: str, *, doorbell: WaitStrategy | str | None = None,
                  server_timeout: float = 1.0, poll_interval: float = 1e-3,
-                 wait_for_ready: float | bool = False) -> SyncClient:
+                 wait_for_ready: float | bool = False,
+                 interceptors: Sequence[ClientInterceptor] = ()) -> SyncClient:
     """Connect a blocking client: ``with cxlrpc.connect_sync("shm://NAME") as client``
-    (``wait_for_ready`` as for :func:`connect`)."""
+    (``wait_for_ready`` as for :func:`connect`; ``interceptors``: plain functions, see
+    :data:`ClientInterceptor`)."""
     return SyncClient(url, doorbell=doorbell, server_timeout=server_timeout,
-                      poll_interval=poll_interval, wait_for_ready=wait_for_ready)
+                      poll_interval=poll_interval, wait_for_ready=wait_for_ready,
+                      interceptors=interceptors)

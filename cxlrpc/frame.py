@@ -6,13 +6,16 @@ A frame is a fixed little-endian header, the method name, then the body::
 
 ``bytes``-like bodies travel raw (flag ``RAW``: one copy into the ring, one out); anything
 else is msgspec MessagePack. A body too big for a ring travels through the region's heap
-(flag ``HEAP``: the frame's body is the extent, see :mod:`cxlrpc.heap`).  Every field is validated on decode: a frame from shared
-memory may be garbage.
+(flag ``HEAP``: the frame's body is the extent, see :mod:`cxlrpc.heap`). A request with call
+metadata (flag ``META``) carries it between the method name and the body, in the frame even
+when the body is out of line: ``length u16 | MessagePack map of str to str``. Every field is
+validated on decode: a frame from shared memory may be garbage.
 """
 from __future__ import annotations
 
 import struct
-from typing import Any
+from types import MappingProxyType
+from typing import Any, Mapping
 
 import msgspec
 
@@ -23,6 +26,8 @@ ALLOC, FREE = 5, 6  # ask the server for a heap extent (body: size); give one ba
 _KINDS = frozenset((REQUEST, RESPONSE, ERROR, CANCEL, ALLOC, FREE))
 RAW = 1  # body is the caller's bytes, not MessagePack
 HEAP = 2  # the body is out of line: the frame carries its heap extent (offset, length)
+META = 4  # call metadata precedes the body (see encode_metadata)
+_UNKNOWN_FLAGS = ~(RAW | HEAP | META)
 NO_REPLY = 0  # call id of a one-way request: the server runs the handler and sends nothing back
 
 # Methods every server answers (users cannot register names under the prefix)
@@ -33,14 +38,28 @@ LIST_METHODS = "cxlrpc.methods"  # -> sorted names of the user's methods
 HEADER = struct.Struct("<BBHHIQdH")
 HEADER_SIZE = HEADER.size
 MAX_METHOD = 255
+MAX_METADATA_PAIRS = 64
+MAX_METADATA_BYTES = 4096  # of the encoded map
+_META_LEN = struct.Struct("<H")
+NO_METADATA: Mapping[str, str] = MappingProxyType({})
 
 _encode = msgspec.msgpack.Encoder().encode
 _decoders: dict[Any, msgspec.msgpack.Decoder] = {}
+_decode_metadata = msgspec.msgpack.Decoder(dict[str, str]).decode
 _method_names: dict[bytes, str] = {}
 
 
 class FrameError(ValueError):
     """A frame that no correct peer would write."""
+
+
+class BadMetadata(FrameError):
+    """A frame whose header is sound but whose metadata block is not: ``frame`` holds the
+    header's fields (no body), so that a request can be answered INVALID_ARGUMENT."""
+
+    def __init__(self, message: str, frame: "Frame") -> None:
+        super().__init__(message)
+        self.frame = frame
 
 
 class Frame(msgspec.Struct, gc=False):
@@ -55,6 +74,8 @@ class Frame(msgspec.Struct, gc=False):
     timeout: float
     method: str
     body: bytes
+    #: Read-only call metadata (flag META; empty without).
+    metadata: Mapping[str, str] = NO_METADATA
 
 
 def encode_body(value: Any) -> tuple[int, bytes | memoryview]:
@@ -79,6 +100,27 @@ def decode_body(flags: int, body: bytes, type_: Any = None) -> Any:
     if dec is None:
         dec = _decoders[type_] = msgspec.msgpack.Decoder(type_)
     return dec.decode(body)
+
+
+def encode_metadata(metadata: Mapping[str, str]) -> bytes:
+    """A request's metadata block, refused (InvalidArgument) unless it holds at most
+    MAX_METADATA_PAIRS pairs of a non-empty str key and a str value, MAX_METADATA_BYTES encoded."""
+    if not isinstance(metadata, Mapping):
+        raise InvalidArgument(f"metadata must be a mapping of str to str, not {type(metadata).__name__}")
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise InvalidArgument(f"metadata has {len(metadata)} pairs, at most {MAX_METADATA_PAIRS} allowed")
+    for key, value in metadata.items():
+        if not isinstance(key, str) or not isinstance(value, str) or not key:
+            raise InvalidArgument(f"metadata pairs must be a non-empty str key and a str value, "
+                                  f"got {key!r:.40}: {type(value).__name__}")
+    try:
+        block = _encode(metadata if type(metadata) is dict else dict(metadata))
+    except UnicodeEncodeError as exc:  # lone surrogates
+        raise InvalidArgument(f"metadata is not valid UTF-8: {exc}") from exc
+    if len(block) > MAX_METADATA_BYTES:
+        raise InvalidArgument(f"metadata takes {len(block)} bytes encoded, at most "
+                              f"{MAX_METADATA_BYTES} allowed")
+    return _META_LEN.pack(len(block)) + block
 
 
 def method_bytes(method: str) -> bytes:
@@ -111,7 +153,7 @@ def decode(view: memoryview) -> Frame:
     kind, flags, status, slot, gen, call_id, timeout, mlen = _unpack(view)
     end = HEADER_SIZE + mlen
     # ``not timeout >= 0`` also rejects NaN
-    if kind not in _KINDS or mlen > MAX_METHOD or end > n or flags & ~(RAW | HEAP) or not timeout >= 0:
+    if kind not in _KINDS or mlen > MAX_METHOD or end > n or flags & _UNKNOWN_FLAGS or not timeout >= 0:
         raise FrameError("frame header out of range")
     method = ""
     if mlen:
@@ -119,7 +161,33 @@ def decode(view: memoryview) -> Frame:
         method = _method_names.get(raw)
         if method is None:
             method = _method_name(raw)
+    if flags & META:
+        try:
+            metadata, end = _metadata(view, end, n)
+        except FrameError as exc:
+            raise BadMetadata(str(exc), Frame(kind, flags, status, slot, gen, call_id, timeout,
+                                              method, b"")) from None
+        return Frame(kind, flags, status, slot, gen, call_id, timeout, method, bytes(view[end:]),
+                     metadata)
     return Frame(kind, flags, status, slot, gen, call_id, timeout, method, bytes(view[end:]))
+
+
+def _metadata(view: memoryview, start: int, n: int) -> tuple[Mapping[str, str], int]:
+    """Decode and validate the metadata block at ``start``: (the metadata, where the body starts)."""
+    if start + _META_LEN.size > n:
+        raise FrameError("metadata block is cut short")
+    (size,) = _META_LEN.unpack_from(view, start)
+    start += _META_LEN.size
+    end = start + size
+    if not 0 < size <= MAX_METADATA_BYTES or end > n:
+        raise FrameError(f"metadata block of {size} bytes is out of range")
+    try:
+        metadata = _decode_metadata(view[start:end])
+    except Exception as exc:  # DecodeError, ValidationError
+        raise FrameError(f"metadata is not a map of str to str: {exc}") from None
+    if len(metadata) > MAX_METADATA_PAIRS or "" in metadata:
+        raise FrameError(f"metadata of {len(metadata)} pairs is out of range")
+    return MappingProxyType(metadata), end
 
 
 def _method_name(raw: bytes) -> str:

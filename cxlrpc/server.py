@@ -3,7 +3,8 @@
 Plain-function handlers run inline (no task, no extra loop iteration). Coroutine handlers
 start inline too and get a task only if they suspend, so that they can be cancelled by a
 CANCEL frame, a deadline, or their client dying; one that never awaits anything pending costs
-what a plain handler costs.
+what a plain handler costs. A handler learns about its call (deadline, peer, metadata) from
+:func:`context`; interceptors wrap every call to the user's methods.
 """
 from __future__ import annotations
 
@@ -17,13 +18,14 @@ import threading
 import time
 from asyncio.tasks import _enter_task, _leave_task
 from contextvars import ContextVar
-from typing import Any, Callable, NamedTuple
+from typing import Any, Awaitable, Callable, Mapping, NamedTuple, NoReturn, Sequence
 
+import msgspec
 
 from . import frame as fr
 from .channel import KIND_RPC, FlushServerChannel, ServerChannel, layout, server_channel
 from .doorbell import WaitStrategy, resolve
-from .errors import RpcError, StatusCode
+from .errors import ERRORS, InvalidArgument, NotFound, RpcError, StatusCode
 from .heap import EXTENT, OFFSET, HeapAccess, ServerHeap
 from .service import add_service
 from .memory import ACQ_REL
@@ -43,12 +45,72 @@ class Peer(NamedTuple):
     gen: int
 
 
-_current_peer: ContextVar[Peer] = ContextVar("cxlrpc_peer")
+class PeerInfo(NamedTuple):
+    """What a client published about itself in its slot: PID and host identity are None when
+    it wrote none (or left); its PID names a process here only when ``same_host``."""
+
+    slot: int
+    gen: int
+    pid: int | None
+    host: int | None
+    same_host: bool
+
+
+class HandlerContext(msgspec.Struct, frozen=True, gc=False):
+    """The call a handler (or interceptor) serves, as grpc.aio's ServicerContext: its method,
+    read-only metadata, peer and deadline (on the ``time.monotonic()`` clock, or None)."""
+
+    # gc=False: none of its fields can lead back to it (str, a read-only mapping of str,
+    # ints, the channel), so it is never part of a cycle; untracked, it costs no GC passes.
+
+    method: str
+    metadata: Mapping[str, str]
+    peer: Peer
+    deadline: float | None
+    _chan: Any
+
+    def time_remaining(self) -> float | None:
+        """Seconds left before the caller's deadline (0 once it passed), or None without one."""
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
+    def peer_info(self) -> PeerInfo:
+        """The peer's slot and generation with the PID and host identity it published."""
+        slot, gen = self.peer
+        chan = self._chan
+        info = None if chan.region.closed else chan.peer_info(slot)
+        if info is None or info[0] != gen:  # the client left meanwhile (or the server closed)
+            return PeerInfo(slot, gen, None, None, False)
+        pid, host = info[1] or None, info[2] or None
+        return PeerInfo(slot, gen, pid, host, host == chan.identity)
+
+    def abort(self, code: StatusCode | int, details: str = "") -> NoReturn:
+        """End the call with status ``code`` (not OK) and ``details``: raises the RpcError the
+        caller gets, so code after it does not run."""
+        status = StatusCode(code)
+        if status is StatusCode.OK:
+            raise ValueError("abort() takes an error status, not OK")
+        raise ERRORS[status](details)
+
+    def __repr__(self) -> str:
+        return (f"HandlerContext(method={self.method!r}, metadata={dict(self.metadata)!r}, "
+                f"peer={self.peer!r}, deadline={self.deadline!r})")
+
+
+#: A server interceptor: ``await interceptor(call, next)`` runs the rest of the chain and the
+#: handler when it awaits ``next()``; it may raise instead, or return another result.
+ServerInterceptor = Callable[[HandlerContext, Callable[[], Awaitable[Any]]], Awaitable[Any]]
+
+_current_call: ContextVar[HandlerContext] = ContextVar("cxlrpc_call")
+
+
+def context() -> HandlerContext:
+    """The call the running handler serves (LookupError outside a handler)."""
+    return _current_call.get()
 
 
 def current_peer() -> Peer:
     """The client whose request the running handler serves (LookupError outside a handler)."""
-    return _current_peer.get()
+    return _current_call.get().peer
 
 
 class _Method:
@@ -107,6 +169,9 @@ class Server:
 
     ``shutdown_grace`` is the grace ``async with`` gives calls in flight when it closes the
     server (see :meth:`close`; None: cancel them at once).
+
+    ``interceptors`` wrap every call to the user's methods, the first outermost (see
+    :data:`ServerInterceptor`); the reserved ``cxlrpc.*`` methods bypass them.
     """
 
     def __init__(self, url: str, *, slots: int = 16, request_capacity: int | None = None,
@@ -115,10 +180,15 @@ class Server:
                  poll_interval: float = 1e-3, size: int | None = None, mode: int = 0o600,
                  error_details: bool = True, coherence: str = HARDWARE,
                  max_message_size: int = 64 << 20, heap_size: int | None = None,
-                 shutdown_grace: float | None = 1.0) -> None:
+                 shutdown_grace: float | None = 1.0,
+                 interceptors: Sequence[ServerInterceptor] = ()) -> None:
         parse_url(url)  # fail fast on a malformed URL
         if not poll_interval > 0:
             raise ValueError("poll_interval must be > 0 seconds")
+        for interceptor in interceptors:
+            if not callable(interceptor):
+                raise TypeError(f"interceptor is not callable: {interceptor!r}")
+        self._interceptors = tuple(interceptors)
         self.url = url
         #: "hardware" (one host, or coherent CXL) or "flush" (hosts without cache coherence:
         #: a single-writer layout, every published line written back); sim:// is "flush".
@@ -157,6 +227,7 @@ class Server:
         self._heap_waiting: list[tuple] = []  # ALLOCs the full heap could not serve yet
         self._oneway_ids = itertools.count(1)
         self._peers: dict[int, Peer] = {}  # per slot, so a request costs no Peer allocation
+        self._polled_at = 0.0  # when the reader began its current batch of requests
         self._draining = False  # close() began: new calls are refused, health is NOT_SERVING
         self._grace_over = asyncio.Event()
         self._grace_timer: asyncio.TimerHandle | None = None
@@ -329,10 +400,11 @@ class Server:
         stuck_at: int | None = None  # head position housekeeping found blocked
         idle = False
         while True:
+            # one clock reading a batch: its requests' deadlines count from it
+            self._polled_at = now = time.monotonic()
             n = poll(on_request, 256)
             if self._backlog:
                 self._flush_backlog()
-            now = time.monotonic()
             if now >= next_housekeeping:
                 next_housekeeping = now + housekeeping_every
                 stuck_at = self._housekeeping(now)
@@ -398,6 +470,9 @@ class Server:
         """Decode, check the sender still holds its slot, run the handler (inline when plain)."""
         try:
             f = fr.decode(view)
+        except fr.BadMetadata as exc:
+            self._bad_metadata(exc.frame, str(exc))
+            return
         except fr.FrameError:
             self._drop()
             return
@@ -432,6 +507,14 @@ class Server:
             self._error(f, StatusCode.UNAVAILABLE, "server is shutting down")
             return
         m = self._methods.get(f.method)
+        peer = self._peers.get(slot)
+        if peer is None or peer.gen != f.gen:
+            peer = self._peers[slot] = Peer(slot, f.gen)
+        call = HandlerContext(f.method, f.metadata, peer,
+                              self._polled_at + f.timeout if f.timeout else None, chan)
+        if self._interceptors and not f.method.startswith(fr.RESERVED_PREFIX):
+            self._dispatch_intercepted(m, f, call)
+            return
         if m is None:
             self._error(f, StatusCode.NOT_FOUND, f"unknown method {f.method!r}")
             return
@@ -440,11 +523,8 @@ class Server:
         except Exception as exc:  # DecodeError, ValidationError, RecursionError on deep nesting
             self._error(f, StatusCode.INVALID_ARGUMENT, f"bad request for {f.method!r}: {exc}")
             return
-        peer = self._peers.get(slot)
-        if peer is None or peer.gen != f.gen:
-            peer = self._peers[slot] = Peer(slot, f.gen)
         if m.is_async:
-            ctx = _handler_context(peer)
+            ctx = _handler_context(call)
             try:
                 coro = m.fn() if arg is _NO_ARG else m.fn(arg)
             except Exception as exc:
@@ -454,21 +534,21 @@ class Server:
             if result is _SUSPENDED:
                 return
         elif m.blocking:
-            ctx = _handler_context(peer)
-            call = functools.partial(ctx.run, m.fn) if arg is _NO_ARG else functools.partial(ctx.run, m.fn, arg)
-            self._in_thread(asyncio.get_running_loop().run_in_executor(None, call), f, slot)
+            ctx = _handler_context(call)
+            run = functools.partial(ctx.run, m.fn) if arg is _NO_ARG else functools.partial(ctx.run, m.fn, arg)
+            self._in_thread(asyncio.get_running_loop().run_in_executor(None, run), f, slot)
             return
         else:
-            token = _current_peer.set(peer)
+            token = _current_call.set(call)
             try:
                 result = m.fn() if arg is _NO_ARG else m.fn(arg)
             except Exception as exc:
                 self._fail(f, exc)
                 return
             finally:
-                _current_peer.reset(token)
+                _current_call.reset(token)
             if inspect.iscoroutine(result):  # a plain function that returned a coroutine
-                ctx = _handler_context(peer)
+                ctx = _handler_context(call)
                 result = self._run_eagerly(result, f, slot, ctx)
                 if result is _SUSPENDED:
                     return
@@ -482,6 +562,48 @@ class Server:
                 chan.ring_client(slot, f.gen)
                 return
         self._reply(f, result)
+
+    def _dispatch_intercepted(self, m: _Method | None, f: fr.Frame, call: HandlerContext) -> None:
+        """Run a call through the interceptors, inline up to its first suspension as a
+        coroutine handler is, and reply with what the chain returns."""
+        result = self._run_eagerly(self._intercepted(m, f, call), f, f.slot, _handler_context(call))
+        if result is not _SUSPENDED and result is not _FAILED:
+            self._reply(f, result)
+
+    async def _intercepted(self, m: _Method | None, f: fr.Frame, call: HandlerContext) -> Any:
+        """The interceptors, first outermost, around the handler."""
+        chain = self._interceptors
+
+        def next_at(i: int) -> Awaitable[Any]:
+            if i == len(chain):
+                return self._handle(m, f)
+            return chain[i](call, lambda: next_at(i + 1))
+
+        return await next_at(0)
+
+    async def _handle(self, m: _Method | None, f: fr.Frame) -> Any:
+        """The innermost step of an intercepted call: decode the request and run the handler;
+        a failure is raised, so that the interceptors see it."""
+        if m is None:
+            raise NotFound(f"unknown method {f.method!r}")
+        try:
+            args = (fr.decode_body(f.flags, f.body, m.arg_type),) if m.takes_arg else ()
+        except Exception as exc:  # DecodeError, ValidationError, RecursionError on deep nesting
+            raise InvalidArgument(f"bad request for {f.method!r}: {exc}") from None
+        if m.blocking:
+            run = functools.partial(contextvars.copy_context().run, m.fn, *args)
+            return await asyncio.get_running_loop().run_in_executor(None, run)
+        result = m.fn(*args)
+        if inspect.iscoroutine(result):
+            result = await result
+        return result
+
+    def _bad_metadata(self, f: fr.Frame, message: str) -> None:
+        """A frame whose metadata block is garbage: counted as dropped, and if it is a request
+        from its slot's holder, answered INVALID_ARGUMENT."""
+        self._drop()
+        if f.kind == fr.REQUEST and self._chan.slot_generation(f.slot) == f.gen:
+            self._error(f, StatusCode.INVALID_ARGUMENT, f"bad request metadata: {message}")
 
     def _run_eagerly(self, coro: Any, f: fr.Frame, slot: int, ctx: contextvars.Context) -> Any:
         """Run a handler's coroutine inline up to its first suspension, in its own context and
@@ -768,10 +890,10 @@ class _EagerTask:
         return asyncio.get_running_loop()
 
 
-def _handler_context(peer: Peer) -> contextvars.Context:
-    """A context of the handler's own (as a task would have), where ``current_peer()`` holds."""
+def _handler_context(call: HandlerContext) -> contextvars.Context:
+    """A context of the handler's own (as a task would have), where ``context()`` holds."""
     ctx = contextvars.copy_context()
-    ctx.run(_current_peer.set, peer)
+    ctx.run(_current_call.set, call)
     return ctx
 
 

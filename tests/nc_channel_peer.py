@@ -4,14 +4,16 @@ or invalidate call of the single-writer channel removed, to show the simulator c
 
 ``python nc_channel_peer.py URL [LINE]`` prints ``ok`` or ``fail <phase>: <why>``. Phases:
 connect (knock and grant must cross), beat (calls go on past the client timeout: heartbeats
-must cross), release (a clean detach must be seen at once, not after the timeout), close (a
-closed server must be seen at once, not after the server timeout).
+must cross), release (a clean detach must be seen at once, not after the timeout), peer (a
+handler reads the new holder's PID at once, not after the next reap), close (a closed server
+must be seen at once, not after the server timeout).
 """
 from __future__ import annotations
 
 import ast
 import asyncio
 import importlib
+import os
 import sys
 import time
 import types
@@ -69,6 +71,8 @@ async def scenario(url: str, server_cls: type, client_cls: type) -> str:
                         client_timeout=CLIENT_TIMEOUT)
     departed: list[float] = []
     server.add_method("echo", lambda payload: payload)
+    context = sys.modules[server_cls.__module__].context  # the (reloaded) server module's
+    server.add_method("peer", lambda: list(context().peer_info()[:3]))
     server.on_disconnect(lambda peer: departed.append(time.monotonic()))
     async with server:
         client = client_cls(url, server_timeout=SERVER_TIMEOUT)
@@ -99,6 +103,14 @@ async def scenario(url: str, server_cls: type, client_cls: type) -> str:
             await asyncio.wait_for(second.open(), 3.0)
         except (RpcError, asyncio.TimeoutError) as exc:
             return f"fail connect: second client: {type(exc).__name__} {exc}"
+        try:
+            info = await second.call("peer", timeout=1.0)
+        except RpcError as exc:
+            await second.close()
+            return f"fail peer: {type(exc).__name__} {exc}"
+        if info != [second._chan.slot, second._chan.gen, os.getpid()]:
+            await second.close()
+            return f"fail peer: the server read {info}"
     closed_at = time.monotonic()
     try:
         while time.monotonic() < closed_at + 1.0:

@@ -320,10 +320,14 @@ def _check_decoded(data: bytes) -> None:
         return
     kind, flags, status, slot, gen, call_id, timeout, mlen = fr.HEADER.unpack_from(data)
     assert f.kind in (fr.REQUEST, fr.RESPONSE, fr.ERROR, fr.CANCEL, fr.ALLOC, fr.FREE)
-    assert not f.flags & ~(fr.RAW | fr.HEAP)
+    assert not f.flags & ~(fr.RAW | fr.HEAP | fr.META)
     assert len(f.method.encode()) == mlen <= fr.MAX_METHOD
     assert f.timeout >= 0
-    assert f.body == data[fr.HEADER_SIZE + mlen:]
+    body = fr.HEADER_SIZE + mlen
+    if f.flags & fr.META:  # a metadata block that decoded: in range, and the body follows it
+        assert len(f.metadata) <= fr.MAX_METADATA_PAIRS
+        body += 2 + int.from_bytes(data[body:body + 2], "little")
+    assert f.body == data[body:]
 
 
 @FUZZ

@@ -17,6 +17,7 @@ local producers.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import os
 import select
 import socket
@@ -36,6 +37,7 @@ def _send_socket() -> socket.socket:
     if _sender is None or _sender.fileno() < 0:
         _sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         _sender.setblocking(False)
+        atexit.register(_sender.close)  # one per process, closed at exit (no ResourceWarning)
     return _sender
 
 

@@ -615,7 +615,7 @@ class FlushClientChannel:
 
     def __init__(self, region: Region, poll_interval: float = 1e-3) -> None:
         self.region = region
-        self.geo = geo = read_geometry(region)
+        self.geo = read_geometry(region)
         self.state = region.mem.counter(CONTROL + _STATE)
         if self._server_state() != STATE_RUNNING:
             raise ConnectionRefusedError(f"server at {region.url} is not running")

@@ -970,7 +970,6 @@ class SyncClient(_Base):
         with self._lock:
             if self._gone is not None:
                 timeout = self._connected(timeout, failures)
-            chan = self._chan
             if timeout is not None and timeout <= 0:
                 raise DeadlineExceeded("timeout must be positive")
             call_id = next(self._ids)

@@ -14,7 +14,6 @@ import json
 import os
 import signal
 import socket
-import statistics
 import sys
 import time
 

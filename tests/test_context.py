@@ -319,7 +319,7 @@ async def test_abort_ends_the_call_with_any_code_and_details(url):
 
 
 async def test_every_status_code_raised_by_a_handler_reaches_the_caller_as_its_class(url):
-    async with make_server(url) as server, cxlrpc.connect(url) as client:
+    async with make_server(url), cxlrpc.connect(url) as client:
         for code in ERROR_CODES:
             with pytest.raises(cxlrpc.RpcError, match=f"raised {int(code)}") as ei:
                 await client.call("raise", int(code), timeout=5)

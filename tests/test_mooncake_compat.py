@@ -19,8 +19,7 @@ import pytest
 
 from kvservice import KVServer
 from kvservice.compat import mooncake_shim_path
-from kvservice.compat.mooncake import (DEFAULT_KV_LEASE_TTL, BufferHandle, ErrorCode,
-                                       MooncakeDistributedStore, ReplicateConfig,
+from kvservice.compat.mooncake import (DEFAULT_KV_LEASE_TTL, BufferHandle, MooncakeDistributedStore, ReplicateConfig,
                                        parse_segment_size)
 
 MiB = 1 << 20

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from cxlrpc.memory import ACQUIRE, RELEASE, _native
-from cxlrpc.region import HEADER_SIZE, Region
+from cxlrpc.region import Region
 from cxlrpc.ring import SpscRing, ring_size
 
 from nc_ring_peer import guarded_sites, ring_offsets

@@ -2,8 +2,6 @@
 (and mypy checks calls against it)."""
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 from typing import Protocol

@@ -118,11 +118,12 @@ def percentiles(lat: list[float]) -> dict[str, float]:
 
 # ---------------------------------------------------------------------------------- server
 async def serve() -> None:
-    # 16 slots x 1 MiB reply rings (the test echoes 256 KiB) + a 4 MiB request ring: ~20 MiB,
-    # inside the 64 MiB device (flush mode: + 16 x 1 MiB request rings, one per client: ~33 MiB)
+    # 16 slots x 1 MiB reply rings (the test echoes 256 KiB) + a 4 MiB request ring + a 16 MiB
+    # heap: ~37 MiB, inside the 64 MiB device (flush mode: + 16 x 1 MiB request rings, one per
+    # client: ~53 MiB)
     kv = KVServer(RPC_URL, pool_size=POOL_SIZE, pool_url=POOL_URL, client_timeout=CLIENT_TIMEOUT,
                   slots=16, response_capacity=1 << 20, poll_interval=POLL_INTERVAL,
-                  coherence=COHERENCE)
+                  coherence=COHERENCE, max_message_size=16 << 20)
     rpc = kv.rpc
 
     def echo(payload: bytes) -> bytes:

@@ -218,7 +218,9 @@ class ServerChannel:
         self.state.store(STATE_RUNNING, RELEASE)
 
     def slot_generation(self, slot: int) -> int:
-        """Current generation of a claimed slot, or -1 when it is free."""
+        """Current generation of a claimed slot, or -1 when it is free (or no slot: garbage)."""
+        if not 0 <= slot < self.geo.slots:
+            return -1
         word = self.slot_state[slot].load(ACQUIRE)
         return (word >> 1) & 0xFFFFFFFF if word & 1 else -1
 

@@ -139,6 +139,10 @@ class _Method:
         if len(required) > 1:
             raise TypeError(f"handler for {name!r} must take at most one argument (the request); "
                             f"it requires {', '.join(required)}")
+        keyword_only = [p.name for p in params if p.kind is p.KEYWORD_ONLY and p.default is p.empty]
+        if keyword_only:
+            raise TypeError(f"handler for {name!r} must take the request as a positional "
+                            f"parameter, not keyword-only {keyword_only[0]!r}")
         first = positional[0] if positional else None
         self.takes_arg = first is not None or any(p.kind is p.VAR_POSITIONAL for p in params)
         self.arg_type: Any = None

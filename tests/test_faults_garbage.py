@@ -460,3 +460,21 @@ def test_region_of_another_layout_version_refused_by_async_client(url):
 async def _connect(url: str) -> None:
     client = await cxlrpc.connect(url)
     await client.close()
+
+
+async def test_a_frame_naming_a_slot_past_the_table_is_dropped_quietly(url, caplog):
+    """A request whose slot field is past the slot table is garbage: dropped and counted, with
+    no traceback in the server's log, and the server goes on serving."""
+    server = cxlrpc.Server(url, slots=2, request_capacity=1 << 16, response_capacity=1 << 16)
+    server.add_method("echo", lambda payload: payload)
+    async with server, cxlrpc.connect(url) as client:
+        chan = client._chan
+        head = fr.HEADER.pack(fr.REQUEST, fr.RAW, 0, 999, chan.gen, 77, 0.0, 4)
+        assert chan.push((head, b"echo", b"x"))
+        chan.server_bell.ring()
+        deadline = asyncio.get_running_loop().time() + 5
+        while not server.dropped_frames and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.005)
+        assert server.dropped_frames == 1
+        assert await client.call("echo", b"still", timeout=5) == b"still"
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text

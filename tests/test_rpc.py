@@ -453,6 +453,9 @@ def test_handlers_that_cannot_be_served_are_refused_at_registration(url):
         server.add_method("two", lambda req, ctx: None)
     with pytest.raises(TypeError, match="at most one argument"):
         server.add_method("kw", lambda req, *, ctx: None)
+    with pytest.raises(TypeError, match="positional parameter, not keyword-only 'req'"):
+        server.add_method("kwonly", lambda *, req: req)  # would be called without its request
+    server.add_method("kwdefault", lambda req, *, extra=1: req)  # an optional keyword is fine
     with pytest.raises(TypeError, match="not callable"):
         server.add_method("nothing", None)
 

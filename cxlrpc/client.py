@@ -18,7 +18,7 @@ import threading
 import time
 import warnings
 import weakref
-from typing import Any, Awaitable, Callable, Mapping, NamedTuple, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, NamedTuple, Sequence
 
 import msgspec
 
@@ -33,6 +33,10 @@ from .region import Region, RegionError
 from .ring import ClaimRevoked
 
 _BEAT_INTERVAL = 0.1
+#: A stream's reader grants the server this many more items each time it has taken as many
+#: (half the server's window: the server never waits on a reader that keeps up).
+_CREDIT_EVERY = 16
+_EXPIRED = object()  # what a stream's deadline puts in its queue
 #: Longest the sole caller in flight holds the event loop polling for its reply (within the
 #: strategy's spin phase); other tasks wait at most this long.
 _HOT_SPIN_S = 20e-6
@@ -453,6 +457,7 @@ class Client(_Base):
         super().__init__(url, doorbell, server_timeout, poll_interval, wait_for_ready)
         self._interceptors = _checked(interceptors)
         self._pending: dict[int, tuple[asyncio.Future, Any]] = {}
+        self._streams: dict[int, asyncio.Queue] = {}  # server streams being read, by call id
         self._reader: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._connecting: asyncio.Task | None = None  # the attempt callers share
@@ -467,6 +472,56 @@ class Client(_Base):
             self._loop = asyncio.get_running_loop()
         await self._connected(None)
         return self
+
+    async def stream(self, method: str, arg: Any = None, *, timeout: float | None = None,
+                     metadata: Mapping[str, str] | None = None,
+                     response_type: Any = None) -> AsyncIterator[Any]:
+        """Call a server-streaming ``method`` (an async generator handler): ``async for item in
+        client.stream("m", arg)``. Flow-controlled: the server sends at most a window of items
+        ahead of what this loop took. Leaving the loop early (break, an exception, a
+        cancellation) cancels the handler; ``timeout`` bounds the whole stream."""
+        if self._gone is not None:
+            timeout = await self._connected(timeout)
+        call_id = next(self._ids)
+        parts = self._request(call_id, method, arg, timeout or 0.0, metadata)
+        if type(parts) is _Large:
+            raise ResourceExhausted("a stream's request must fit the request ring")
+        loop, chan = self._loop, self._chan
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[call_id] = queue
+        timer = None if timeout is None else loop.call_later(timeout, queue.put_nowait, _EXPIRED)
+        done, taken = False, 0
+        try:
+            if self._push(parts):
+                chan.server_bell.ring()
+            else:
+                await self._push_slow(parts, None if timeout is None else loop.time() + timeout)
+            while True:
+                f = await queue.get()
+                if f is _EXPIRED:
+                    raise DeadlineExceeded("deadline exceeded while streaming")
+                if isinstance(f, RpcError):
+                    done = True
+                    raise f
+                if f.kind == fr.END:
+                    done = True
+                    return
+                if f.kind == fr.ERROR:
+                    done = True
+                    raise error_for(f.status, f.body.decode(errors="replace"))
+                yield self._decode_reply(f, response_type)
+                taken += 1
+                if taken == _CREDIT_EVERY:  # give the server room for as many as we took
+                    taken = 0
+                    head = fr.header(fr.CREDIT, fr.RAW, 0, chan.slot, chan.gen, call_id, 0.0, b"")
+                    if self._push((head, OFFSET.pack(_CREDIT_EVERY))):
+                        chan.server_bell.ring()
+        finally:
+            self._streams.pop(call_id, None)
+            if timer is not None:
+                timer.cancel()
+            if not done:
+                self._send_cancel(call_id)
 
     def stub(self, service: Callable[..., S], *, timeout: float | None = None,
              prefix: str | None = None) -> S:
@@ -747,6 +802,14 @@ class Client(_Base):
             return
         if f.gen != chan.gen or f.slot != chan.slot:
             return  # a reply meant for this slot's previous holder
+        if self._streams:
+            queue = self._streams.get(f.call_id)
+            if queue is not None:
+                if f.flags & fr.HEAP and not self._heap_body(f, wanted=True):
+                    queue.put_nowait(InvalidArgument("a stream item's heap extent is not inside the heap"))
+                else:
+                    queue.put_nowait(f)
+                return
         entry = self._pending.pop(f.call_id, None)
         if entry is None or entry[0].done():
             self._granted_late(f)  # the caller gave up (timeout, cancel)
@@ -764,6 +827,8 @@ class Client(_Base):
             fut.set_exception(exc)
 
     def _fail_all(self, exc: RpcError) -> None:
+        for queue in self._streams.values():
+            queue.put_nowait(exc)
         pending, self._pending = self._pending, {}
         for fut, _ in pending.values():
             if not fut.done():

@@ -23,7 +23,8 @@ from .errors import InvalidArgument
 
 REQUEST, RESPONSE, ERROR, CANCEL = 1, 2, 3, 4
 ALLOC, FREE = 5, 6  # ask the server for a heap extent (body: size); give one back (body: offset)
-_KINDS = frozenset((REQUEST, RESPONSE, ERROR, CANCEL, ALLOC, FREE))
+ITEM, END, CREDIT = 7, 8, 9  # a server stream's item and its end; the client's credit (body: count)
+_KINDS = frozenset((REQUEST, RESPONSE, ERROR, CANCEL, ALLOC, FREE, ITEM, END, CREDIT))
 RAW = 1  # body is the caller's bytes, not MessagePack
 HEAP = 2  # the body is out of line: the frame carries its heap extent (offset, length)
 META = 4  # call metadata precedes the body (see encode_metadata)

@@ -25,7 +25,7 @@ import msgspec
 from . import frame as fr
 from .channel import KIND_RPC, FlushServerChannel, ServerChannel, layout, server_channel
 from .doorbell import WaitStrategy, resolve
-from .errors import ERRORS, InvalidArgument, NotFound, RpcError, StatusCode
+from .errors import ERRORS, Internal, InvalidArgument, NotFound, ResourceExhausted, RpcError, StatusCode
 from .heap import EXTENT, OFFSET, HeapAccess, ServerHeap
 from .service import add_service
 from .memory import ACQ_REL
@@ -35,6 +35,9 @@ from .region import Region, RegionError, coherence_for, parse_url
 Handler = Callable[..., Any]
 _NO_ARG = object()
 _SUSPENDED, _FAILED = object(), object()  # what _run_eagerly returns instead of a result
+_STREAMED = object()  # what a stream's task returns: its items and END are already sent
+#: Items a stream may have in flight before its caller's credit (CREDIT frames) catches up.
+STREAM_WINDOW = 32
 logger = logging.getLogger("cxlrpc.server")
 
 
@@ -117,7 +120,7 @@ class _Method:
     """A registered handler with its calling convention and request decoding decided once,
     at registration (a handler that cannot be served is refused there, not on every call)."""
 
-    __slots__ = ("fn", "is_async", "blocking", "arg_type", "takes_arg")
+    __slots__ = ("fn", "is_async", "streaming", "blocking", "arg_type", "takes_arg")
 
     def __init__(self, name: str, fn: Handler, blocking: bool = False) -> None:
         if not callable(fn):
@@ -128,7 +131,9 @@ class _Method:
             target = inspect.unwrap(target.func)
         # a plain wrapper of a coroutine function (functools.wraps, partial) is served as one
         self.is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(target)
-        if blocking and self.is_async:
+        #: An async generator: a server stream, each value it yields one item to the caller.
+        self.streaming = inspect.isasyncgenfunction(fn) or inspect.isasyncgenfunction(target)
+        if blocking and (self.is_async or self.streaming):
             raise ValueError(f"handler for {name!r} is a coroutine function: blocking=True is "
                              f"for plain functions that block (they run in a thread)")
         self.blocking = blocking
@@ -228,6 +233,7 @@ class Server:
         self._expired: set[tuple[int, int, int]] = set()  # calls whose deadline cancelled them
         self._backlog: dict[int, list[tuple]] = {}
         self._heap: ServerHeap | None = None
+        self._credits: dict[tuple, list] = {}  # per stream: [credit left, event set on credit]
         self._heap_waiting: list[tuple] = []  # ALLOCs the full heap could not serve yet
         self._oneway_ids = itertools.count(1)
         self._peers: dict[int, Peer] = {}  # per slot, so a request costs no Peer allocation
@@ -498,6 +504,8 @@ class Server:
                 elif self._heap_waiting:
                     self._heap_waiting = [w for w in self._heap_waiting
                                           if w[1:4] != (slot, f.gen, f.call_id)]
+            elif f.kind == fr.CREDIT:
+                self._credit(f)
             elif f.kind == fr.ALLOC:
                 self._alloc(f)
             elif f.kind == fr.FREE:
@@ -526,6 +534,14 @@ class Server:
             arg = fr.decode_body(f.flags, f.body, m.arg_type) if m.takes_arg else _NO_ARG
         except Exception as exc:  # DecodeError, ValidationError, RecursionError on deep nesting
             self._error(f, StatusCode.INVALID_ARGUMENT, f"bad request for {f.method!r}: {exc}")
+            return
+        if m.streaming:
+            if self._interceptors or f.call_id == fr.NO_REPLY:
+                self._error(f, StatusCode.UNIMPLEMENTED if self._interceptors else StatusCode.INVALID_ARGUMENT,
+                            "streams are not intercepted yet" if self._interceptors
+                            else "a stream needs a caller to read it")
+                return
+            self._start_stream(m, f, slot, arg, _handler_context(call))
             return
         if m.is_async:
             ctx = _handler_context(call)
@@ -654,6 +670,59 @@ class Server:
             self._expired.add(key)
             task.cancel()
 
+    # ------------------------------------------------------------------ server streams
+    def _start_stream(self, m: _Method, f: fr.Frame, slot: int, arg: Any,
+                      ctx: contextvars.Context) -> None:
+        """Run a stream handler in a task (cancellable like any call); it sends items as the
+        caller's credit allows, then END."""
+        key = (slot, f.gen, f.call_id)
+        self._credits[key] = [STREAM_WINDOW, asyncio.Event()]
+        agen = ctx.run(m.fn) if arg is _NO_ARG else ctx.run(m.fn, arg)
+        self._track(f, slot, lambda key: ctx.run(asyncio.get_running_loop().create_task,
+                                                 self._finish(self._stream(agen, f, key), f, key)))
+
+    async def _stream(self, agen: Any, f: fr.Frame, key: tuple) -> Any:
+        """Drive a stream handler: each item waits for credit and for room in the ring (a slow
+        reader slows the writer; nothing is dropped)."""
+        slot, gen, call_id = key
+        credit = self._credits[key]
+        chan = self._chan
+        try:
+            async for item in agen:
+                while credit[0] <= 0:
+                    credit[1].clear()
+                    await credit[1].wait()
+                credit[0] -= 1
+                try:
+                    flags, body = fr.encode_body(item)
+                except RpcError as exc:
+                    raise Internal(f"cannot encode a stream item: {exc.message}") from None
+                head = fr.header(fr.ITEM, flags, 0, slot, gen, call_id, 0.0, b"")
+                if len(head) + len(body) > chan.responses[slot].max_payload and (
+                        self._heap is None or len(body) > self.max_message_size):
+                    raise ResourceExhausted(f"stream item of {len(body)} bytes exceeds "
+                                            f"max_message_size={self.max_message_size}")
+                pause = 0.0
+                while not self._push_reply(slot, gen, chan.responses[slot], head, body):
+                    if chan.slot_generation(slot) != gen:
+                        return _STREAMED  # the caller left: nobody to send to
+                    await asyncio.sleep(pause)
+                    pause = min(0.001, pause * 2 + 1e-5)
+                chan.ring_client(slot, gen)
+        finally:
+            self._credits.pop(key, None)
+            await agen.aclose()
+        self._send(slot, gen, fr.header(fr.END, fr.RAW, 0, slot, gen, call_id, 0.0, b""), b"")
+        return _STREAMED
+
+    def _credit(self, f: fr.Frame) -> None:
+        """The caller of a stream took items: it may be sent that many more."""
+        credit = self._credits.get((f.slot, f.gen, f.call_id))
+        if credit is None or len(f.body) != OFFSET.size:
+            return  # the stream ended meanwhile (or garbage)
+        credit[0] = min(credit[0] + OFFSET.unpack(f.body)[0], STREAM_WINDOW)
+        credit[1].set()
+
     async def _finish(self, handler: Any, f: fr.Frame, key: tuple) -> None:
         try:
             result = await handler
@@ -667,7 +736,8 @@ class Server:
         except Exception as exc:
             self._fail(f, exc)
         else:
-            self._reply(f, result)
+            if result is not _STREAMED:
+                self._reply(f, result)
         finally:
             self._tasks.pop(key, None)
             self._expired.discard(key)

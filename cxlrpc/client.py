@@ -496,6 +496,9 @@ class Client(_Base):
                 chan.server_bell.ring()
             else:
                 await self._push_slow(parts, None if timeout is None else loop.time() + timeout)
+            wake = self._reader_wake  # the reader may be resting after a direct-polled call:
+            if wake is not None and not wake.done():  # items come through it
+                wake.set_result(None)
             while True:
                 f = await queue.get()
                 if f is _EXPIRED:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import weakref
-from collections.abc import Callable, Generator, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Generator, Iterable, Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -209,6 +209,16 @@ class KVClient(_Ops):
         """Lease several values in one RPC; None for each missing key. ``hold_s``: the leases
         keep blocking removal and eviction that long after the get, released or not."""
         return await self._drive(self._get(keys, namespace, lease_s, hold_s))
+
+    async def iter_get(self, keys: Iterable[Key], namespace: str = "", lease_s: float | None = None,
+                       chunk: int = 8) -> AsyncIterator[Block | None]:
+        """Lease values as the server finds them, ``chunk`` keys per message of a server
+        stream: the first blocks are read while the rest are looked up. A Block or None per key,
+        in order; leases of chunks not read when the loop is left lapse after ``lease_s``."""
+        req = w.GetStream(namespace, [normalize_key(k) for k in keys], lease_s, chunk)
+        async for leases in self.rpc.stream("get_stream", req, response_type=list[w.Lease | None]):
+            for lease in leases:
+                yield None if lease is None else self._block(lease)
 
     async def get_bytes(self, key: Key, namespace: str = "") -> bytes:
         """A copy of ``key``'s value."""

@@ -81,6 +81,7 @@ class KVServer:
                      "renew", "exists", "exists_keys", "remove", "remove_keys", "remove_matching",
                      "lookup_prefix", "stats"):
             self.rpc.add_method(name, _guard(getattr(self, "_" + name)))
+        self.rpc.add_method("get_stream", self._get_stream)
 
     # ---- lifetime ------------------------------------------------------------------------
     async def start(self) -> None:
@@ -200,6 +201,19 @@ class KVServer:
 
     def _get(self, req: w.Get) -> list[Lease | None]:
         return self.index.batch_get(req.ns, req.keys, req.lease_s, cxlrpc.current_peer(), req.hold_s)
+
+    async def _get_stream(self, req: w.GetStream):
+        """Lease the keys a chunk at a time, each chunk one item of a server stream: the caller
+        reads the first values while the rest are looked up."""
+        if req.chunk < 1:
+            raise cxlrpc.InvalidArgument(f"chunk must be at least 1, got {req.chunk}")
+        owner = cxlrpc.current_peer()
+        for at in range(0, len(req.keys), req.chunk):
+            try:
+                leases = self.index.batch_get(req.ns, req.keys[at:at + req.chunk], req.lease_s, owner)
+            except (ValueError, TypeError) as exc:
+                raise cxlrpc.InvalidArgument(str(exc)) from None
+            yield leases
 
     def _release(self, req: w.Release) -> None:
         owner = cxlrpc.current_peer()

@@ -63,6 +63,15 @@ class Undo(msgspec.Struct, array_like=True, frozen=True):
     versions: list[int]
 
 
+class GetStream(msgspec.Struct, array_like=True, frozen=True):
+    """Lease each key's value, ``chunk`` keys per item of a server stream."""
+
+    ns: str
+    keys: list[bytes]
+    lease_s: float | None = None
+    chunk: int = 8
+
+
 class Get(msgspec.Struct, array_like=True, frozen=True):
     """Lease each key's value; the reply is a list of Lease, None for a miss."""
 

@@ -401,3 +401,25 @@ async def test_serve_command_with_quotas_and_stats_of_one_namespace(tmp_path):
         if proc.returncode is None:
             proc.terminate()
             await asyncio.wait_for(proc.wait(), 10)
+
+
+async def test_iter_get_streams_blocks_in_order_as_they_are_found(url):
+    """A server stream of leases, a chunk per item: every key's block (None for a miss), in
+    order, readable in place; leases end as the blocks are released."""
+    async with KVServer(url, pool_size=8 * MiB) as server, KVClient.connect(url) as kv:
+        values = {f"k{i}": bytes([i]) * (1000 + i) for i in range(20)}
+        await kv.batch_put(values)
+        keys = [*values][:10] + ["missing"] + [*values][10:]
+        seen = []
+        async for block in kv.iter_get(keys, chunk=3):
+            if block is None:
+                seen.append(None)
+                continue
+            with block:
+                seen.append(block.tobytes())
+        assert seen == [*list(values.values())[:10], None, *list(values.values())[10:]]
+        assert await until(lambda: _leases(kv, 0))
+        with pytest.raises(cxlrpc.InvalidArgument, match="chunk"):
+            async for _ in kv.iter_get(keys, chunk=0):
+                pass
+        assert server.stats()["pending_puts"] == 0

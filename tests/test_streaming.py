@@ -142,3 +142,11 @@ def test_stream_handlers_cannot_be_blocking():
 
     with pytest.raises(ValueError, match="blocking=True"):
         server.add_method("g", gen, blocking=True)
+
+
+async def test_a_stream_after_a_call_is_read(url):
+    """After a call the reader rests (the caller polled its reply itself): a stream wakes it."""
+    async with _server(url), cxlrpc.connect(url) as client:
+        assert await client.call("cxlrpc.health", timeout=5)
+        got = [t async for t in client.stream("ticks", 5, response_type=Tick, timeout=10)]
+        assert [t.n for t in got] == [0, 1, 2, 3, 4]

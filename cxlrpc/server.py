@@ -717,9 +717,12 @@ class Server:
 
     def _credit(self, f: fr.Frame) -> None:
         """The caller of a stream took items: it may be sent that many more."""
+        if len(f.body) != OFFSET.size:
+            self._drop()  # garbage
+            return
         credit = self._credits.get((f.slot, f.gen, f.call_id))
-        if credit is None or len(f.body) != OFFSET.size:
-            return  # the stream ended meanwhile (or garbage)
+        if credit is None:
+            return  # the stream ended meanwhile
         credit[0] = min(credit[0] + OFFSET.unpack(f.body)[0], STREAM_WINDOW)
         credit[1].set()
 

@@ -282,7 +282,8 @@ async def test_committed_garbage_frames_are_dropped_and_counted(url):
                 hdr(gen_=gen + 1) + b"x",                         # the live slot, wrong generation
                 hdr(kind=fr.RESPONSE) + b"x",                     # not a request
                 hdr(kind=fr.ERROR) + b"x",
-                hdr(kind=9) + b"x",                               # unknown kind
+                hdr(kind=200) + b"x",                             # unknown kind
+                hdr(kind=fr.CREDIT) + b"x",                       # a credit that is no count
                 hdr(flags=0x80) + b"x",                           # unknown flag
                 hdr(timeout=-1.0) + b"x",                         # negative deadline
                 hdr(timeout=float("nan")) + b"x",

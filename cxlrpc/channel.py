@@ -318,7 +318,27 @@ def pid_dead_here(pid: int) -> bool:
     return 0 < pid < (1 << 32) and not pid_alive(pid)
 
 
-class ClientChannel:
+class _ServerWatch:
+    """What both client channels share: judging from the region whether the server is gone
+    (each says how it reads the server's state word: ``_server_state``)."""
+
+    def server_gone(self, timeout: float) -> str | None:
+        """Why the server should be considered gone, or None while it looks alive."""
+        if self._server_state() != STATE_RUNNING:
+            return "server closed"
+        live = self.server_liveness
+        live.timeout = timeout
+        if live.stale(self.region.heartbeat_value(), time.monotonic()):
+            return f"server heartbeat stopped for {live.age(time.monotonic()):.2f} s"
+        if self.region.owner_alive_locally() is False:
+            return "server process died"
+        if not self.holds_slot():
+            return ("the server reclaimed this client's slot (it saw no heartbeat from it for "
+                    "its client_timeout)")
+        return None
+
+
+class ClientChannel(_ServerWatch):
     """A client's side: one claimed slot, its response ring, and the shared request ring."""
 
     def __init__(self, region: Region, poll_interval: float = 1e-3) -> None:
@@ -394,20 +414,8 @@ class ClientChannel:
         """False once the server reclaimed the slot (it saw no heartbeat for its timeout)."""
         return self._slot_state.load(ACQUIRE) == (self.gen << 1) | 1
 
-    def server_gone(self, timeout: float) -> str | None:
-        """Why the server should be considered gone, or None while it looks alive."""
-        if self.state.load(ACQUIRE) != STATE_RUNNING:
-            return "server closed"
-        live = self.server_liveness
-        live.timeout = timeout
-        if live.stale(self.region.heartbeat_value(), time.monotonic()):
-            return f"server heartbeat stopped for {live.age(time.monotonic()):.2f} s"
-        if self.region.owner_alive_locally() is False:
-            return "server process died"
-        if not self.holds_slot():
-            return ("the server reclaimed this client's slot (it saw no heartbeat from it for "
-                    "its client_timeout)")
-        return None
+    def _server_state(self) -> int:
+        return self.state.load(ACQUIRE)
 
     def beat(self) -> None:
         self.heartbeat.fetch_add(1, ACQ_REL)
@@ -611,7 +619,7 @@ class FlushServerChannel:
         self.bell.close()
 
 
-class FlushClientChannel:
+class FlushClientChannel(_ServerWatch):
     """A client's side of the single-writer layout: knock on a free slot, wait for the grant
     (``acknowledged``), then produce into the slot's own request ring."""
 
@@ -718,21 +726,6 @@ class FlushClientChannel:
     def holds_slot(self) -> bool:
         """False once the server freed our slot (True while the grant is still awaited)."""
         return not self._granted or self._grant(self.slot) == self._word
-
-    def server_gone(self, timeout: float) -> str | None:
-        """Why the server should be considered gone, or None while it looks alive."""
-        if self._server_state() != STATE_RUNNING:
-            return "server closed"
-        live = self.server_liveness
-        live.timeout = timeout
-        if live.stale(self.region.heartbeat_value(), time.monotonic()):
-            return f"server heartbeat stopped for {live.age(time.monotonic()):.2f} s"
-        if self.region.owner_alive_locally() is False:
-            return "server process died"
-        if not self.holds_slot():
-            return ("the server reclaimed this client's slot (it saw no heartbeat from it for "
-                    "its client_timeout)")
-        return None
 
     def beat(self) -> None:
         """Advance our heartbeat (only once the slot is ours: before, its line is another's)."""

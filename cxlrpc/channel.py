@@ -136,6 +136,15 @@ def layout(slots: int, request_capacity: int, response_capacity: int, coherence:
                     _page(heap_size), max_message_size)
 
 
+def _write_geometry(mem, geo: Geometry) -> None:
+    """Store the geometry words of the control block (what :func:`read_geometry` reads)."""
+    mem.store(CONTROL + _SLOTS, geo.slots, RELAXED)
+    mem.store(CONTROL + _REQ_CAP, geo.request_capacity, RELAXED)
+    mem.store(CONTROL + _RESP_CAP, geo.response_capacity, RELAXED)
+    mem.store(CONTROL + _HEAP_SIZE, geo.heap_size, RELAXED)
+    mem.store(CONTROL + _MAX_MESSAGE, geo.max_message_size, RELAXED)
+
+
 def read_geometry(region: Region) -> Geometry:
     """Read and validate a server region's geometry (it may be garbage)."""
     mem = region.mem
@@ -185,11 +194,7 @@ class ServerChannel:
         self.identity = host_identity()
         self.state = mem.counter(CONTROL + _STATE)
         self.dropped = mem.counter(CONTROL + _DROPPED)
-        mem.store(CONTROL + _SLOTS, geo.slots, RELAXED)
-        mem.store(CONTROL + _REQ_CAP, geo.request_capacity, RELAXED)
-        mem.store(CONTROL + _RESP_CAP, geo.response_capacity, RELAXED)
-        mem.store(CONTROL + _HEAP_SIZE, geo.heap_size, RELAXED)
-        mem.store(CONTROL + _MAX_MESSAGE, geo.max_message_size, RELAXED)
+        _write_geometry(mem, geo)
         self.requests = MpscRing(region.buf, mem, geo.request_ring, geo.request_capacity)
         self.requests.reset()
         self.responses: list[SpscRing] = []
@@ -517,11 +522,7 @@ class FlushServerChannel:
         self.identity = host_identity()
         self.state = mem.counter(CONTROL + _STATE)
         self.dropped = mem.counter(CONTROL + _DROPPED)
-        mem.store(CONTROL + _SLOTS, geo.slots, RELAXED)
-        mem.store(CONTROL + _REQ_CAP, geo.request_capacity, RELAXED)
-        mem.store(CONTROL + _RESP_CAP, geo.response_capacity, RELAXED)
-        mem.store(CONTROL + _HEAP_SIZE, geo.heap_size, RELAXED)
-        mem.store(CONTROL + _MAX_MESSAGE, geo.max_message_size, RELAXED)
+        _write_geometry(mem, geo)
         self.requests = _ClientRequestRings()
         self.request_rings: list[SpscRing] = []
         self.responses: list[SpscRing] = []

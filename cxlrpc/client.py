@@ -29,14 +29,13 @@ from .errors import (DeadlineExceeded, InvalidArgument, ResourceExhausted, RpcEr
                      Unavailable, error_for)
 from .heap import EXTENT, OFFSET, HeapAccess
 from .service import S, stub
+from .streams import StreamCall
 from .region import Region, RegionError
 from .ring import ClaimRevoked
 
 _BEAT_INTERVAL = 0.1
-#: A stream's reader grants the server this many more items each time it has taken as many
-#: (half the server's window: the server never waits on a reader that keeps up).
-_CREDIT_EVERY = 16
-_EXPIRED = object()  # what a stream's deadline puts in its queue
+#: How soon a credit that met a full request ring is offered again.
+_CREDIT_RETRY_S = 0.0005
 #: Longest the sole caller in flight holds the event loop polling for its reply (within the
 #: strategy's spin phase); other tasks wait at most this long.
 _HOT_SPIN_S = 20e-6
@@ -302,7 +301,7 @@ class _Base:
             raise Unavailable(self._gone) from exc
 
     def _request(self, call_id: int, method: str, arg: Any, timeout: float,
-                 metadata: Mapping[str, str] | None = None) -> tuple:
+                 metadata: Mapping[str, str] | None = None, flags: int = 0) -> tuple:
         """The parts of a request record: header, method name (then the metadata block, if
         any), body."""
         mb = self._methods.get(method)
@@ -310,27 +309,34 @@ class _Base:
             mb = fr.method_bytes(method)
             if len(self._methods) < 4096:
                 self._methods[method] = mb
-        flags, body = fr.encode_body(arg)
+        raw, body = fr.encode_body(arg)
+        flags |= raw
         prefix = mb
         if metadata:
             prefix = mb + fr.encode_metadata(metadata)
             flags |= fr.META
         chan = self._chan
         head = fr.HEADER.pack(fr.REQUEST, flags, 0, chan.slot, chan.gen, call_id, timeout, len(mb))
-        size = len(head) + len(prefix) + len(body)
-        if size > chan.requests.max_payload:
-            limit = chan.geo.max_message_size
-            if not chan.geo.heap_size:
-                raise ResourceExhausted(f"request of {len(body)} bytes exceeds the request ring's "
-                                        f"limit {chan.requests.max_payload} (the server has no heap)")
-            if len(body) > limit:
-                raise ResourceExhausted(f"request of {len(body)} bytes exceeds the server's "
-                                        f"max_message_size={limit}")
-            if len(head) + len(prefix) + EXTENT.size > chan.requests.max_payload:
-                raise ResourceExhausted(f"request metadata of {len(prefix) - len(mb)} bytes does "
-                                        f"not fit the request ring's limit {chan.requests.max_payload}")
-            return _Large(flags, len(mb), prefix, body)
+        if len(head) + len(prefix) + len(body) > chan.requests.max_payload:
+            return self._out_of_line(flags, len(mb), prefix, body, "request")
         return head, prefix, body
+
+    def _out_of_line(self, flags: int, method_len: int, prefix: bytes, body: bytes | memoryview,
+                     what: str) -> _Large:
+        """A body too big for the request ring, to go through the server's heap (or the
+        ResourceExhausted naming the limit it breaks)."""
+        chan = self._chan
+        limit, ring_limit = chan.geo.max_message_size, chan.requests.max_payload
+        if not chan.geo.heap_size:
+            raise ResourceExhausted(f"{what} of {len(body)} bytes exceeds the request ring's "
+                                    f"limit {ring_limit} (the server has no heap)")
+        if len(body) > limit:
+            raise ResourceExhausted(f"{what} of {len(body)} bytes exceeds the server's "
+                                    f"max_message_size={limit}")
+        if fr.HEADER_SIZE + len(prefix) + EXTENT.size > ring_limit:
+            raise ResourceExhausted(f"request metadata of {len(prefix) - method_len} bytes does "
+                                    f"not fit the request ring's limit {ring_limit}")
+        return _Large(flags, method_len, prefix, body)
 
     def _alloc_request(self, size: int, timeout: float) -> tuple[int, tuple]:
         """An ALLOC frame asking the server for ``size`` bytes of heap: (its call id, parts)."""
@@ -340,16 +346,17 @@ class _Base:
         head = fr.header(fr.ALLOC, fr.RAW, 0, chan.slot, chan.gen, alloc_id, timeout, b"")
         return alloc_id, (head, OFFSET.pack(size))
 
-    def _staged(self, large: _Large, reply: bytes, call_id: int, timeout: float) -> tuple[tuple, int]:
-        """Write the body into the extent the server granted; the request's parts and the
-        extent's offset (to give back if the request is never sent)."""
+    def _staged(self, large: _Large, reply: bytes, call_id: int, timeout: float,
+                kind: int = fr.REQUEST) -> tuple[tuple, int]:
+        """Write the body into the extent the server granted; the record's parts and the
+        extent's offset (to give back if the record is never sent)."""
         chan = self._chan
         (offset,) = OFFSET.unpack(reply)
         try:
             self._heap.write(offset, (large.body,))
         except ValueError as exc:
             raise InvalidArgument(f"the server granted a bad heap extent: {exc}") from exc
-        head = fr.HEADER.pack(fr.REQUEST, large.flags | fr.HEAP, 0, chan.slot, chan.gen, call_id,
+        head = fr.HEADER.pack(kind, large.flags | fr.HEAP, 0, chan.slot, chan.gen, call_id,
                               timeout, large.method_len)
         return (head, large.prefix, EXTENT.pack(offset, len(large.body))), offset
 
@@ -457,7 +464,7 @@ class Client(_Base):
         super().__init__(url, doorbell, server_timeout, poll_interval, wait_for_ready)
         self._interceptors = _checked(interceptors)
         self._pending: dict[int, tuple[asyncio.Future, Any]] = {}
-        self._streams: dict[int, asyncio.Queue] = {}  # server streams being read, by call id
+        self._streams: dict[int, StreamCall] = {}  # streaming calls open, by call id
         self._reader: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._connecting: asyncio.Task | None = None  # the attempt callers share
@@ -480,51 +487,17 @@ class Client(_Base):
         client.stream("m", arg)``. Flow-controlled: the server sends at most a window of items
         ahead of what this loop took. Leaving the loop early (break, an exception, a
         cancellation) cancels the handler; ``timeout`` bounds the whole stream."""
-        if self._gone is not None:
-            timeout = await self._connected(timeout)
-        call_id = next(self._ids)
-        parts = self._request(call_id, method, arg, timeout or 0.0, metadata)
-        if type(parts) is _Large:
-            raise ResourceExhausted("a stream's request must fit the request ring")
-        loop, chan = self._loop, self._chan
-        queue: asyncio.Queue = asyncio.Queue()
-        self._streams[call_id] = queue
-        timer = None if timeout is None else loop.call_later(timeout, queue.put_nowait, _EXPIRED)
-        done, taken = False, 0
-        try:
-            if self._push(parts):
-                chan.server_bell.ring()
-            else:
-                await self._push_slow(parts, None if timeout is None else loop.time() + timeout)
-            wake = self._reader_wake  # the reader may be resting after a direct-polled call:
-            if wake is not None and not wake.done():  # items come through it
-                wake.set_result(None)
-            while True:
-                f = await queue.get()
-                if f is _EXPIRED:
-                    raise DeadlineExceeded("deadline exceeded while streaming")
-                if isinstance(f, RpcError):
-                    done = True
-                    raise f
-                if f.kind == fr.END:
-                    done = True
-                    return
-                if f.kind == fr.ERROR:
-                    done = True
-                    raise error_for(f.status, f.body.decode(errors="replace"))
-                yield self._decode_reply(f, response_type)
-                taken += 1
-                if taken == _CREDIT_EVERY:  # give the server room for as many as we took
-                    taken = 0
-                    head = fr.header(fr.CREDIT, fr.RAW, 0, chan.slot, chan.gen, call_id, 0.0, b"")
-                    if self._push((head, OFFSET.pack(_CREDIT_EVERY))):
-                        chan.server_bell.ring()
-        finally:
-            self._streams.pop(call_id, None)
-            if timer is not None:
-                timer.cancel()
-            if not done:
-                self._send_cancel(call_id)
+        async with StreamCall(self, method, arg, False, timeout, metadata, response_type) as call:
+            async for item in call:
+                yield item
+
+    def open_stream(self, method: str, *, timeout: float | None = None,
+                    metadata: Mapping[str, str] | None = None,
+                    response_type: Any = None) -> StreamCall:
+        """A call whose requests are a stream: a client-streaming ``method`` (``async def``
+        taking an ``AsyncIterator[T]``) or a bidirectional one (an async generator taking
+        one). Use it with ``async with``; see :class:`cxlrpc.streams.StreamCall`."""
+        return StreamCall(self, method, None, True, timeout, metadata, response_type)
 
     def stub(self, service: Callable[..., S], *, timeout: float | None = None,
              prefix: str | None = None) -> S:
@@ -757,6 +730,106 @@ class Client(_Base):
                 break
         chan.server_bell.ring()
 
+    # ------------------------------------------------------------------ streaming calls
+    async def _open_stream(self, call: StreamCall) -> None:
+        """Send a streaming call's request, through the interceptors (``next`` returns the
+        call): what opening the call awaits."""
+        if self._interceptors:
+            await _chained(self._interceptors, lambda method, arg, metadata: self._push_open(
+                call, method, arg, metadata))(call.method, call._arg, _own_metadata(call._metadata))
+        else:
+            await self._push_open(call, call.method, call._arg, call._metadata)
+
+    async def _push_open(self, call: StreamCall, method: str, arg: Any,
+                         metadata: Mapping[str, str] | None) -> StreamCall:
+        timeout = call._timeout
+        if self._gone is not None:
+            timeout = await self._connected(timeout)
+        call_id = next(self._ids)
+        parts = self._request(call_id, method, b"" if call._requests else arg, timeout or 0.0,
+                              metadata, fr.STREAM if call._requests else 0)
+        if type(parts) is _Large:
+            raise ResourceExhausted("a stream's request must fit the request ring")
+        loop, chan = self._loop, self._chan
+        deadline = None if timeout is None else loop.time() + timeout
+        self._streams[call_id] = call
+        call._opened(call_id, chan, deadline)
+        try:
+            await self._push_parts(parts, deadline)
+        except BaseException:
+            call._finish()
+            raise
+        if call._closed:  # cancelled while it opened
+            self._send_cancel(call_id)
+        wake = self._reader_wake  # the reader may be resting after a direct-polled call:
+        if wake is not None and not wake.done():  # the stream's frames come through it
+            wake.set_result(None)
+        return call
+
+    async def _push_parts(self, parts: tuple, deadline: float | None) -> None:
+        if self._push(parts):
+            self._chan.server_bell.ring()
+        else:
+            await self._push_slow(parts, deadline)
+
+    def _stream_chan(self, call: StreamCall) -> ClientChannel | FlushClientChannel:
+        """The channel a streaming call still runs on, or Unavailable (it was opened on a
+        connection that is gone)."""
+        chan = self._chan
+        if chan is not call._chan or self._gone is not None:
+            raise Unavailable(self._gone or "the connection of this call was lost")
+        return chan
+
+    async def _send_item(self, call: StreamCall, item: Any) -> None:
+        """One request item of ``call`` (through the heap when it is too big for the ring)."""
+        chan = self._stream_chan(call)
+        flags, body = fr.encode_body(item)
+        head = fr.header(fr.ITEM, flags, 0, chan.slot, chan.gen, call._call_id, 0.0, b"")
+        if len(head) + len(body) <= chan.requests.max_payload:
+            await self._push_parts((head, body), call._deadline)
+            return
+        large = self._out_of_line(flags, 0, b"", body, "stream item")
+        left = 0.0 if call._deadline is None else max(1e-6, call._deadline - self._loop.time())
+        alloc_id, alloc = self._alloc_request(len(body), left)
+        try:
+            reply = await self._roundtrip(alloc_id, alloc, call._deadline, None)
+        finally:
+            self._allocs.discard(alloc_id)
+        self._stream_chan(call)  # the extent is another server's if the connection changed
+        parts, offset = self._staged(large, reply, call._call_id, 0.0, fr.ITEM)
+        pushed = False
+        try:
+            await self._push_parts(parts, call._deadline)
+            pushed = True
+        finally:
+            if not pushed:
+                self._give_back(offset)
+
+    async def _send_end(self, call: StreamCall) -> None:
+        chan = self._stream_chan(call)
+        head = fr.header(fr.END, fr.RAW, 0, chan.slot, chan.gen, call._call_id, 0.0, b"")
+        await self._push_parts((head,), call._deadline)
+
+    def _send_credit(self, call: StreamCall, count: int) -> None:
+        """Grant the server ``count`` more items of ``call``; a full ring is retried soon (a
+        credit must never be lost: the server would wait for it forever)."""
+        chan = self._chan
+        if call._closed or chan is not call._chan or self._gone is not None:
+            return
+        head = fr.header(fr.CREDIT, fr.RAW, 0, chan.slot, chan.gen, call._call_id, 0.0, b"")
+        try:
+            pushed = self._push((head, OFFSET.pack(count)))
+        except Unavailable:
+            return
+        if pushed:
+            chan.server_bell.ring()
+        else:
+            self._loop.call_later(_CREDIT_RETRY_S, self._send_credit, call, count)
+
+    def _cancel_stream(self, call: StreamCall) -> None:
+        if call._chan is self._chan:
+            self._send_cancel(call._call_id)
+
     async def _poll_directly(self, fut: asyncio.Future) -> None:
         """The only caller in flight polls the reply ring itself through the spin and yield
         phases of the wait strategy; the reader task parks meanwhile.
@@ -793,7 +866,7 @@ class Client(_Base):
             # Hand over to the reader only if calls remain (ours, if we gave up, or others'):
             # waking it after every call would cost a few task switches per round trip.
             wake = self._reader_wake
-            if self._pending and wake is not None and not wake.done():
+            if (self._pending or self._streams) and wake is not None and not wake.done():
                 wake.set_result(None)
 
     def _on_reply(self, view: memoryview) -> None:
@@ -806,12 +879,12 @@ class Client(_Base):
         if f.gen != chan.gen or f.slot != chan.slot:
             return  # a reply meant for this slot's previous holder
         if self._streams:
-            queue = self._streams.get(f.call_id)
-            if queue is not None:
+            call = self._streams.get(f.call_id)
+            if call is not None:
                 if f.flags & fr.HEAP and not self._heap_body(f, wanted=True):
-                    queue.put_nowait(InvalidArgument("a stream item's heap extent is not inside the heap"))
+                    call.fail(InvalidArgument("a stream item's heap extent is not inside the heap"))
                 else:
-                    queue.put_nowait(f)
+                    call.on_frame(f)
                 return
         entry = self._pending.pop(f.call_id, None)
         if entry is None or entry[0].done():
@@ -830,8 +903,8 @@ class Client(_Base):
             fut.set_exception(exc)
 
     def _fail_all(self, exc: RpcError) -> None:
-        for queue in self._streams.values():
-            queue.put_nowait(exc)
+        for call in list(self._streams.values()):
+            call.fail(exc)
         pending, self._pending = self._pending, {}
         for fut, _ in pending.values():
             if not fut.done():

@@ -8,7 +8,8 @@ A frame is a fixed little-endian header, the method name, then the body::
 else is msgspec MessagePack. A body too big for a ring travels through the region's heap
 (flag ``HEAP``: the frame's body is the extent, see :mod:`cxlrpc.heap`). A request with call
 metadata (flag ``META``) carries it between the method name and the body, in the frame even
-when the body is out of line: ``length u16 | MessagePack map of str to str``. Every field is
+when the body is out of line: ``length u16 | MessagePack map of str to str``. A request flagged
+``STREAM`` opens a call whose requests follow as ITEM frames, ended by END. Every field is
 validated on decode: a frame from shared memory may be garbage.
 """
 from __future__ import annotations
@@ -23,12 +24,15 @@ from .errors import InvalidArgument
 
 REQUEST, RESPONSE, ERROR, CANCEL = 1, 2, 3, 4
 ALLOC, FREE = 5, 6  # ask the server for a heap extent (body: size); give one back (body: offset)
-ITEM, END, CREDIT = 7, 8, 9  # a server stream's item and its end; the client's credit (body: count)
+#: A stream's item and its end, and the reader's credit (body: a count). Both ways: a server
+#: stream's go server to client (credit back), a request stream's client to server.
+ITEM, END, CREDIT = 7, 8, 9
 _KINDS = frozenset((REQUEST, RESPONSE, ERROR, CANCEL, ALLOC, FREE, ITEM, END, CREDIT))
 RAW = 1  # body is the caller's bytes, not MessagePack
 HEAP = 2  # the body is out of line: the frame carries its heap extent (offset, length)
 META = 4  # call metadata precedes the body (see encode_metadata)
-_UNKNOWN_FLAGS = ~(RAW | HEAP | META)
+STREAM = 8  # a request whose items follow (ITEM frames, then END); its own body is empty
+_UNKNOWN_FLAGS = ~(RAW | HEAP | META | STREAM)
 NO_REPLY = 0  # call id of a one-way request: the server runs the handler and sends nothing back
 
 # Methods every server answers (users cannot register names under the prefix)

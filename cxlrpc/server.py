@@ -9,6 +9,7 @@ what a plain handler costs. A handler learns about its call (deadline, peer, met
 from __future__ import annotations
 
 import asyncio
+import collections.abc
 import contextvars
 import functools
 import inspect
@@ -16,6 +17,7 @@ import itertools
 import logging
 import threading
 import time
+import typing
 from asyncio.tasks import _enter_task, _leave_task
 from contextvars import ContextVar
 from typing import Any, Awaitable, Callable, Mapping, NamedTuple, NoReturn, Sequence
@@ -25,19 +27,21 @@ import msgspec
 from . import frame as fr
 from .channel import KIND_RPC, FlushServerChannel, ServerChannel, layout, server_channel
 from .doorbell import WaitStrategy, resolve
-from .errors import ERRORS, Internal, InvalidArgument, NotFound, ResourceExhausted, RpcError, StatusCode
+from .errors import ERRORS, DeadlineExceeded, Internal, InvalidArgument, NotFound, ResourceExhausted, RpcError, StatusCode
 from .heap import EXTENT, OFFSET, HeapAccess, ServerHeap
 from .service import add_service
+from .streams import STREAM_WINDOW, RequestStream
 from .memory import ACQ_REL
 from .memory import HARDWARE
 from .region import Region, RegionError, coherence_for, parse_url
 
 Handler = Callable[..., Any]
 _NO_ARG = object()
+_UNDECODED = object()  # an intercepted call's request is decoded inside the chain
 _SUSPENDED, _FAILED = object(), object()  # what _run_eagerly returns instead of a result
 _STREAMED = object()  # what a stream's task returns: its items and END are already sent
-#: Items a stream may have in flight before its caller's credit (CREDIT frames) catches up.
-STREAM_WINDOW = 32
+_ASYNC_ITERATORS = (collections.abc.AsyncIterator, collections.abc.AsyncIterable,
+                    collections.abc.AsyncGenerator)
 logger = logging.getLogger("cxlrpc.server")
 
 
@@ -120,9 +124,11 @@ class _Method:
     """A registered handler with its calling convention and request decoding decided once,
     at registration (a handler that cannot be served is refused there, not on every call)."""
 
-    __slots__ = ("fn", "is_async", "streaming", "blocking", "arg_type", "takes_arg")
+    __slots__ = ("fn", "is_async", "streaming", "requests", "streams", "blocking", "arg_type",
+                 "takes_arg")
 
-    def __init__(self, name: str, fn: Handler, blocking: bool = False) -> None:
+    def __init__(self, name: str, fn: Handler, blocking: bool = False,
+                 requests: bool | None = None) -> None:
         if not callable(fn):
             raise TypeError(f"handler for {name!r} is not callable: {fn!r}")
         self.fn = fn
@@ -158,6 +164,17 @@ class _Method:
             elif isinstance(ann, str):
                 hints = inspect.get_annotations(fn, eval_str=True)
                 self.arg_type = hints.get(first.name)
+        #: The request is a stream (its parameter is an ``AsyncIterator[T]``; a typed
+        #: service's contract may say so instead): the handler gets a RequestStream of T.
+        stream_of = self.arg_type is not None and typing.get_origin(self.arg_type) in _ASYNC_ITERATORS
+        self.requests = stream_of if requests is None else requests
+        if self.requests:
+            if not self.takes_arg or not (self.is_async or self.streaming):
+                raise TypeError(f"handler for {name!r} reads a stream of requests: it must be an "
+                                f"`async def` (or an async generator) taking it as its argument")
+            args = typing.get_args(self.arg_type) if stream_of else ()
+            self.arg_type = args[0] if args and args[0] is not Any else None
+        self.streams = self.streaming or self.requests
 
 
 class Server:
@@ -230,10 +247,13 @@ class Server:
         self._chan: ServerChannel | FlushServerChannel | None = None
         self._reader: asyncio.Task | None = None
         self._tasks: dict[tuple[int, int, int], asyncio.Task] = {}
-        self._expired: set[tuple[int, int, int]] = set()  # calls whose deadline cancelled them
+        #: Calls the server cancelled (their deadline passed, their caller broke the stream
+        #: protocol), with the error their caller gets.
+        self._cancelled_with: dict[tuple[int, int, int], RpcError] = {}
         self._backlog: dict[int, list[tuple]] = {}
         self._heap: ServerHeap | None = None
         self._credits: dict[tuple, list] = {}  # per stream: [credit left, event set on credit]
+        self._inbound: dict[tuple, RequestStream] = {}  # request streams being read, per call
         self._heap_waiting: list[tuple] = []  # ALLOCs the full heap could not serve yet
         self._oneway_ids = itertools.count(1)
         self._peers: dict[int, Peer] = {}  # per slot, so a request costs no Peer allocation
@@ -254,21 +274,26 @@ class Server:
         Plain functions run inline in the server's loop: fast, for cheap work. One that blocks
         (I/O, sleeps, heavy compute) stalls every client meanwhile: register it with
         ``blocking=True`` to run it in a thread (a deadline then ends the call, not the thread).
+        Streams: an async generator streams its replies (``client.stream``); a parameter
+        annotated ``AsyncIterator[T]`` receives a stream of requests (``client.open_stream``).
         """
         def register(fn: Handler) -> Handler:
             self.add_method(name, fn, blocking=blocking)
             return fn
         return register
 
-    def add_method(self, name: str, fn: Handler, *, blocking: bool = False) -> None:
-        """Serve ``fn`` as ``name`` (see :meth:`method`); names under ``cxlrpc.`` are reserved."""
+    def add_method(self, name: str, fn: Handler, *, blocking: bool = False,
+                   requests: bool | None = None) -> None:
+        """Serve ``fn`` as ``name`` (see :meth:`method`); names under ``cxlrpc.`` are reserved.
+        ``requests``: whether ``fn`` reads a stream of requests (None: it does when its
+        parameter is annotated ``AsyncIterator[T]``)."""
         fr.method_bytes(name)
         if name.startswith(fr.RESERVED_PREFIX):
             raise ValueError(f"method {name!r}: names starting with {fr.RESERVED_PREFIX!r} are "
                              f"reserved for the methods every server answers")
         if name in self._methods:
             raise ValueError(f"method {name!r} is already registered")
-        self._methods[name] = _Method(name, fn, blocking)
+        self._methods[name] = _Method(name, fn, blocking, requests)
 
     def add_service(self, service: type, impl: object, prefix: str | None = None) -> None:
         """Serve ``impl``'s methods under the names the typed ``service`` declares
@@ -368,7 +393,7 @@ class Server:
         self._reader.cancel()
         tasks = list(self._tasks.values())
         for t in tasks:
-            t.cancel()
+            _cancel(t)
         try:
             await asyncio.gather(self._reader, *tasks, return_exceptions=True)
         finally:
@@ -460,7 +485,7 @@ class Server:
                 del self._backlog[slot]
         for key, task in list(self._tasks.items()):
             if key[0] == slot and key[1] == gen:
-                task.cancel()
+                _cancel(task)
         peer = Peer(slot, gen)
         for callback in self._on_disconnect:
             try:
@@ -500,12 +525,14 @@ class Server:
             if f.kind == fr.CANCEL:
                 task = self._tasks.get((slot, f.gen, f.call_id))
                 if task is not None:
-                    task.cancel()
+                    _cancel(task)
                 elif self._heap_waiting:
                     self._heap_waiting = [w for w in self._heap_waiting
                                           if w[1:4] != (slot, f.gen, f.call_id)]
             elif f.kind == fr.CREDIT:
                 self._credit(f)
+            elif f.kind == fr.ITEM or f.kind == fr.END:
+                self._request_item(f)
             elif f.kind == fr.ALLOC:
                 self._alloc(f)
             elif f.kind == fr.FREE:
@@ -524,6 +551,9 @@ class Server:
             peer = self._peers[slot] = Peer(slot, f.gen)
         call = HandlerContext(f.method, f.metadata, peer,
                               self._polled_at + f.timeout if f.timeout else None, chan)
+        if m is not None and (m.streams or f.flags & fr.STREAM):
+            self._dispatch_stream(m, f, call)
+            return
         if self._interceptors and not f.method.startswith(fr.RESERVED_PREFIX):
             self._dispatch_intercepted(m, f, call)
             return
@@ -534,14 +564,6 @@ class Server:
             arg = fr.decode_body(f.flags, f.body, m.arg_type) if m.takes_arg else _NO_ARG
         except Exception as exc:  # DecodeError, ValidationError, RecursionError on deep nesting
             self._error(f, StatusCode.INVALID_ARGUMENT, f"bad request for {f.method!r}: {exc}")
-            return
-        if m.streaming:
-            if self._interceptors or f.call_id == fr.NO_REPLY:
-                self._error(f, StatusCode.UNIMPLEMENTED if self._interceptors else StatusCode.INVALID_ARGUMENT,
-                            "streams are not intercepted yet" if self._interceptors
-                            else "a stream needs a caller to read it")
-                return
-            self._start_stream(m, f, slot, arg, _handler_context(call))
             return
         if m.is_async:
             ctx = _handler_context(call)
@@ -590,26 +612,33 @@ class Server:
         if result is not _SUSPENDED and result is not _FAILED:
             self._reply(f, result)
 
-    async def _intercepted(self, m: _Method | None, f: fr.Frame, call: HandlerContext) -> Any:
+    async def _intercepted(self, m: _Method | None, f: fr.Frame, call: HandlerContext,
+                           arg: Any = _UNDECODED) -> Any:
         """The interceptors, first outermost, around the handler."""
         chain = self._interceptors
 
         def next_at(i: int) -> Awaitable[Any]:
             if i == len(chain):
-                return self._handle(m, f)
+                return self._handle(m, f, arg)
             return chain[i](call, lambda: next_at(i + 1))
 
         return await next_at(0)
 
-    async def _handle(self, m: _Method | None, f: fr.Frame) -> Any:
-        """The innermost step of an intercepted call: decode the request and run the handler;
-        a failure is raised, so that the interceptors see it."""
+    async def _handle(self, m: _Method | None, f: fr.Frame, arg: Any) -> Any:
+        """The innermost step of an intercepted call: decode the request (unless ``arg`` is
+        it already) and run the handler; a failure is raised, so that the interceptors see
+        it. A stream handler's result is its stream of replies, not yet iterated."""
         if m is None:
             raise NotFound(f"unknown method {f.method!r}")
-        try:
-            args = (fr.decode_body(f.flags, f.body, m.arg_type),) if m.takes_arg else ()
-        except Exception as exc:  # DecodeError, ValidationError, RecursionError on deep nesting
-            raise InvalidArgument(f"bad request for {f.method!r}: {exc}") from None
+        if arg is not _UNDECODED:
+            args: tuple = () if arg is _NO_ARG else (arg,)
+        else:
+            try:
+                args = (fr.decode_body(f.flags, f.body, m.arg_type),) if m.takes_arg else ()
+            except Exception as exc:  # DecodeError, ValidationError, RecursionError on deep nesting
+                raise InvalidArgument(f"bad request for {f.method!r}: {exc}") from None
+        if m.streaming:
+            return m.fn(*args)
         if m.blocking:
             run = functools.partial(contextvars.copy_context().run, m.fn, *args)
             return await asyncio.get_running_loop().run_in_executor(None, run)
@@ -667,27 +696,111 @@ class Server:
     def _expire_call(self, key: tuple) -> None:
         task = self._tasks.get(key)
         if task is not None:
-            self._expired.add(key)
-            task.cancel()
+            self._cancelled_with[key] = DeadlineExceeded("deadline exceeded in handler")
+            _cancel(task)
 
-    # ------------------------------------------------------------------ server streams
-    def _start_stream(self, m: _Method, f: fr.Frame, slot: int, arg: Any,
-                      ctx: contextvars.Context) -> None:
-        """Run a stream handler in a task (cancellable like any call); it sends items as the
-        caller's credit allows, then END."""
-        key = (slot, f.gen, f.call_id)
-        self._credits[key] = [STREAM_WINDOW, asyncio.Event()]
-        agen = ctx.run(m.fn) if arg is _NO_ARG else ctx.run(m.fn, arg)
-        self._track(f, slot, lambda key: ctx.run(asyncio.get_running_loop().create_task,
-                                                 self._finish(self._stream(agen, f, key), f, key)))
+    # ------------------------------------------------------------------ streams
+    def _dispatch_stream(self, m: _Method, f: fr.Frame, call: HandlerContext) -> None:
+        """A call to a streaming method: its request stream set up (or its request decoded),
+        then the handler run in a task (a client stream's inline up to its first suspension)
+        that sends the replies as the caller's credit allows."""
+        if f.call_id == fr.NO_REPLY:
+            self._error(f, StatusCode.INVALID_ARGUMENT, "a streaming call needs a caller to read it")
+            return
+        if bool(f.flags & fr.STREAM) != m.requests:
+            self._error(f, StatusCode.INVALID_ARGUMENT,
+                        f"method {f.method!r} takes a stream of requests: call it with open_stream()"
+                        if m.requests else f"method {f.method!r} takes one request, not a stream: "
+                        f"call it with {'stream()' if m.streaming else 'call()'}")
+            return
+        key = (f.slot, f.gen, f.call_id)
+        if key in self._tasks:
+            self._drop()  # a second request under a call id in use: garbage
+            return
+        intercepted = bool(self._interceptors)
+        arg: Any
+        if m.requests:
+            arg = self._inbound[key] = RequestStream(f.method, m.arg_type,
+                                                     functools.partial(self._grant, key))
+        elif not m.takes_arg:
+            arg = _NO_ARG
+        elif intercepted:
+            arg = _UNDECODED
+        else:
+            try:
+                arg = fr.decode_body(f.flags, f.body, m.arg_type)
+            except Exception as exc:  # DecodeError, ValidationError, RecursionError
+                self._error(f, StatusCode.INVALID_ARGUMENT, f"bad request for {f.method!r}: {exc}")
+                return
+        ctx = _handler_context(call)
+        if m.streaming:
+            self._credits[key] = [STREAM_WINDOW, asyncio.Event()]
+            replies = (self._intercepted(m, f, call, arg) if intercepted
+                       else _ready(ctx.run(m.fn) if arg is _NO_ARG else ctx.run(m.fn, arg)))
+            self._track(f, f.slot, lambda key: ctx.run(asyncio.get_running_loop().create_task,
+                                                       self._finish(self._stream(replies, f, key), f, key)))
+            return
+        coro = self._intercepted(m, f, call, arg) if intercepted else m.fn(arg)
+        result = self._run_eagerly(coro, f, f.slot, ctx)
+        if result is _SUSPENDED:
+            return
+        self._inbound.pop(key, None)
+        if result is not _FAILED:
+            self._reply(f, result)
 
-    async def _stream(self, agen: Any, f: fr.Frame, key: tuple) -> Any:
+    def _request_item(self, f: fr.Frame) -> None:
+        """A request item (or END) of a streaming call, for the handler's RequestStream; of a
+        call that ended meanwhile, dropped (its heap extent freed)."""
+        stream = self._inbound.get((f.slot, f.gen, f.call_id))
+        if f.flags & fr.HEAP:
+            if not self._item_body(f):
+                self._drop()
+                if stream is not None:
+                    stream.fail(InvalidArgument("a request item's body is not in a heap extent of its own"))
+                return
+        if stream is not None and not stream.put(f):  # past its credit: a broken caller
+            key = (f.slot, f.gen, f.call_id)
+            task = self._tasks.get(key)
+            if task is not None:
+                self._cancelled_with[key] = InvalidArgument(
+                    f"the caller of {stream.method!r} sent request items beyond its "
+                    f"credit of {STREAM_WINDOW}")
+                _cancel(task)
+
+    def _item_body(self, f: fr.Frame) -> bool:
+        """Replace an out-of-line item's extent by its bytes and free the extent; False when
+        the extent is not the sender's."""
+        heap = self._heap
+        if heap is None or len(f.body) != EXTENT.size:
+            return False
+        offset, length = EXTENT.unpack(f.body)
+        if not heap.owned(offset, length, f.slot, f.gen):
+            return False
+        f.body = heap.access.read(offset, length)
+        f.flags &= ~fr.HEAP
+        heap.free(offset, f.slot, f.gen)
+        self._heap_freed()
+        return True
+
+    def _grant(self, key: tuple, count: int) -> None:
+        """The handler took ``count`` request items: the caller may send that many more."""
+        slot, gen, call_id = key
+        self._send(slot, gen, fr.header(fr.CREDIT, fr.RAW, 0, slot, gen, call_id, 0.0, b""),
+                   OFFSET.pack(count))
+
+    async def _stream(self, replies: Any, f: fr.Frame, key: tuple) -> Any:
         """Drive a stream handler: each item waits for credit and for room in the ring (a slow
-        reader slows the writer; nothing is dropped)."""
+        reader slows the writer; nothing is dropped). ``replies``: awaited, the handler's
+        async iterator (an interceptor may have wrapped it)."""
         slot, gen, call_id = key
         credit = self._credits[key]
         chan = self._chan
+        agen = None
         try:
+            agen = await replies
+            if not isinstance(agen, collections.abc.AsyncIterator):
+                raise Internal(f"the stream handler of {f.method!r} gave {type(agen).__name__}, "
+                               f"not an async iterator")
             async for item in agen:
                 while credit[0] <= 0:
                     credit[1].clear()
@@ -711,7 +824,9 @@ class Server:
                 chan.ring_client(slot, gen)
         finally:
             self._credits.pop(key, None)
-            await agen.aclose()
+            aclose = getattr(agen, "aclose", None)
+            if aclose is not None:
+                await aclose()
         self._send(slot, gen, fr.header(fr.END, fr.RAW, 0, slot, gen, call_id, 0.0, b""), b"")
         return _STREAMED
 
@@ -730,8 +845,9 @@ class Server:
         try:
             result = await handler
         except asyncio.CancelledError:
-            if key in self._expired:
-                self._error(f, StatusCode.DEADLINE_EXCEEDED, "deadline exceeded in handler")
+            why = self._cancelled_with.get(key)
+            if why is not None:
+                self._error(f, why.code, why.message)
             elif self._closing:
                 raise
             else:
@@ -743,7 +859,9 @@ class Server:
                 self._reply(f, result)
         finally:
             self._tasks.pop(key, None)
-            self._expired.discard(key)
+            self._cancelled_with.pop(key, None)
+            if self._inbound:
+                self._inbound.pop(key, None)
             if self._draining:
                 self._note_drained()
 
@@ -965,6 +1083,18 @@ class _EagerTask:
 
     def get_loop(self) -> asyncio.AbstractEventLoop:
         return asyncio.get_running_loop()
+
+
+def _cancel(task: asyncio.Task) -> None:
+    """Cancel a call's task once it has started: a task cancelled before its first step never
+    runs its body, so its handler's cleanup and the call's bookkeeping would be skipped (a
+    CANCEL frame can come in the same batch as its request)."""
+    task.get_loop().call_soon(task.cancel)
+
+
+async def _ready(value: Any) -> Any:
+    """An awaitable of ``value`` (a stream handler's replies, when no interceptor makes them)."""
+    return value
 
 
 def _handler_context(call: HandlerContext) -> contextvars.Context:

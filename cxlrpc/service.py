@@ -9,16 +9,29 @@ names and request/response types are checked by mypy or pyright instead of strin
     greeter = client.stub(Greeter, timeout=1.0)       # typed as Greeter
     n: int = await greeter.norm(Point(3, 4))          # response decoded as int
 
-The class is the contract: each of its public ``async def`` methods takes at most one request
-argument and declares its return type (the reply is decoded into it). The implementation may
-subclass it or just have methods of the same names.
+The class is the contract: each of its public methods takes at most one request argument and
+declares its return type (the reply is decoded into it). Streams are declared by their types:
+
+    async def norm(self, p: Point) -> float: ...                          # unary
+    def ticks(self, n: int) -> AsyncIterator[Tick]: ...                    # server stream
+    async def total(self, xs: AsyncIterator[int]) -> int: ...             # client stream
+    def chat(self, msgs: AsyncIterator[Msg]) -> AsyncIterator[Reply]: ...  # bidirectional
+
+(a method whose replies stream is a plain ``def`` returning ``AsyncIterator[R]``: the type an
+async generator has, so its implementation is ``async def ... yield``). Stubs of client- and
+bidirectional streams take the requests as an async iterable (a plain one is accepted too).
+The implementation may subclass the contract or just have methods of the same names.
 """
 from __future__ import annotations
 
+import collections.abc
 import inspect
 import typing
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Protocol, TypeVar
+from typing import (TYPE_CHECKING, Any, AsyncIterable, AsyncIterator, Callable, Iterable, Protocol,
+                    TypeVar)
+
+from .streams import StreamCall, bidi, feed
 
 if TYPE_CHECKING:
     from .client import Client
@@ -32,14 +45,29 @@ class Service(Protocol):
     ``async def`` methods (a Protocol, so implementations need not subclass it)."""
 
 
+_STREAMS = (collections.abc.AsyncIterator, collections.abc.AsyncIterable,
+            collections.abc.AsyncGenerator)
+
+
 @dataclass(frozen=True)
 class Rpc:
-    """One method of a service: its wire name, whether it takes a request, its reply type."""
+    """One method of a service: its wire name, whether it takes a request, its reply type
+    (of each item, for a stream), and which sides stream."""
 
     attr: str
     name: str
     takes_request: bool
     response_type: Any
+    request_stream: bool = False
+    response_stream: bool = False
+
+
+def _stream_item(hint: Any) -> tuple[bool, Any]:
+    """(is ``hint`` an async iterator type, the type of its items or None for any)."""
+    if typing.get_origin(hint) not in _STREAMS:
+        return False, hint
+    args = typing.get_args(hint)
+    return True, args[0] if args and args[0] is not Any else None
 
 
 def rpcs(service: type, prefix: str | None = None) -> list[Rpc]:
@@ -52,8 +80,6 @@ def rpcs(service: type, prefix: str | None = None) -> list[Rpc]:
         fn = getattr(service, attr)
         if attr.startswith("_") or not inspect.isfunction(fn) or hasattr(Service, attr):
             continue
-        if not inspect.iscoroutinefunction(fn):
-            raise TypeError(f"{service.__name__}.{attr} must be declared `async def`")
         params = list(inspect.signature(fn).parameters.values())[1:]  # after self
         if len(params) > 1 or any(p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
                                   for p in params):
@@ -61,10 +87,15 @@ def rpcs(service: type, prefix: str | None = None) -> list[Rpc]:
         hints = typing.get_type_hints(fn)
         if "return" not in hints:
             raise TypeError(f"{service.__name__}.{attr} must declare its return type")
-        response = hints["return"]
-        out.append(Rpc(attr, prefix + attr, bool(params), None if response is Any else response))
+        replies, response = _stream_item(hints["return"])
+        requests = bool(params) and _stream_item(hints.get(params[0].name))[0]
+        if replies == inspect.iscoroutinefunction(fn):
+            raise TypeError(f"{service.__name__}.{attr}: declare a method whose replies stream "
+                            f"as `def ... -> AsyncIterator[R]`, any other as `async def`")
+        out.append(Rpc(attr, prefix + attr, bool(params), None if response is Any else response,
+                       requests, replies))
     if not out:
-        raise TypeError(f"{service.__name__} declares no `async def` methods")
+        raise TypeError(f"{service.__name__} declares no methods")
     return out
 
 
@@ -74,7 +105,13 @@ def add_service(server: "Server", service: type[S], impl: S, prefix: str | None 
         handler = getattr(impl, rpc.attr, None)
         if handler is None:
             raise TypeError(f"{type(impl).__name__} lacks {service.__name__}.{rpc.attr}")
-        server.add_method(rpc.name, handler)
+        server.add_method(rpc.name, handler, requests=rpc.request_stream)
+        if server._methods[rpc.name].streaming != rpc.response_stream:
+            del server._methods[rpc.name]
+            raise TypeError(f"{type(impl).__name__}.{rpc.attr} must "
+                            f"{'be an async generator' if rpc.response_stream else 'not yield'}: "
+                            f"{service.__name__} declares its replies "
+                            f"{'a stream' if rpc.response_stream else 'one reply'}")
 
 
 class _Stub:
@@ -90,14 +127,37 @@ class _Stub:
         return f"<cxlrpc stub of {self._service}>"
 
 
-def _method(client: "Client", rpc: Rpc, timeout: float | None):
+def _method(client: "Client", rpc: Rpc, timeout: float | None) -> Callable[..., Any]:
+    """The stub's function for one method, shaped by which sides stream."""
     call, name, response_type = client.call, rpc.name, rpc.response_type
-    if rpc.takes_request:
-        async def method(request: Any) -> Any:
-            return await call(name, request, timeout=timeout, response_type=response_type)
+
+    def opened() -> StreamCall:
+        return client.open_stream(name, timeout=timeout, response_type=response_type)
+
+    def chat(requests: AsyncIterable[Any] | Iterable[Any]) -> AsyncIterator[Any]:
+        return bidi(opened(), requests)
+
+    async def upload(requests: AsyncIterable[Any] | Iterable[Any]) -> Any:
+        async with opened() as stream:
+            await feed(stream, requests)
+            return await stream.response()
+
+    def replies(*request: Any) -> AsyncIterator[Any]:
+        return client.stream(name, *request, timeout=timeout, response_type=response_type)
+
+    async def unary(request: Any) -> Any:
+        return await call(name, request, timeout=timeout, response_type=response_type)
+
+    async def nullary() -> Any:
+        return await call(name, timeout=timeout, response_type=response_type)
+
+    method: Callable[..., Any]
+    if rpc.request_stream:
+        method = chat if rpc.response_stream else upload
+    elif rpc.response_stream:
+        method = replies
     else:
-        async def method() -> Any:
-            return await call(name, timeout=timeout, response_type=response_type)
+        method = unary if rpc.takes_request else nullary
     method.__name__ = method.__qualname__ = rpc.attr
     return method
 

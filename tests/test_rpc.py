@@ -133,6 +133,20 @@ async def test_cancelling_the_caller_cancels_the_server_task(url):
         await asyncio.wait_for(server.cancelled.wait(), 5)
 
 
+async def test_a_cancel_read_with_its_request_still_cancels_the_handler(url):
+    """A CANCEL in the same batch as its request, whose handler suspended: its task had not
+    started yet when the CANCEL came (cancelled then, it would skip its body: the handler's
+    cleanup and the call's bookkeeping)."""
+    server = make_server(url)
+    async with server, cxlrpc.connect(url) as client:
+        call_id = next(client._ids)
+        assert client._push(client._request(call_id, "slow", 5.0, 0.0))
+        client._send_cancel(call_id)  # both are in the ring before the server looks
+        await asyncio.wait_for(server.cancelled.wait(), 5)
+        await asyncio.wait_for(_until(lambda: not server._tasks), 5)
+        assert await client.call("echo", b"x", timeout=5) == b"x"
+
+
 async def test_thousand_calls_in_flight(url):
     async with make_server(url), cxlrpc.connect(url) as client:
         results = await asyncio.gather(*(client.call("aecho", i, timeout=30) for i in range(1000)))

@@ -27,7 +27,8 @@ import msgspec
 from . import frame as fr
 from .channel import KIND_RPC, FlushServerChannel, ServerChannel, layout, server_channel
 from .doorbell import WaitStrategy, resolve
-from .errors import ERRORS, DeadlineExceeded, Internal, InvalidArgument, NotFound, ResourceExhausted, RpcError, StatusCode
+from .errors import (ERRORS, DeadlineExceeded, Internal, InvalidArgument, ResourceExhausted, RpcError,
+                     StatusCode, Unimplemented)
 from .heap import EXTENT, OFFSET, HeapAccess, ServerHeap
 from .service import add_service
 from .streams import STREAM_WINDOW, RequestStream
@@ -558,7 +559,7 @@ class Server:
             self._dispatch_intercepted(m, f, call)
             return
         if m is None:
-            self._error(f, StatusCode.NOT_FOUND, f"unknown method {f.method!r}")
+            self._error(f, StatusCode.UNIMPLEMENTED, f"unknown method {f.method!r}")
             return
         try:
             arg = fr.decode_body(f.flags, f.body, m.arg_type) if m.takes_arg else _NO_ARG
@@ -629,7 +630,7 @@ class Server:
         it already) and run the handler; a failure is raised, so that the interceptors see
         it. A stream handler's result is its stream of replies, not yet iterated."""
         if m is None:
-            raise NotFound(f"unknown method {f.method!r}")
+            raise Unimplemented(f"unknown method {f.method!r}")
         if arg is not _UNDECODED:
             args: tuple = () if arg is _NO_ARG else (arg,)
         else:

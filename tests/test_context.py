@@ -413,14 +413,14 @@ async def test_server_interceptors_short_circuit_and_see_errors(url):
         assert await client.call("slow", 30.0, timeout=5, metadata=good) == -1.0
         with pytest.raises(cxlrpc.FailedPrecondition, match="translated boom"):
             await client.call("boom", timeout=5, metadata=good)
-        with pytest.raises(cxlrpc.NotFound):
+        with pytest.raises(cxlrpc.Unimplemented):
             await client.call("missing", timeout=5, metadata=good)
         with pytest.raises(cxlrpc.InvalidArgument, match="bad request"):
             await client.call("norm", {"x": "no"}, timeout=5, metadata=good)
         with pytest.raises(cxlrpc.Aborted, match="stop"):
             await client.call("abort", [int(cxlrpc.StatusCode.ABORTED), "stop"], timeout=5, metadata=good)
         errors = [entry.split("!")[1] for entry in log if "!" in entry]
-        assert errors == ["Unauthenticated", "FailedPrecondition", "NotFound", "InvalidArgument", "Aborted"]
+        assert errors == ["Unauthenticated", "FailedPrecondition", "Unimplemented", "InvalidArgument", "Aborted"]
         assert await client.call("echo", b"ok", timeout=5, metadata=good) == b"ok"
 
 

@@ -34,7 +34,7 @@ CALL_TIMEOUT = 1.0
 SLACK = 1.0  # a call may end this much after its timeout (two busy cores) and still not "hang"
 # Garbage that lands inside a committed request can turn its method or body into something else:
 # the caller then gets that status instead of a reply, which is the contract (a reply or an RpcError).
-GARBAGE_ERRORS = {"DeadlineExceeded", "NotFound", "InvalidArgument", "Internal"}
+GARBAGE_ERRORS = {"DeadlineExceeded", "Unimplemented", "InvalidArgument", "Internal"}
 
 
 class TolerantPump(Pump):
@@ -389,17 +389,17 @@ async def test_deeply_nested_arguments_are_invalid_argument_not_fatal(url):
 
 
 async def test_unknown_method_and_bad_method_names(url):
-    """Unknown methods are NOT_FOUND from another process too; empty or >255-byte names are refused client-side."""
+    """Unknown methods are UNIMPLEMENTED (as in gRPC) from another process too; empty or >255-byte names are refused client-side."""
     with fault_server(url, slots=2):
         async with cxlrpc.connect(url) as client:
-            with pytest.raises(cxlrpc.NotFound, match="no_such"):
+            with pytest.raises(cxlrpc.Unimplemented, match="no_such"):
                 await client.call("no_such", 1, timeout=5)
             with pytest.raises(cxlrpc.InvalidArgument):
                 await client.call("m" * 256, 1, timeout=5)
             with pytest.raises(cxlrpc.InvalidArgument):
                 await client.call("", 1, timeout=5)
             with cxlrpc.connect_sync(url) as sync:
-                with pytest.raises(cxlrpc.NotFound):
+                with pytest.raises(cxlrpc.Unimplemented):
                     sync.call("no_such", timeout=5)
             assert await client.call("echo", b"ok", timeout=5) == b"ok"
 

@@ -270,7 +270,7 @@ async def test_calls_of_the_wrong_shape_are_refused(url):
         with pytest.raises(cxlrpc.InvalidArgument, match="takes a stream of requests"):
             async for _ in client.stream("squares", 3, timeout=5):
                 pass
-        with pytest.raises(cxlrpc.NotFound):
+        with pytest.raises(cxlrpc.Unimplemented):
             async with client.open_stream("nope", timeout=5) as call:
                 await call.response()
         async with client.open_stream("total", timeout=5) as call:

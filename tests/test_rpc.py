@@ -96,9 +96,9 @@ async def test_struct_arguments_are_decoded_and_validated(url):
 
 async def test_errors_map_to_status_codes(url):
     async with make_server(url), cxlrpc.connect(url) as client:
-        with pytest.raises(cxlrpc.NotFound) as ei:
+        with pytest.raises(cxlrpc.Unimplemented) as ei:  # gRPC's status for an unknown method
             await client.call("missing", 1, timeout=5)
-        assert ei.value.code is cxlrpc.StatusCode.NOT_FOUND
+        assert ei.value.code is cxlrpc.StatusCode.UNIMPLEMENTED
         with pytest.raises(cxlrpc.Internal, match="ValueError: bad payload 7"):
             await client.call("boom", 7, timeout=5)
         with pytest.raises(cxlrpc.ResourceExhausted, match="no room"):
@@ -201,7 +201,7 @@ async def test_blocking_client_errors_and_deadline(url):
         def run() -> None:
             with cxlrpc.connect_sync(url) as client:
                 assert client.call("norm", Point(1, 1), timeout=5) == 2
-                with pytest.raises(cxlrpc.NotFound):
+                with pytest.raises(cxlrpc.Unimplemented):
                     client.call("missing", timeout=5)
                 with pytest.raises(cxlrpc.DeadlineExceeded):
                     client.call("slow", 5.0, timeout=0.05)

@@ -79,7 +79,7 @@ async def test_prefixes_and_duck_typed_implementations(url):
     server.add_service(Geometry, Duck(), prefix="v2/")
     async with server, cxlrpc.connect(url) as client:
         assert await client.stub(Geometry, prefix="v2/").origin() == Point(9, 9)
-        with pytest.raises(cxlrpc.NotFound):  # the default names are not served
+        with pytest.raises(cxlrpc.Unimplemented):  # the default names are not served
             await client.stub(Geometry, timeout=5).origin()
 
 

@@ -408,14 +408,16 @@ class _Base:
         if sent:
             chan.server_bell.ring()
 
-    def send_nowait(self, method: str, arg: Any = None) -> None:
+    def send_nowait(self, method: str, arg: Any = None, *,
+                    metadata: Mapping[str, str] | None = None) -> None:
         """One-way call: queue ``method(arg)`` without waiting and without a reply (ordered
         with this client's other calls). ``ResourceExhausted`` if the request ring is full;
-        ``Unavailable`` while the server is gone (the next :meth:`call` reconnects)."""
+        ``Unavailable`` while the server is gone (the next :meth:`call` reconnects). It does
+        not go through the client's interceptors (they are async): pass ``metadata`` here."""
         if self._gone is not None:
             raise Unavailable(self._gone)
         chan = self._chan
-        parts = self._request(fr.NO_REPLY, method, arg, 0.0)
+        parts = self._request(fr.NO_REPLY, method, arg, 0.0, metadata)
         if type(parts) is _Large:
             raise ResourceExhausted(f"a one-way call carries at most the request ring's "
                                     f"{self._chan.requests.max_payload} bytes")

@@ -381,9 +381,10 @@ async def test_server_interceptors_wrap_calls_in_order_and_see_the_call(url):
         assert log == []
         first, second, _ = await client.call("remaining", 0.05, timeout=5)  # suspends in the chain
         assert first - second >= 0.04 and log == ["a>remaining", "b>remaining", "<b", "<a"]
-        client.send_nowait("echo", b"one-way")
+        client.send_nowait("echo", b"one-way", metadata={"k": "one-way"})
         assert await client.call("bmetadata", timeout=5, metadata={"t": "1"}) == [True, {"t": "1"}]
         assert "a>echo" in log and server.ran == ["echo", "echo"]
+        assert [dict(c.metadata) for c in seen if c.method == "echo"][-1] == {"k": "one-way"}
 
 
 async def test_server_interceptors_short_circuit_and_see_errors(url):

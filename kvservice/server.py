@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import functools
 import re
+import secrets
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +21,13 @@ from kvservice.pool import Pool, pool_url_for
 
 INLINE_LIMIT = 32 << 10  # measured: inline wins below ~32 KiB, two-phase from 64 KiB
 _EXISTS = PutTicket(0, 0, 0)  # begin's answer for an if_absent key that has a value
+
+
+def _first_id() -> int:
+    """Where a server's lease and ticket ids start: at random in [1, 2**62], so ids an earlier
+    server on this name handed out (a client that reconnected may still send them) name none
+    of this one's, save with odds of about the ids issued over 2**62."""
+    return secrets.randbits(62) + 1
 
 
 def _guard(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -70,7 +78,8 @@ class KVServer:
                              default_lease_s=default_lease_s, max_lease_s=max_lease_s,
                              put_timeout_s=put_timeout_s,
                              on_publish=lambda offset, version: self._pool.publish(offset, version),
-                             on_free=lambda offset: self._pool.clear(offset))
+                             on_free=lambda offset: self._pool.clear(offset),
+                             first_id=_first_id())
         rpc_options.setdefault("slots", 64)  # two TP-8 pods and their helpers
         rpc_options.setdefault("response_capacity", 256 << 10)
         self.rpc = cxlrpc.Server(url, **rpc_options)

@@ -2,11 +2,20 @@
 
 Each operation is written once, as a generator that yields the RPCs it needs (``_Call``) and
 does the memory copies between them; each client drives those generators its own way.
+
+Lease releases are queued, not sent: gets and puts carry the queued ones (the server ends them
+before serving the request), and any other call is preceded by a one-way message of them. So
+the server sees a release before the client's next request, as if it had been sent alone (but
+for a put of the asyncio client, sent from a task of its own: a concurrent task's request may
+go first, which only delays the release).
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 import weakref
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Generator, Iterable, Mapping
 from typing import Any, NamedTuple
 
@@ -18,6 +27,10 @@ from kvservice.keys import chunk_keys, normalize_key
 from kvservice.pool import Block, PendingPut, Pool, as_bytes
 
 Key = str | bytes
+
+#: Queued releases that go out at once, in a message of their own, rather than wait for the
+#: next request (and the most one request carries): a bound on the request's size.
+_MAX_RELEASES = 64
 
 
 class KeyNotFound(KeyError, cxlrpc.NotFound):
@@ -50,6 +63,18 @@ def _abort(tickets: list[w.PutTicket]) -> _Call:
     return _Call("abort", w.Tickets([t.ticket_id for t in tickets if t.ticket_id]))
 
 
+def _take(queued: deque[int]) -> list[int]:
+    """Up to _MAX_RELEASES queued lease ids, oldest first. Pops one at a time, so an id queued
+    meanwhile (by the collector ending a block, or another thread) is never lost."""
+    ids: list[int] = []
+    try:
+        while queued and len(ids) < _MAX_RELEASES:
+            ids.append(queued.popleft())
+    except IndexError:  # another thread took the last ones
+        pass
+    return ids
+
+
 class _Ops:
     """The operations, as RPC-yielding generators over a mapped pool."""
 
@@ -57,6 +82,8 @@ class _Ops:
         self.rpc = rpc
         self.pool = pool
         self.inline_limit = hello.inline_limit
+        self._released: deque[int] = deque()  # lease ids to release, not yet sent
+        self._closed = False
 
     def _put(self, items: Mapping[Key, Any], ns: str, ttl: float | None,
              if_absent: bool = False) -> _Steps:
@@ -66,11 +93,11 @@ class _Ops:
         if not all(datas):
             raise ValueError("empty values are not stored")
         if sum(map(len, datas)) <= self.inline_limit:
-            versions = yield _Call("inline", w.Inline(ns, keys, datas, ttl, if_absent), list[int],
-                                   lambda versions: _Call("undo", w.Undo(ns, keys, versions)))
+            versions = yield _Call("inline", w.Inline(ns, keys, datas, ttl, if_absent, self._carry()),
+                                   list[int], lambda versions: _Call("undo", w.Undo(ns, keys, versions)))
             return [v != 0 for v in versions]
-        tickets = yield _Call("begin", w.Begin(ns, keys, [len(d) for d in datas], ttl, if_absent),
-                              list[w.PutTicket], _abort)
+        tickets = yield _Call("begin", w.Begin(ns, keys, [len(d) for d in datas], ttl, if_absent,
+                                               self._carry()), list[w.PutTicket], _abort)
         todo = [(key, ticket, data) for key, ticket, data in zip(keys, tickets, datas) if ticket.ticket_id]
         if not todo:
             return [False] * len(keys)
@@ -98,8 +125,8 @@ class _Ops:
 
     def _begin_put(self, key: Key, size: int, ns: str, ttl: float | None,
                    driver: Any) -> _Steps:
-        (ticket,) = yield _Call("begin", w.Begin(ns, [normalize_key(key)], [size], ttl),
-                                list[w.PutTicket], _abort)
+        (ticket,) = yield _Call("begin", w.Begin(ns, [normalize_key(key)], [size], ttl,
+                                                 release=self._carry()), list[w.PutTicket], _abort)
         ids = w.Tickets([ticket.ticket_id])
         pool, offset, size = self.pool, ticket.offset, ticket.size
         return PendingPut(pool.slice(offset, size),
@@ -108,8 +135,8 @@ class _Ops:
                           lambda: pool.written(offset, size))
 
     def _get(self, keys: Iterable[Key], ns: str, lease_s: float | None, hold_s: float = 0.0) -> _Steps:
-        leases = yield _Call("get", w.Get(ns, [normalize_key(k) for k in keys], lease_s, hold_s),
-                             list[w.Lease | None])
+        leases = yield _Call("get", w.Get(ns, [normalize_key(k) for k in keys], lease_s, hold_s,
+                                          self._carry()), list[w.Lease | None])
         blocks: list[Block | None] = []
         try:
             for lease in leases:
@@ -131,7 +158,32 @@ class _Ops:
                      lambda: pool.holds(offset, version))
 
     def _release(self, lease_id: int) -> None:
+        """Queue the end of a lease (a block's release or collection)."""
         raise NotImplementedError
+
+    def _queued(self) -> None:
+        """Releases were queued: send them if they must not wait for the next request."""
+        raise NotImplementedError
+
+    def _flush(self) -> None:
+        """Send every queued release now, as one-way messages."""
+        raise NotImplementedError
+
+    def _carry(self) -> w.Release | None:
+        """The queued releases, taken to ride on the request being built."""
+        if not self._released:
+            return None
+        ids = _take(self._released)
+        return w.Release(ids) if ids else None
+
+    def _unsent(self, arg: Any, exc: BaseException | None) -> None:
+        """A request failed (``exc``; None: cancelled or interrupted): queue the releases it
+        carried again, as the server may not have seen them (it ignores a repeated one as
+        stale). Not after a lost connection: the server ended that connection's leases."""
+        release = getattr(arg, "release", None)  # the field of the requests that carry them
+        if release is not None and not isinstance(exc, cxlrpc.Unavailable) and not self._closed:
+            self._released.extend(release.ids)
+            self._queued()
 
     @staticmethod
     def _one(key: Key, blocks: list[Block | None]) -> Block:
@@ -161,17 +213,20 @@ class _Ops:
 class KVClient(_Ops):
     """asyncio client: ``async with KVClient.connect("shm://kv") as kv: await kv.put(k, v)``.
 
-    Lease releases are one-way messages (a block's ``with`` exit cannot await); the lease of a
-    block still held is renewed at half its life, so a held block never lapses while this
-    client lives.
+    A block's release (its ``with`` exit cannot await) is queued: this client's next get or
+    put carries it, and any other call sends the queued releases just before itself, as one
+    one-way message; so in ``with await kv.get(a): ...`` then ``await kv.get(b)`` each get is
+    one message. Releases no call took by the time the event loop turns go out then, as one
+    message (at once when 64 are queued, and at close). The lease of a block still held is
+    renewed at half its life, so a held block never lapses while this client lives.
     """
 
     def __init__(self, rpc: cxlrpc.Client, hello: w.Hello, pool: Pool) -> None:
         super().__init__(rpc, hello, pool)
         self._loop = asyncio.get_running_loop()
-        self._releases: list[int] = []
+        self._thread = threading.get_ident()  # the loop's: the only one that sends
+        self._flush_armed = False  # a flush is scheduled for the loop's next turn
         self._tasks: set[asyncio.Task] = set()
-        self._closed = False
 
     @staticmethod
     def connect(url: str, **options: Any) -> "_Connecting":
@@ -215,10 +270,17 @@ class KVClient(_Ops):
         """Lease values as the server finds them, ``chunk`` keys per message of a server
         stream: the first blocks are read while the rest are looked up. A Block or None per key,
         in order; leases of chunks not read when the loop is left lapse after ``lease_s``."""
-        req = w.GetStream(namespace, [normalize_key(k) for k in keys], lease_s, chunk)
-        async for leases in self.rpc.stream("get_stream", req, response_type=list[w.Lease | None]):
-            for lease in leases:
-                yield None if lease is None else self._block(lease)
+        req = w.GetStream(namespace, [normalize_key(k) for k in keys], lease_s, chunk, self._carry())
+        started = False
+        try:
+            async for leases in self.rpc.stream("get_stream", req, response_type=list[w.Lease | None]):
+                started = True
+                for lease in leases:
+                    yield None if lease is None else self._block(lease)
+        except BaseException as exc:
+            if not started:  # the server may never have seen the request
+                self._unsent(req, exc if isinstance(exc, Exception) else None)
+            raise
 
     async def get_bytes(self, key: Key, namespace: str = "") -> bytes:
         """A copy of ``key``'s value."""
@@ -287,12 +349,19 @@ class KVClient(_Ops):
         try:
             step = next(steps)
             while True:
+                if self._released:  # not taken by this call (it carries none): they go first
+                    self._flush()
                 try:
                     if step.undo is None:
                         result = await call(step.method, step.arg, response_type=step.response_type)
                     else:
                         result = await self._undoable(step)
+                except asyncio.CancelledError:
+                    if step.undo is None:  # an undoable call goes on, its releases with it
+                        self._unsent(step.arg, None)
+                    raise
                 except Exception as exc:
+                    self._unsent(step.arg, exc)
                     step = steps.throw(exc)
                 else:
                     step = steps.send(result)
@@ -312,6 +381,7 @@ class KVClient(_Ops):
 
     def _take_back(self, step: _Call, task: asyncio.Task) -> None:
         if task.cancelled() or task.exception() is not None:
+            self._unsent(step.arg, None if task.cancelled() else task.exception())
             return  # it created nothing (or the server is gone, and reclaims it all)
         undo = step.undo(task.result())
         try:
@@ -349,21 +419,40 @@ class KVClient(_Ops):
 
     def _release(self, lease_id: int) -> None:
         if self._closed:
-            return
-        try:  # one-way and ordered with our later calls; no task, no round trip
-            self.rpc.send_nowait("release", w.Release([lease_id]))
-            return
-        except cxlrpc.RpcError:
-            pass  # request ring full (or server gone): fall back to a batched call
-        self._releases.append(lease_id)
-        if len(self._releases) == 1:
-            self._loop.call_soon(self._flush)
+            return  # the server ends the lease when it sees us gone
+        self._released.append(lease_id)
+        try:
+            if threading.get_ident() == self._thread:
+                self._queued()
+            else:  # released (or collected) in another thread: the loop sends it
+                self._loop.call_soon_threadsafe(self._queued)
+        except RuntimeError:
+            pass  # the loop is closed: the server ends the lease when it sees us gone
+
+    def _queued(self) -> None:
+        if len(self._released) >= _MAX_RELEASES:
+            self._flush()
+        elif self._released and not self._flush_armed:
+            # a request sent before the loop turns takes them; else this sends them
+            self._flush_armed = True
+            self._loop.call_soon(self._armed_flush)
+
+    def _armed_flush(self) -> None:
+        self._flush_armed = False
+        self._flush()
 
     def _flush(self) -> None:
-        ids, self._releases = self._releases, []
-        if ids and not self._closed:
-            # the server ends the leases anyway: on expiry, or when it sees us gone
-            self._spawn(self._quiet_call(_Call("release", w.Release(ids))))
+        while not self._closed:
+            ids = _take(self._released)
+            if not ids:
+                return
+            release = w.Release(ids)
+            try:  # one-way and ordered with our later calls; no task, no round trip
+                self.rpc.send_nowait("release", release)
+            except cxlrpc.ResourceExhausted:  # request ring full: a call waits for room
+                self._spawn(self._quiet_call(_Call("release", release)))
+            except cxlrpc.RpcError:
+                pass  # server gone: it ended this connection's leases (or died with them)
 
 
 class _Connecting:
@@ -396,9 +485,15 @@ class _Connecting:
 
 
 class SyncKVClient(_Ops):
-    """Blocking client with KVClient's methods; a block's ``with`` exit releases synchronously.
+    """Blocking client with KVClient's methods.
 
-    Its leases are not renewed (no event loop runs here): a block held past its lease may
+    A block's release is queued: this client's next get or put carries it, and any other call
+    sends the queued releases just before itself, as one one-way message, as do close() and a
+    release that makes 64 queued. No loop or thread sends them sooner: while the client sits
+    idle, a released block stays leased until its lease's term ends (the ``lease_s`` of its
+    get, the server's default 10 s unless given), so it is not evicted, nor its space reused
+    after a removal, until then. Leases are not renewed here either (no event loop runs), so
+    that term bounds every lease of this client, released or not: a block held past it may
     lapse, and its checks then raise LeaseExpired."""
 
     @classmethod
@@ -480,7 +575,10 @@ class SyncKVClient(_Ops):
         return self._drive(self._stats(namespace))
 
     def close(self) -> None:
-        """Detach and unmap the pool."""
+        """Send queued lease releases, detach and unmap the pool."""
+        if not self._closed:
+            self._flush()
+            self._closed = True
         self.rpc.close()
         self.pool.close()
 
@@ -495,19 +593,41 @@ class SyncKVClient(_Ops):
         try:
             step = next(steps)
             while True:
+                if self._released:  # not taken by this call (it carries none): they go first
+                    self._flush()
                 try:
                     result = call(step.method, step.arg, response_type=step.response_type)
                 except Exception as exc:
+                    self._unsent(step.arg, exc)
                     step = steps.throw(exc)
+                except BaseException:  # interrupted: the request may not have gone
+                    self._unsent(step.arg, None)
+                    raise
                 else:
                     step = steps.send(result)
         except StopIteration as done:
             return done.value
 
     def _release(self, lease_id: int) -> None:
-        try:
-            self.rpc.send_nowait("release", w.Release([lease_id]))
-        except cxlrpc.ResourceExhausted:
-            self.rpc.call("release", w.Release([lease_id]))  # ring full: wait for room
-        except cxlrpc.RpcError:
-            pass  # the server ends the lease anyway (expiry, or our slot reaped)
+        if self._closed:
+            return  # the server ended our leases when we detached
+        self._released.append(lease_id)
+        self._queued()
+
+    def _queued(self) -> None:
+        if len(self._released) >= _MAX_RELEASES:
+            self._flush()
+
+    def _flush(self) -> None:
+        while True:
+            ids = _take(self._released)
+            if not ids:
+                return
+            release = w.Release(ids)
+            try:
+                self.rpc.send_nowait("release", release)
+            except cxlrpc.ResourceExhausted:  # ring full: wait for room
+                with contextlib.suppress(cxlrpc.RpcError):
+                    self.rpc.call("release", release)
+            except cxlrpc.RpcError:
+                pass  # server gone: it ended this connection's leases (or died with them)

@@ -185,10 +185,10 @@ class KVIndex:
                  max_lease_s: float = 60.0, put_timeout_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic,
                  on_publish: Callable[[int, int], None] | None = None,
-                 on_free: Callable[[int], None] | None = None) -> None:
+                 on_free: Callable[[int], None] | None = None, first_id: int = 1) -> None:
         """``on_publish(offset, version)`` runs when a value becomes live, ``on_free(offset)``
         before its block can be handed out again (the server marks the pool with them, so
-        readers can tell reused bytes)."""
+        readers can tell reused bytes). Lease and ticket ids count up from ``first_id``."""
         if not 0 < low_watermark <= high_watermark <= 1:
             raise ValueError("need 0 < low_watermark <= high_watermark <= 1")
         self._alloc = allocator
@@ -206,7 +206,7 @@ class KVIndex:
         self._tickets: dict[int, _Ticket] = {}
         self._leases: dict[int, _LeaseRec] = {}
         self._owners: dict[Hashable, set[int]] = {}  # owner -> ids of its leases and tickets
-        self._ids = itertools.count(1)  # lease and ticket ids share one sequence
+        self._ids = itertools.count(first_id)  # lease and ticket ids share one sequence
         self._versions = itertools.count(1)
         self._lease_timers = _Timers(lambda rec: rec.id in self._leases)
         self._ticket_timers = _Timers(lambda rec: rec.id in self._tickets)

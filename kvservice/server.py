@@ -2,12 +2,14 @@
 
 Clients copy values into and out of the pool themselves; the server only hands out offsets,
 tickets and leases, so each request is a small frame. Leases and pending puts are owned by the
-calling cxlrpc peer and dropped when that peer detaches or dies.
+calling cxlrpc peer and dropped when that peer detaches or dies. Lease releases mostly ride on
+the client's next get or put (ended before it is served), else come as one-way messages.
 """
 import asyncio
 import contextlib
 import functools
 import re
+import secrets
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +22,13 @@ from kvservice.pool import Pool, pool_url_for
 
 INLINE_LIMIT = 32 << 10  # measured: inline wins below ~32 KiB, two-phase from 64 KiB
 _EXISTS = PutTicket(0, 0, 0)  # begin's answer for an if_absent key that has a value
+
+
+def _first_id() -> int:
+    """Where a server's lease and ticket ids start: at random in [1, 2**62], so ids an earlier
+    server on this name handed out (a client that reconnected may still send them) name none
+    of this one's, save with odds of about the ids issued over 2**62."""
+    return secrets.randbits(62) + 1
 
 
 def _guard(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -70,12 +79,14 @@ class KVServer:
                              default_lease_s=default_lease_s, max_lease_s=max_lease_s,
                              put_timeout_s=put_timeout_s,
                              on_publish=lambda offset, version: self._pool.publish(offset, version),
-                             on_free=lambda offset: self._pool.clear(offset))
+                             on_free=lambda offset: self._pool.clear(offset),
+                             first_id=_first_id())
         rpc_options.setdefault("slots", 64)  # two TP-8 pods and their helpers
         rpc_options.setdefault("response_capacity", 256 << 10)
         self.rpc = cxlrpc.Server(url, **rpc_options)
         self.rpc.on_disconnect(self.index.release_owner)
         self._pool: Pool | None = None
+        self._release_messages = 0
         self._expirer: asyncio.Task | None = None
         for name in ("hello", "begin", "inline", "commit", "abort", "undo", "get", "release",
                      "renew", "exists", "exists_keys", "remove", "remove_keys", "remove_matching",
@@ -127,8 +138,10 @@ class KVServer:
         self.index.set_quota(namespace, max_bytes)
 
     def stats(self) -> dict[str, Any]:
-        """Hits, misses, evictions, occupancy and bytes per namespace."""
-        return {"pool_url": self.pool_url, **self.index.stats()}
+        """Hits, misses, evictions, occupancy and bytes per namespace, and how many one-way
+        release messages came (the other releases rode on gets and puts)."""
+        return {"pool_url": self.pool_url, **self.index.stats(),
+                "release_messages": self._release_messages}
 
     async def _expire_loop(self) -> None:
         while True:
@@ -142,17 +155,19 @@ class KVServer:
 
     def _begin(self, req: w.Begin) -> list[PutTicket]:
         """A ticket per key; ticket id 0 (nothing reserved) for an if_absent key that exists."""
+        owner = cxlrpc.current_peer()
+        self._end_leases(req.release, owner)
         if len(req.keys) != len(req.sizes):
             raise ValueError("keys and sizes differ in length")
-        tickets = self._begin_all(req.ns, req.keys, req.sizes, req.ttl, cxlrpc.current_peer(),
-                                  req.if_absent)
+        tickets = self._begin_all(req.ns, req.keys, req.sizes, req.ttl, owner, req.if_absent)
         return [_EXISTS if t is None else t for t in tickets]
 
     def _inline(self, req: w.Inline) -> list[int]:
         """The version of each value stored (0: an if_absent key that had a value)."""
+        owner = cxlrpc.current_peer()
+        self._end_leases(req.release, owner)
         if len(req.keys) != len(req.values):
             raise ValueError("keys and values differ in length")
-        owner = cxlrpc.current_peer()
         tickets = self._begin_all(req.ns, req.keys, [len(v) for v in req.values], req.ttl, owner,
                                   req.if_absent)
         for ticket, value in zip(tickets, req.values):
@@ -200,14 +215,17 @@ class KVServer:
             self.index.abort_put(ticket_id, owner)
 
     def _get(self, req: w.Get) -> list[Lease | None]:
-        return self.index.batch_get(req.ns, req.keys, req.lease_s, cxlrpc.current_peer(), req.hold_s)
+        owner = cxlrpc.current_peer()
+        self._end_leases(req.release, owner)
+        return self.index.batch_get(req.ns, req.keys, req.lease_s, owner, req.hold_s)
 
     async def _get_stream(self, req: w.GetStream):
         """Lease the keys a chunk at a time, each chunk one item of a server stream: the caller
         reads the first values while the rest are looked up."""
+        owner = cxlrpc.current_peer()
+        self._end_leases(req.release, owner)
         if req.chunk < 1:
             raise cxlrpc.InvalidArgument(f"chunk must be at least 1, got {req.chunk}")
-        owner = cxlrpc.current_peer()
         for at in range(0, len(req.keys), req.chunk):
             try:
                 leases = self.index.batch_get(req.ns, req.keys[at:at + req.chunk], req.lease_s, owner)
@@ -216,8 +234,14 @@ class KVServer:
             yield leases
 
     def _release(self, req: w.Release) -> None:
-        owner = cxlrpc.current_peer()
-        for lease_id in req.ids:
+        self._release_messages += 1
+        self._end_leases(req, cxlrpc.current_peer())
+
+    def _end_leases(self, release: w.Release | None, owner: cxlrpc.Peer) -> None:
+        """End the leases a request names that are the caller's (others count as stale)."""
+        if release is None:
+            return
+        for lease_id in release.ids:
             self.index.release(lease_id, owner)
 
     def _renew(self, req: w.Renew) -> None:

@@ -11,8 +11,8 @@ import msgspec
 
 from kvservice.index import Lease, PutTicket
 
-__all__ = ["Hello", "Begin", "Inline", "Tickets", "Undo", "Get", "Release", "Renew", "RemoveKeys", "RemoveMatching", "Key", "Keys", "Lease",
-           "PutTicket", "encode", "decode"]
+__all__ = ["Hello", "Begin", "Inline", "Tickets", "Undo", "GetStream", "Get", "Release", "Renew", "RemoveKeys",
+           "RemoveMatching", "Key", "Keys", "Lease", "PutTicket", "encode", "decode"]
 
 T = TypeVar("T")
 
@@ -28,6 +28,13 @@ class Hello(msgspec.Struct, frozen=True):
     alignment: int
 
 
+class Release(msgspec.Struct, array_like=True, frozen=True):
+    """End leases: a one-way message of its own, or riding on a get or put (the server ends
+    them before it serves that request)."""
+
+    ids: list[int]
+
+
 class Begin(msgspec.Struct, array_like=True, frozen=True):
     """Reserve one block per key (phase one of a put); the reply is a list of PutTicket."""
 
@@ -36,6 +43,7 @@ class Begin(msgspec.Struct, array_like=True, frozen=True):
     sizes: list[int]
     ttl: float | None = None
     if_absent: bool = False  # reserve nothing for (and never replace) a key that has a value
+    release: Release | None = None
 
 
 class Inline(msgspec.Struct, array_like=True, frozen=True):
@@ -46,6 +54,7 @@ class Inline(msgspec.Struct, array_like=True, frozen=True):
     values: list[bytes]
     ttl: float | None = None
     if_absent: bool = False
+    release: Release | None = None
 
 
 class Tickets(msgspec.Struct, array_like=True, frozen=True):
@@ -70,6 +79,7 @@ class GetStream(msgspec.Struct, array_like=True, frozen=True):
     keys: list[bytes]
     lease_s: float | None = None
     chunk: int = 8
+    release: Release | None = None
 
 
 class Get(msgspec.Struct, array_like=True, frozen=True):
@@ -79,12 +89,7 @@ class Get(msgspec.Struct, array_like=True, frozen=True):
     keys: list[bytes]
     lease_s: float | None = None
     hold_s: float = 0.0  # leases outlive their release this long after the get (Mooncake reads)
-
-
-class Release(msgspec.Struct, array_like=True, frozen=True):
-    """End leases (the client batches them)."""
-
-    ids: list[int]
+    release: Release | None = None
 
 
 class RemoveKeys(msgspec.Struct, array_like=True, frozen=True):

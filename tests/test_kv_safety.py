@@ -158,3 +158,43 @@ async def test_if_absent_put_batch_remove_with_leases_remove_matching_and_batch_
                 await a.remove_matching("(")
             assert await a.remove_matching(None) >= 1
             assert server.stats()["entries"] == 0
+
+
+async def test_a_release_sent_after_a_server_restart_ends_no_lease_of_the_new_server(url):
+    """A block held while its server restarts is released after the client reconnected to the
+    new one, and the release reaches the new server before the next get. Each server numbers
+    its leases from its own random start, so the old id names no lease of the new server (had
+    both counted from 1, it would be the id of the lease the client got there first, in the
+    same order of calls): it is ignored as stale."""
+    async with KVServer(url, pool_size=8 * MiB):
+        async with KVClient.connect(url) as writer:
+            await writer.put(b"k", b"1" * 5000)
+        kv = await KVClient.connect(url)
+        held = await kv.get(b"k")
+    try:
+        async with KVServer(url, pool_size=8 * MiB) as second:
+            async with KVClient.connect(url) as writer:
+                await writer.put(b"k", b"2" * 5000)
+            new = await _get_once_reconnected(kv, b"k")
+            assert second.stats()["leases"] == 1
+            held.release()
+            with await kv.get(b"k"):
+                stats = second.stats()
+                assert stats["leases"] == 2 and stats["stale_releases"] == 1, stats
+            new.release()
+            assert await until(lambda: second.stats()["leases"] == 0, 2.0), second.stats()
+    finally:
+        await kv.close()
+
+
+async def _get_once_reconnected(kv: KVClient, key: bytes):
+    """``kv.get(key)``, retried while the client has not yet seen its server go (Unavailable);
+    the first call after that reconnects."""
+    deadline = asyncio.get_running_loop().time() + 5.0
+    while True:
+        try:
+            return await kv.get(key)
+        except cxlrpc.Unavailable:
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            await asyncio.sleep(0.02)

@@ -319,6 +319,92 @@ async def test_block_views_fail_safely(url):
     assert not os.path.exists(f"/dev/shm/cxlrpc.{url[6:]}.pool")
 
 
+# ---- lease releases ride on the next request ---------------------------------------------------
+
+async def test_each_release_rides_on_the_next_get_so_a_get_is_one_message(url):
+    """N get-and-release cycles (get, get_into, get_bytes, batch_get mixed) are N messages: the
+    server has ended the last block's lease when it answers the next get, and has received no
+    release message of its own; the last release goes out one-way once the loop turns."""
+    async with KVServer(url, pool_size=8 * MiB) as server, KVClient.connect(url) as kv:
+        sizes = {"a": 5000, "b": 200_000}
+        await kv.batch_put({k: k.encode() * n for k, n in sizes.items()})
+        out = bytearray(200_000)
+        hits = server.stats()["hits"]
+        for i in range(60):
+            key = "ab"[i % 2]
+            if i % 3 == 0:
+                with await kv.get(key) as block:
+                    assert block.view()[0] == ord(key)
+            elif i % 3 == 1:
+                assert await kv.get_into(key, out) == sizes[key]
+            else:
+                (block,) = await kv.batch_get([key])
+                with block:
+                    assert block.tobytes()[-1] == ord(key)
+            stats = server.stats()
+            assert stats["leases"] == 1 and stats["release_messages"] == 0, (i, stats)
+        assert server.stats()["hits"] - hits == 60
+        assert await until(_stats_are(server, leases=0, release_messages=1), timeout=2)
+        assert server.stats()["lease_expirations"] == 0
+
+
+def _stats_are(server, **want):
+    async def check() -> bool:
+        stats = server.stats()
+        return all(stats[k] == v for k, v in want.items())
+    return check
+
+
+async def test_releases_no_request_follows_go_out_in_batches_when_the_loop_turns(url):
+    """A release with no request after it is sent when the loop turns; 100 released at once are
+    two messages (the 64th sends 64 at once, the loop's turn the rest); one released in
+    another thread is sent by the loop."""
+    async with KVServer(url, pool_size=8 * MiB) as server, KVClient.connect(url) as kv:
+        keys = [f"k{i}" for i in range(100)]
+        await kv.batch_put({k: b"v" * 100 for k in keys})
+        with await kv.get("k0"):
+            pass
+        assert await until(_stats_are(server, leases=0, release_messages=1), timeout=2)
+        blocks = await kv.batch_get(keys)
+        for block in blocks:
+            block.release()
+        assert await until(_stats_are(server, leases=0, release_messages=3), timeout=2)
+        block = await kv.get("k1")
+        await asyncio.to_thread(block.release)
+        assert await until(_stats_are(server, leases=0, release_messages=4), timeout=2)
+        assert server.stats()["stale_releases"] == 0
+
+
+@pytest.mark.parametrize("pool,size", [(32 << 10, 20 << 10), (1 * MiB, 600 << 10)],
+                         ids=["inline", "two-phase"])
+async def test_a_release_riding_on_a_put_frees_room_for_that_put(url, pool, size):
+    """A pool with room for one value: each put evicts the value just read, which only the
+    release riding on that put (ended before the put reserves its block) lets it do."""
+    async with KVServer(url, pool_size=pool) as server, KVClient.connect(url) as kv:
+        await kv.put("v0", bytes([0]) * size)
+        for i in range(1, 6):
+            with await kv.get(f"v{i - 1}") as block:
+                assert block.view()[size - 1] == i - 1
+            await kv.put(f"v{i}", bytes([i]) * size)
+        stats = server.stats()
+        assert stats["evictions"] == 5 and stats["release_messages"] == 0 and stats["leases"] == 0
+        assert await kv.exists("v5") and not await kv.exists("v4")
+
+
+async def test_releases_of_a_failed_get_are_queued_again(url):
+    """A get the server refuses still had its releases taken: they are queued again and sent
+    one-way (the server had ended the lease already, so the repeat counts as stale)."""
+    async with KVServer(url, pool_size=1 * MiB, max_lease_s=60.0) as server, \
+            KVClient.connect(url) as kv:
+        await kv.put("k", b"v" * 100)
+        with await kv.get("k"):
+            pass
+        with pytest.raises(cxlrpc.InvalidArgument):
+            await kv.get("k", lease_s=61.0)
+        assert await until(_stats_are(server, leases=0, release_messages=1, stale_releases=1),
+                           timeout=2)
+
+
 # ---- the blocking client and the command line -------------------------------------------------
 
 async def test_blocking_client(url):
@@ -352,6 +438,51 @@ async def test_blocking_client(url):
                 assert stats["leases"] == 0 and stats["namespaces"]["n"]["entries"] == 1
 
         await asyncio.wait_for(asyncio.to_thread(run), 30)
+
+
+async def test_blocking_client_sends_releases_with_its_next_call(url):
+    """The blocking client queues releases: one rides on the next get or put, goes out one-way
+    before any other call and when 64 are queued; while the client sits idle, a released
+    block stays leased until its lease's term ends."""
+    async with KVServer(url, pool_size=8 * MiB, expire_interval=0.05):
+        def run() -> None:
+            with KVClient.connect_sync(url) as kv, KVClient.connect_sync(url) as watch:
+                kv.put("k", b"v" * 5000)
+                for _ in range(10):
+                    with kv.get("k") as block:
+                        assert block.view()[0] == ord("v")
+                    stats = watch.stats()  # the last release is queued, the others rode
+                    assert stats["leases"] == 1 and stats["release_messages"] == 0, stats
+                kv.put("j", b"w" * 100)
+                assert watch.stats()["leases"] == 0
+                with kv.get("k"):
+                    pass
+                assert kv.exists("k")
+                stats = watch.stats()
+                assert stats["leases"] == 0 and stats["release_messages"] == 1, stats
+                with kv.get("k", lease_s=0.3):
+                    pass
+                assert watch.stats()["leases"] == 1
+                assert _wait(lambda: watch.stats()["leases"] == 0, 3.0)
+                assert watch.stats()["lease_expirations"] == 1
+                keys = [f"c{i}" for i in range(64)]
+                kv.batch_put({k: b"c" for k in keys})
+                for block in kv.batch_get(keys):
+                    block.release()
+                assert _wait(lambda: watch.stats()["leases"] == 0, 3.0)
+                assert watch.stats()["release_messages"] == 2
+
+        await asyncio.wait_for(asyncio.to_thread(run), 30)
+
+
+def _wait(cond, timeout: float) -> bool:
+    """Poll the predicate ``cond()`` until it holds or ``timeout`` passes (blocking)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 async def test_stats_command(url, name):

@@ -82,8 +82,39 @@ class _Ops:
         self.rpc = rpc
         self.pool = pool
         self.inline_limit = hello.inline_limit
+        self._hello = hello  # what the server whose pool we map said
+        self._old_pools: list[Pool] = []  # of servers that restarted: blocks may still read them
         self._released: deque[int] = deque()  # lease ids to release, not yet sent
         self._closed = False
+
+    @staticmethod
+    def _refused(exc: BaseException) -> bool:
+        """Whether ``exc`` is a server refusing a connection that has not said hello to it:
+        cxlrpc reconnected us to a restarted server, whose pool we do not map yet."""
+        return isinstance(exc, cxlrpc.FailedPrecondition) and exc.message == w.NOT_GREETED
+
+    def _adopt(self, hello: w.Hello) -> None:
+        """Map the pool a restarted server advertised (unless we map it already). Leases of
+        the old server ended with it; blocks still held keep reading the old mapping."""
+        if hello == self._hello:
+            return
+        pool = Pool.open(hello.pool_url, hello.pool_size, hello.epoch, hello.alignment)
+        self._old_pools.append(self.pool)
+        self.pool, self._hello = pool, hello
+        self.inline_limit = hello.inline_limit
+        self._released.clear()
+
+    def _close_pools(self) -> None:
+        """Unmap the pool, and those of servers that restarted."""
+        for pool in self._old_pools:
+            pool.close()
+        self._old_pools.clear()
+        self.pool.close()
+
+    @staticmethod
+    def _restarted() -> cxlrpc.Unavailable:
+        return cxlrpc.Unavailable("the KV server restarted during this operation, which did not "
+                                  "complete; nothing of it was kept: retry it")
 
     def _put(self, items: Mapping[Key, Any], ns: str, ttl: float | None,
              if_absent: bool = False) -> _Steps:
@@ -227,6 +258,7 @@ class KVClient(_Ops):
         self._thread = threading.get_ident()  # the loop's: the only one that sends
         self._flush_armed = False  # a flush is scheduled for the loop's next turn
         self._tasks: set[asyncio.Task] = set()
+        self._greeting: asyncio.Task | None = None  # the hello callers refused meanwhile share
 
     @staticmethod
     def connect(url: str, **options: Any) -> "_Connecting":
@@ -270,17 +302,23 @@ class KVClient(_Ops):
         """Lease values as the server finds them, ``chunk`` keys per message of a server
         stream: the first blocks are read while the rest are looked up. A Block or None per key,
         in order; leases of chunks not read when the loop is left lapse after ``lease_s``."""
-        req = w.GetStream(namespace, [normalize_key(k) for k in keys], lease_s, chunk, self._carry())
-        started = False
-        try:
-            async for leases in self.rpc.stream("get_stream", req, response_type=list[w.Lease | None]):
-                started = True
-                for lease in leases:
-                    yield None if lease is None else self._block(lease)
-        except BaseException as exc:
-            if not started:  # the server may never have seen the request
-                self._unsent(req, exc if isinstance(exc, Exception) else None)
-            raise
+        keys = [normalize_key(k) for k in keys]
+        for attempt in range(2):
+            req = w.GetStream(namespace, keys, lease_s, chunk, self._carry())
+            started = False
+            try:
+                async for leases in self.rpc.stream("get_stream", req, response_type=list[w.Lease | None]):
+                    started = True
+                    for lease in leases:
+                        yield None if lease is None else self._block(lease)
+                return
+            except BaseException as exc:
+                if started:
+                    raise
+                self._unsent(req, exc if isinstance(exc, Exception) else None)  # never seen
+                if not self._refused(exc) or attempt:
+                    raise
+            await self._greet()
 
     async def get_bytes(self, key: Key, namespace: str = "") -> bytes:
         """A copy of ``key``'s value."""
@@ -334,7 +372,7 @@ class KVClient(_Ops):
         self._closed = True
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.rpc.close()
-        self.pool.close()
+        self._close_pools()
 
     async def __aenter__(self) -> "KVClient":
         return self
@@ -346,6 +384,7 @@ class KVClient(_Ops):
         """Run an operation's RPCs. Cancellation (``asyncio.wait_for``, task.cancel) leaves
         nothing behind: a reservation is aborted, a put that committed anyway is undone."""
         call = self.rpc.call
+        first = True  # the operation's first RPC: refused, it is retried after a hello
         try:
             step = next(steps)
             while True:
@@ -362,11 +401,27 @@ class KVClient(_Ops):
                     raise
                 except Exception as exc:
                     self._unsent(step.arg, exc)
+                    if self._refused(exc):
+                        await self._greet()
+                        if first:  # the server did nothing yet: the operation starts anew
+                            first = False
+                            continue
+                        exc = self._restarted()
                     step = steps.throw(exc)
                 else:
                     step = steps.send(result)
+                first = False
         except StopIteration as done:
             return done.value
+
+    async def _greet(self) -> None:
+        """Say hello to the server anew (one hello for every caller refused meanwhile) and
+        map its pool."""
+        task = self._greeting
+        if task is None:
+            task = self._greeting = self._loop.create_task(self.rpc.call("hello", response_type=w.Hello))
+            task.add_done_callback(lambda _: setattr(self, "_greeting", None))
+        self._adopt(await asyncio.shield(task))
 
     async def _undoable(self, step: _Call) -> Any:
         """Call ``step`` so that, if we are cancelled meanwhile, its reply is still awaited and
@@ -580,7 +635,7 @@ class SyncKVClient(_Ops):
             self._flush()
             self._closed = True
         self.rpc.close()
-        self.pool.close()
+        self._close_pools()
 
     def __enter__(self) -> "SyncKVClient":
         return self
@@ -590,6 +645,7 @@ class SyncKVClient(_Ops):
 
     def _drive(self, steps: _Steps) -> Any:
         call = self.rpc.call
+        first = True  # the operation's first RPC: refused, it is retried after a hello
         try:
             step = next(steps)
             while True:
@@ -599,12 +655,19 @@ class SyncKVClient(_Ops):
                     result = call(step.method, step.arg, response_type=step.response_type)
                 except Exception as exc:
                     self._unsent(step.arg, exc)
+                    if self._refused(exc):
+                        self._adopt(call("hello", response_type=w.Hello))
+                        if first:  # the server did nothing yet: the operation starts anew
+                            first = False
+                            continue
+                        exc = self._restarted()
                     step = steps.throw(exc)
                 except BaseException:  # interrupted: the request may not have gone
                     self._unsent(step.arg, None)
                     raise
                 else:
                     step = steps.send(result)
+                first = False
         except StopIteration as done:
             return done.value
 

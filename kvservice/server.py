@@ -31,10 +31,13 @@ def _first_id() -> int:
     return secrets.randbits(62) + 1
 
 
-def _guard(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """Map the index's exceptions to RPC status codes."""
+def _guard(fn: Callable[[Any], Any], greeted: set[cxlrpc.Peer] | None) -> Callable[[Any], Any]:
+    """Map the index's exceptions to RPC status codes; refuse connections not in ``greeted``
+    (when given): their client may still map another server's pool."""
     @functools.wraps(fn)
     def handler(*args: Any) -> Any:
+        if greeted is not None and cxlrpc.current_peer() not in greeted:
+            raise cxlrpc.FailedPrecondition(w.NOT_GREETED)
         try:
             return fn(*args)
         except PoolFull as exc:
@@ -84,14 +87,18 @@ class KVServer:
         rpc_options.setdefault("slots", 64)  # two TP-8 pods and their helpers
         rpc_options.setdefault("response_capacity", 256 << 10)
         self.rpc = cxlrpc.Server(url, **rpc_options)
+        #: Connections that said hello (so they map this server's pool): only they are served.
+        self._greeted: set[cxlrpc.Peer] = set()
         self.rpc.on_disconnect(self.index.release_owner)
+        self.rpc.on_disconnect(self._greeted.discard)
         self._pool: Pool | None = None
         self._release_messages = 0
         self._expirer: asyncio.Task | None = None
         for name in ("hello", "begin", "inline", "commit", "abort", "undo", "get", "release",
                      "renew", "exists", "exists_keys", "remove", "remove_keys", "remove_matching",
                      "lookup_prefix", "stats"):
-            self.rpc.add_method(name, _guard(getattr(self, "_" + name)))
+            self.rpc.add_method(name, _guard(getattr(self, "_" + name),
+                                             None if name == "hello" else self._greeted))
         self.rpc.add_method("get_stream", self._get_stream)
 
     # ---- lifetime ------------------------------------------------------------------------
@@ -150,6 +157,7 @@ class KVServer:
 
     # ---- handlers (plain functions: they run inline in cxlrpc's reader) -------------------
     def _hello(self) -> w.Hello:
+        self._greeted.add(cxlrpc.current_peer())
         return w.Hello(self.pool_url, self.pool_size, self._pool.region.epoch, self.inline_limit,
                        self.alignment)
 
@@ -223,6 +231,8 @@ class KVServer:
         """Lease the keys a chunk at a time, each chunk one item of a server stream: the caller
         reads the first values while the rest are looked up."""
         owner = cxlrpc.current_peer()
+        if owner not in self._greeted:
+            raise cxlrpc.FailedPrecondition(w.NOT_GREETED)
         self._end_leases(req.release, owner)
         if req.chunk < 1:
             raise cxlrpc.InvalidArgument(f"chunk must be at least 1, got {req.chunk}")

@@ -16,6 +16,11 @@ __all__ = ["Hello", "Begin", "Inline", "Tickets", "Undo", "GetStream", "Get", "R
 
 T = TypeVar("T")
 
+#: The FAILED_PRECONDITION details of a request from a connection that has not said hello to
+#: this server (a client that reconnected to a restarted server still maps the old pool): the
+#: client says hello, maps the new pool, and retries.
+NOT_GREETED = "kvservice: this connection has not said hello to this server"
+
 
 class Hello(msgspec.Struct, frozen=True):
     """What a client needs to map the pool: where it is, its size, epoch and block alignment,

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import math
+import time
 
 import pytest
 
@@ -198,3 +199,86 @@ async def _get_once_reconnected(kv: KVClient, key: bytes):
             if asyncio.get_running_loop().time() > deadline:
                 raise
             await asyncio.sleep(0.02)
+
+
+async def test_a_client_reconnected_to_a_restarted_server_maps_the_new_pool(url):
+    """cxlrpc reconnects a client to a restarted server on its next call; the server refuses
+    a connection that has not said hello (it would read and write the old server's unlinked
+    pool, whose block versions also count from 1: the old value passed every check). The
+    client says hello, maps the new pool, and the refused operation runs anew."""
+    async with KVServer(url, pool_size=8 * MiB):
+        kv = await KVClient.connect(url)
+        await kv.put(b"k", b"1" * 5000)
+        await kv.put(b"big", b"a" * MiB)
+        held = await kv.get(b"k")  # a block held across the restart keeps reading the old pool
+    try:
+        async with KVServer(url, pool_size=8 * MiB) as second:
+            async with KVClient.connect(url) as writer:
+                await writer.put(b"k", b"2" * 5000)
+            block = await _get_once_reconnected(kv, b"k")
+            with block:
+                assert block.tobytes() == b"2" * 5000
+            assert held.tobytes() == b"1" * 5000
+            held.release()
+            assert not await kv.exists(b"big")  # the new server never had it
+            await kv.put(b"big", b"b" * MiB)  # two-phase: written into the new pool
+            await kv.put(b"small", b"s" * 100)  # inline
+            async with KVClient.connect(url) as reader:
+                assert await reader.get_bytes(b"big") == b"b" * MiB
+                assert await reader.get_bytes(b"small") == b"s" * 100
+            blocks = [b async for b in kv.iter_get([b"k", b"big"])]
+            assert [b.tobytes()[:1] for b in blocks] == [b"2", b"b"]
+            for b in blocks:
+                b.release()
+            assert await until(lambda: second.stats()["leases"] == 0, 2.0), second.stats()
+    finally:
+        await kv.close()
+
+
+async def test_a_sync_client_reconnected_to_a_restarted_server_maps_the_new_pool(url):
+    def first_session() -> SyncKVClient:
+        kv = SyncKVClient.connect(url)
+        kv.put(b"k", b"1" * 5000)
+        assert kv.get_bytes(b"k") == b"1" * 5000
+        return kv
+
+    async with KVServer(url, pool_size=8 * MiB):
+        kv = await asyncio.to_thread(first_session)
+    try:
+        async with KVServer(url, pool_size=8 * MiB):
+            async with KVClient.connect(url) as writer:
+                await writer.put(b"k", b"2" * 5000)
+
+            def after_restart() -> bytes:
+                deadline = time.monotonic() + 5.0
+                while True:
+                    try:
+                        return kv.get_bytes(b"k")
+                    except cxlrpc.Unavailable:  # not yet seen its server go
+                        if time.monotonic() > deadline:
+                            raise
+                        time.sleep(0.02)
+
+            assert await asyncio.to_thread(after_restart) == b"2" * 5000
+            await asyncio.to_thread(kv.put, b"big", b"b" * MiB)
+            async with KVClient.connect(url) as reader:
+                assert await reader.get_bytes(b"big") == b"b" * MiB
+    finally:
+        kv.close()
+
+
+async def test_a_connection_that_never_said_hello_is_refused(url):
+    """A peer that skips hello (it cannot know which pool is this server's) gets
+    FAILED_PRECONDITION from every operation, and nothing is leased or reserved for it."""
+    async with KVServer(url, pool_size=8 * MiB) as server:
+        async with KVClient.connect(url) as kv:
+            await kv.put(b"k", b"v" * 5000)
+        async with cxlrpc.connect(url) as raw:
+            for method, arg in (("get", ["", [b"k"], None, 0.0]), ("exists", ["", b"k"]),
+                                ("begin", ["", [b"x"], [10], None])):
+                with pytest.raises(cxlrpc.FailedPrecondition, match="has not said hello"):
+                    await raw.call(method, arg, timeout=5)
+            with pytest.raises(cxlrpc.FailedPrecondition, match="has not said hello"):
+                async for _ in raw.stream("get_stream", ["", [b"k"], None, 8], timeout=5):
+                    pass
+            assert server.stats()["leases"] == 0 and server.stats()["pending_puts"] == 0

@@ -278,6 +278,8 @@ def _no_leases(server):
 async def test_server_validates_requests(url):
     async with KVServer(url, pool_size=1 * MiB) as server, cxlrpc.connect(url) as rpc, \
             cxlrpc.connect(url) as other:
+        for peer in (rpc, other):  # a connection must say hello before anything else
+            await peer.call("hello", response_type=w.Hello)
         for bad in (w.Begin("", [b"k"], [0]), w.Begin("", [b"k"], [-5]),
                     w.Begin("", [b"k"], [2 * MiB]), w.Begin("", [b"k", b"j"], [10]),
                     w.Begin("", [b""], [10]), w.Inline("", [b"k"], [])):

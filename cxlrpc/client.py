@@ -1178,6 +1178,13 @@ class SyncClient(_Base):
                 wait = min(wait, max(deadline - time.monotonic(), 0.0))
             idle = not bell.wait_sync(ready, strategy, wait, idle)
 
+    def send_nowait(self, method: str, arg: Any = None, *,
+                    metadata: Mapping[str, str] | None = None) -> None:
+        """One-way call (see :meth:`Client.send_nowait`), serialised with this client's other
+        calls: the slot has one producer, whichever thread calls."""
+        with self._lock:
+            super().send_nowait(method, arg, metadata=metadata)
+
     def health(self, *, timeout: float | None = None) -> str:
         """The server's status (``cxlrpc.health``): "SERVING", or "NOT_SERVING" while it shuts down."""
         return self.call(fr.HEALTH, timeout=timeout, response_type=_Health).status

@@ -185,15 +185,17 @@ class _Ops:
     def _block(self, lease: w.Lease) -> Block:
         view = self.pool.fresh(lease.offset, lease.size)  # a bad offset from the server raises
         pool, offset, version = self.pool, lease.offset, lease.version
-        return Block(view, version, lambda: self._release(lease.lease_id),
+        return Block(view, version, lambda collected: self._release(lease.lease_id, collected),
                      lambda: pool.holds(offset, version))
 
-    def _release(self, lease_id: int) -> None:
-        """Queue the end of a lease (a block's release or collection)."""
+    def _release(self, lease_id: int, collected: bool = False) -> None:
+        """Queue the end of a lease: a block's release, or its collection (``collected``: the
+        collector may run inside one of our pushes, so nothing may be pushed from there)."""
         raise NotImplementedError
 
     def _queued(self) -> None:
-        """Releases were queued: send them if they must not wait for the next request."""
+        """Releases were queued: send them if they must not wait for the next request (never
+        called from the collector)."""
         raise NotImplementedError
 
     def _flush(self) -> None:
@@ -259,6 +261,7 @@ class KVClient(_Ops):
         self._flush_armed = False  # a flush is scheduled for the loop's next turn
         self._tasks: set[asyncio.Task] = set()
         self._greeting: asyncio.Task | None = None  # the hello callers refused meanwhile share
+        self._renewals: dict[int, asyncio.TimerHandle] = {}  # per lease held: its renewal timer
 
     @staticmethod
     def connect(url: str, **options: Any) -> "_Connecting":
@@ -370,6 +373,9 @@ class KVClient(_Ops):
             return
         self._flush()
         self._closed = True
+        for timer in self._renewals.values():
+            timer.cancel()
+        self._renewals.clear()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.rpc.close()
         self._close_pools()
@@ -459,35 +465,52 @@ class KVClient(_Ops):
 
     def _block(self, lease: w.Lease) -> Block:
         block = super()._block(lease)
-        self._loop.call_later(lease.duration / 2, self._renew, lease, weakref.ref(block))
+        self._renewals[lease.lease_id] = self._loop.call_later(
+            lease.duration / 2, self._renew, lease, weakref.ref(block))
         return block
 
     def _renew(self, lease: w.Lease, ref: "weakref.ref[Block]") -> None:
         block = ref()
         if block is None or block.released or self._closed:
+            self._renewals.pop(lease.lease_id, None)
             return
         try:
             self.rpc.send_nowait("renew", w.Renew([lease.lease_id], lease.duration))
         except cxlrpc.RpcError:
             pass  # ring full or server gone: the block's checks tell if it lapses
-        self._loop.call_later(lease.duration / 2, self._renew, lease, ref)
+        self._renewals[lease.lease_id] = self._loop.call_later(
+            lease.duration / 2, self._renew, lease, ref)
 
-    def _release(self, lease_id: int) -> None:
+    def _release(self, lease_id: int, collected: bool = False) -> None:
         if self._closed:
             return  # the server ends the lease when it sees us gone
         self._released.append(lease_id)
         try:
             if threading.get_ident() == self._thread:
-                self._queued()
+                self._ended(lease_id, collected)
             else:  # released (or collected) in another thread: the loop sends it
-                self._loop.call_soon_threadsafe(self._queued)
+                self._loop.call_soon_threadsafe(self._ended, lease_id, True)
         except RuntimeError:
             pass  # the loop is closed: the server ends the lease when it sees us gone
+
+    def _ended(self, lease_id: int, collected: bool) -> None:
+        """In the loop: a lease ended; stop renewing it and see its release sent."""
+        timer = self._renewals.pop(lease_id, None)
+        if timer is not None:  # a timer per lease ended would pile up under load
+            timer.cancel()
+        if collected:
+            self._arm()
+        else:
+            self._queued()
 
     def _queued(self) -> None:
         if len(self._released) >= _MAX_RELEASES:
             self._flush()
-        elif self._released and not self._flush_armed:
+        else:
+            self._arm()
+
+    def _arm(self) -> None:
+        if self._released and not self._flush_armed:
             # a request sent before the loop turns takes them; else this sends them
             self._flush_armed = True
             self._loop.call_soon(self._armed_flush)
@@ -671,11 +694,12 @@ class SyncKVClient(_Ops):
         except StopIteration as done:
             return done.value
 
-    def _release(self, lease_id: int) -> None:
+    def _release(self, lease_id: int, collected: bool = False) -> None:
         if self._closed:
             return  # the server ended our leases when we detached
         self._released.append(lease_id)
-        self._queued()
+        if not collected:  # a collected block's release waits for the next call
+            self._queued()
 
     def _queued(self) -> None:
         if len(self._released) >= _MAX_RELEASES:

@@ -243,15 +243,17 @@ class Block:
     """
 
     def __init__(self, view: memoryview, version: int = 0,
-                 on_release: Callable[[], None] | None = None,
+                 on_release: Callable[[bool], None] | None = None,
                  valid: Callable[[], bool] | None = None) -> None:
         self._view: memoryview | None = view.toreadonly()
         self._views: list[memoryview] = [view]
         self.size = len(view)
         self.version = version
         self._valid = valid
-        # ends the lease on release(), or when a block nobody released is garbage-collected
-        self._finalizer = weakref.finalize(self, on_release) if on_release is not None else None
+        # ends the lease on release() (``on_release(False)``), or when a block nobody released
+        # is garbage-collected (``on_release(True)``: it may run inside any allocation)
+        self._on_release = on_release
+        self._finalizer = weakref.finalize(self, on_release, True) if on_release is not None else None
         if self._finalizer is not None:
             self._finalizer.atexit = False
 
@@ -305,8 +307,8 @@ class Block:
                 view.release()
             except BufferError:
                 pass  # an array still exports it; see the class docstring
-        if self._finalizer is not None:
-            self._finalizer()
+        if self._finalizer is not None and self._finalizer.detach() is not None:
+            self._on_release(False)
 
     def __enter__(self) -> "Block":
         return self

@@ -282,3 +282,55 @@ async def test_a_connection_that_never_said_hello_is_refused(url):
                 async for _ in raw.stream("get_stream", ["", [b"k"], None, 8], timeout=5):
                     pass
             assert server.stats()["leases"] == 0 and server.stats()["pending_puts"] == 0
+
+
+async def test_released_leases_leave_no_renewal_timers_behind(url):
+    """Each held block has a renewal timer; releasing it cancels the timer (under load, one per
+    get left pending for half a lease's life piled up by the ten thousand)."""
+    async with KVServer(url, pool_size=4 * MiB) as server, KVClient.connect(url) as kv:
+        await kv.put(b"k", b"v" * 5000)
+        held = await kv.get(b"k")
+        for _ in range(500):
+            with await kv.get(b"k"):
+                pass
+        blocks = await kv.batch_get([b"k"] * 10)
+        del blocks  # collected: their timers go too
+        gc.collect()
+        assert await until(lambda: len(kv._renewals) == 1)  # the held block's
+        held.release()
+        assert not kv._renewals
+        assert await until(lambda: server.stats()["leases"] == 0, 2.0), server.stats()
+
+
+def test_a_collected_blocks_release_is_never_pushed_by_the_collector(url):
+    """The collector may run inside one of the client's pushes: a collected block's release
+    only joins the queue (the next call, or the loop's next turn, sends it)."""
+    async def run() -> None:
+        async with KVServer(url, pool_size=4 * MiB) as server, KVClient.connect(url) as kv:
+            await kv.put(b"k", b"v" * 5000)
+            pushes = []
+            real = kv.rpc.send_nowait
+            kv.rpc.send_nowait = lambda *a, **k: (pushes.append(a[0]), real(*a, **k))[1]
+            blocks = await kv.batch_get([b"k"] * (2 * 64))
+            del blocks
+            gc.collect()  # 128 collected: before, the 64th flushed from inside the collector
+            assert pushes == [] and len(kv._released) == 128
+            assert await until(lambda: server.stats()["leases"] == 0, 2.0), server.stats()
+            assert pushes == ["release", "release"]  # sent when the loop turned
+
+        def sync_side() -> None:
+            with KVClient.connect_sync(url) as kv:
+                blocks = kv.batch_get([b"k"] * 100)
+                del blocks
+                gc.collect()
+                assert len(kv._released) == 100  # queued, not sent by the collector
+                assert kv.exists(b"k")  # the next call sends them first
+                assert not kv._released
+
+        async with KVServer(url, pool_size=4 * MiB) as server:
+            async with KVClient.connect(url) as kv:
+                await kv.put(b"k", b"v" * 5000)
+            await asyncio.to_thread(sync_side)
+            assert server.stats()["leases"] == 0
+
+    asyncio.run(run())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import msgspec
 import pytest
@@ -345,6 +346,36 @@ async def test_handlers_see_their_peer_and_disconnects_are_reported(url):
         assert sorted(map(list, gone)) == sorted([pa, pb])
     with pytest.raises(LookupError):
         cxlrpc.current_peer()
+
+
+async def test_a_sync_clients_one_way_calls_and_calls_from_two_threads_interleave_safely(url):
+    """The slot has one producer: SyncClient serialises send_nowait with its calls, so two
+    threads sharing a client never push at once (on a flush-mode region the request ring is
+    single-producer: concurrent pushes corrupted it)."""
+    server = cxlrpc.Server(url)
+    seen: list[int] = []
+    server.add_method("note", seen.append)
+    server.add_method("echo", lambda x: x)
+    n = 1500
+    async with server:
+        def run() -> list[bool]:
+            with cxlrpc.connect_sync(url) as client:
+                def notes() -> None:
+                    for i in range(n):
+                        while True:
+                            try:
+                                client.send_nowait("note", i)
+                                break
+                            except cxlrpc.ResourceExhausted:
+                                time.sleep(0.0001)
+                writer = threading.Thread(target=notes)
+                writer.start()
+                ok = [client.call("echo", i, timeout=10) == i for i in range(n)]
+                writer.join()
+                return ok
+        assert all(await asyncio.wait_for(asyncio.to_thread(run), 60))
+        await asyncio.wait_for(_until(lambda: len(seen) == n), 10)
+        assert seen == list(range(n)) and server.dropped_frames == 0
 
 
 async def test_send_nowait_is_one_way_and_ordered(url):

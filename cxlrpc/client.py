@@ -761,8 +761,9 @@ class Client(_Base):
         except BaseException:
             call._finish()
             raise
-        if call._closed:  # cancelled while it opened
+        if call._closed:  # cancelled (or left) while it opened: the handler has no caller
             self._send_cancel(call_id)
+            call._finish()
         wake = self._reader_wake  # the reader may be resting after a direct-polled call:
         if wake is not None and not wake.done():  # the stream's frames come through it
             wake.set_result(None)

@@ -259,7 +259,11 @@ class StreamCall:
             raise asyncio.InvalidStateError("the call was closed")
         if self._opening is None:  # one opening, whichever of send / iterate comes first
             self._opening = asyncio.get_running_loop().create_task(self._client._open_stream(self))
-        await asyncio.shield(self._opening)
+        try:
+            await asyncio.shield(self._opening)
+        except asyncio.CancelledError:
+            self.cancel()  # the caller left while it opened (``async with`` has no exit then)
+            raise
 
     def _opened(self, call_id: int, chan: Any, deadline: float | None) -> None:
         loop = asyncio.get_running_loop()
@@ -314,8 +318,8 @@ class StreamCall:
             waiter.set_result(None)
 
     def _finish(self) -> None:
-        if self._closed:
-            return
+        """The call is over for its caller: its deadline timer and registration go (again, if
+        it finished while still opening)."""
         self._closed = True
         if self._timer is not None:
             self._timer.cancel()

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import threading
-import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Generator, Iterable, Mapping
 from typing import Any, NamedTuple
@@ -261,7 +261,10 @@ class KVClient(_Ops):
         self._flush_armed = False  # a flush is scheduled for the loop's next turn
         self._tasks: set[asyncio.Task] = set()
         self._greeting: asyncio.Task | None = None  # the hello callers refused meanwhile share
-        self._renewals: dict[int, asyncio.TimerHandle] = {}  # per lease held: its renewal timer
+        #: Leases of blocks held, by id: (when to renew, the lease). One timer renews those due.
+        self._held: dict[int, tuple[float, w.Lease]] = {}
+        self._renewer: asyncio.TimerHandle | None = None
+        self._renew_at = math.inf  # when the renewer fires
 
     @staticmethod
     def connect(url: str, **options: Any) -> "_Connecting":
@@ -373,9 +376,9 @@ class KVClient(_Ops):
             return
         self._flush()
         self._closed = True
-        for timer in self._renewals.values():
-            timer.cancel()
-        self._renewals.clear()
+        if self._renewer is not None:
+            self._renewer.cancel()
+        self._held.clear()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.rpc.close()
         self._close_pools()
@@ -465,21 +468,38 @@ class KVClient(_Ops):
 
     def _block(self, lease: w.Lease) -> Block:
         block = super()._block(lease)
-        self._renewals[lease.lease_id] = self._loop.call_later(
-            lease.duration / 2, self._renew, lease, weakref.ref(block))
+        at = self._loop.time() + lease.duration / 2
+        self._held[lease.lease_id] = (at, lease)  # a dict entry, not a timer, per get
+        if at < self._renew_at:
+            self._renew_by(at)
         return block
 
-    def _renew(self, lease: w.Lease, ref: "weakref.ref[Block]") -> None:
-        block = ref()
-        if block is None or block.released or self._closed:
-            self._renewals.pop(lease.lease_id, None)
+    def _renew_by(self, at: float) -> None:
+        if self._renewer is not None:
+            self._renewer.cancel()
+        self._renew_at = at
+        self._renewer = self._loop.call_at(at, self._renew_due)
+
+    def _renew_due(self) -> None:
+        """Renew the held leases at half their life (one Renew message per lease term)."""
+        self._renewer, self._renew_at = None, math.inf
+        if self._closed:
             return
-        try:
-            self.rpc.send_nowait("renew", w.Renew([lease.lease_id], lease.duration))
-        except cxlrpc.RpcError:
-            pass  # ring full or server gone: the block's checks tell if it lapses
-        self._renewals[lease.lease_id] = self._loop.call_later(
-            lease.duration / 2, self._renew, lease, ref)
+        now, due, soonest = self._loop.time(), {}, math.inf
+        for lease_id, (at, lease) in self._held.items():
+            if at <= now:
+                due.setdefault(lease.duration, []).append(lease_id)
+                at = now + lease.duration / 2
+                self._held[lease_id] = (at, lease)
+            soonest = min(soonest, at)
+        for duration, ids in due.items():
+            for i in range(0, len(ids), _MAX_RELEASES):
+                try:
+                    self.rpc.send_nowait("renew", w.Renew(ids[i:i + _MAX_RELEASES], duration))
+                except cxlrpc.RpcError:
+                    pass  # ring full or server gone: the blocks' checks tell if they lapse
+        if soonest < math.inf:
+            self._renew_by(soonest)
 
     def _release(self, lease_id: int, collected: bool = False) -> None:
         if self._closed:
@@ -495,9 +515,7 @@ class KVClient(_Ops):
 
     def _ended(self, lease_id: int, collected: bool) -> None:
         """In the loop: a lease ended; stop renewing it and see its release sent."""
-        timer = self._renewals.pop(lease_id, None)
-        if timer is not None:  # a timer per lease ended would pile up under load
-            timer.cancel()
+        self._held.pop(lease_id, None)  # renewed no more
         if collected:
             self._arm()
         else:

@@ -285,8 +285,9 @@ async def test_a_connection_that_never_said_hello_is_refused(url):
 
 
 async def test_released_leases_leave_no_renewal_timers_behind(url):
-    """Each held block has a renewal timer; releasing it cancels the timer (under load, one per
-    get left pending for half a lease's life piled up by the ten thousand)."""
+    """Each held block is renewed until released or collected; releasing it ends that (a
+    renewal timer per get, left pending for half a lease's life, piled up by the ten
+    thousand under load): one timer serves every held block."""
     async with KVServer(url, pool_size=4 * MiB) as server, KVClient.connect(url) as kv:
         await kv.put(b"k", b"v" * 5000)
         held = await kv.get(b"k")
@@ -296,9 +297,9 @@ async def test_released_leases_leave_no_renewal_timers_behind(url):
         blocks = await kv.batch_get([b"k"] * 10)
         del blocks  # collected: their timers go too
         gc.collect()
-        assert await until(lambda: len(kv._renewals) == 1)  # the held block's
+        assert await until(lambda: len(kv._held) == 1)  # the held block's
         held.release()
-        assert not kv._renewals
+        assert not kv._held
         assert await until(lambda: server.stats()["leases"] == 0, 2.0), server.stats()
 
 

@@ -235,6 +235,21 @@ async def test_leaving_a_bidirectional_loop_cancels_the_handler(url):
         assert await _until(lambda: _quiet(server))
 
 
+async def test_a_caller_cancelled_while_the_call_opens_cancels_it(url):
+    """``async with`` runs no exit when its enter is cancelled: the call cancels itself."""
+    async with _server(url) as server, cxlrpc.connect(url) as client:
+        call = client.open_stream("stuck", timeout=30)
+        entering = asyncio.create_task(call.__aenter__())
+        await asyncio.sleep(0)  # it waits for the opening now
+        entering.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await entering
+        assert await _until(server.ended.is_set)
+        assert await _until(lambda: _quiet(server)) and not client._streams
+        with pytest.raises(cxlrpc.Cancelled):
+            await call.response()
+
+
 async def test_a_deadline_bounds_the_whole_call(url):
     async with _server(url) as server, cxlrpc.connect(url) as client:
         async with client.open_stream("stuck", timeout=0.3) as call:

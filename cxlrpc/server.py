@@ -17,7 +17,6 @@ import itertools
 import logging
 import threading
 import time
-import typing
 from asyncio.tasks import _enter_task, _leave_task
 from contextvars import ContextVar
 from typing import Any, Awaitable, Callable, Mapping, NamedTuple, NoReturn, Sequence
@@ -30,7 +29,7 @@ from .doorbell import WaitStrategy, resolve
 from .errors import (ERRORS, DeadlineExceeded, Internal, InvalidArgument, ResourceExhausted, RpcError,
                      StatusCode, Unimplemented)
 from .heap import EXTENT, OFFSET, HeapAccess, ServerHeap
-from .service import add_service
+from .service import add_service, stream_item
 from .streams import STREAM_WINDOW, RequestStream
 from .memory import ACQ_REL
 from .memory import HARDWARE
@@ -41,8 +40,6 @@ _NO_ARG = object()
 _UNDECODED = object()  # an intercepted call's request is decoded inside the chain
 _SUSPENDED, _FAILED = object(), object()  # what _run_eagerly returns instead of a result
 _STREAMED = object()  # what a stream's task returns: its items and END are already sent
-_ASYNC_ITERATORS = (collections.abc.AsyncIterator, collections.abc.AsyncIterable,
-                    collections.abc.AsyncGenerator)
 logger = logging.getLogger("cxlrpc.server")
 
 
@@ -167,14 +164,13 @@ class _Method:
                 self.arg_type = hints.get(first.name)
         #: The request is a stream (its parameter is an ``AsyncIterator[T]``; a typed
         #: service's contract may say so instead): the handler gets a RequestStream of T.
-        stream_of = self.arg_type is not None and typing.get_origin(self.arg_type) in _ASYNC_ITERATORS
+        stream_of, item_type = stream_item(self.arg_type)
         self.requests = stream_of if requests is None else requests
         if self.requests:
             if not self.takes_arg or not (self.is_async or self.streaming):
                 raise TypeError(f"handler for {name!r} reads a stream of requests: it must be an "
                                 f"`async def` (or an async generator) taking it as its argument")
-            args = typing.get_args(self.arg_type) if stream_of else ()
-            self.arg_type = args[0] if args and args[0] is not Any else None
+            self.arg_type = item_type if stream_of else None
         self.streams = self.streaming or self.requests
 
 

@@ -62,8 +62,9 @@ class Rpc:
     response_stream: bool = False
 
 
-def _stream_item(hint: Any) -> tuple[bool, Any]:
-    """(is ``hint`` an async iterator type, the type of its items or None for any)."""
+def stream_item(hint: Any) -> tuple[bool, Any]:
+    """(is ``hint`` an async iterator type, the type of its items or None for any): how a
+    handler's parameter or a contract's types say a side streams."""
     if typing.get_origin(hint) not in _STREAMS:
         return False, hint
     args = typing.get_args(hint)
@@ -87,8 +88,8 @@ def rpcs(service: type, prefix: str | None = None) -> list[Rpc]:
         hints = typing.get_type_hints(fn)
         if "return" not in hints:
             raise TypeError(f"{service.__name__}.{attr} must declare its return type")
-        replies, response = _stream_item(hints["return"])
-        requests = bool(params) and _stream_item(hints.get(params[0].name))[0]
+        replies, response = stream_item(hints["return"])
+        requests = bool(params) and stream_item(hints.get(params[0].name))[0]
         if replies == inspect.iscoroutinefunction(fn):
             raise TypeError(f"{service.__name__}.{attr}: declare a method whose replies stream "
                             f"as `def ... -> AsyncIterator[R]`, any other as `async def`")

@@ -31,8 +31,22 @@ def name() -> str:
 
 
 @pytest.fixture
-def url(name: str) -> str:
-    return f"shm://{name}"
+def scheme(request) -> str:
+    """The memory a test's region is on: shm (coherent), or, in a module that sets
+    ``MEMORIES = ("shm", "sim")``, each of those (sim: the simulator of memory without
+    coherence, where every process has its own cache: flush mode)."""
+    return getattr(request, "param", "shm")
+
+
+@pytest.fixture
+def url(name: str, scheme: str) -> str:
+    return f"{scheme}://{name}"
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    memories = getattr(metafunc.module, "MEMORIES", None)
+    if memories and "scheme" in metafunc.fixturenames:
+        metafunc.parametrize("scheme", memories, indirect=True)
 
 
 @pytest.fixture(autouse=True)

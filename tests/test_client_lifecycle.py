@@ -26,9 +26,7 @@ pytestmark = pytest.mark.timeout(60)
 MONITOR = "cxlrpc-client-monitor"
 
 
-@pytest.fixture(params=["shm", "sim"])
-def url(request, name: str) -> str:
-    return f"{request.param}://{name}"
+MEMORIES = ("shm", "sim")  # every test here runs on coherent memory and on the simulator
 
 
 def make_server(url: str, **opts) -> cxlrpc.Server:

@@ -32,9 +32,7 @@ GRPC_CODES = {
 ERROR_CODES = [code for code in cxlrpc.StatusCode if code is not cxlrpc.StatusCode.OK]
 
 
-@pytest.fixture(params=["shm", "sim"])
-def url(request, name: str) -> str:
-    return f"{request.param}://{name}"
+MEMORIES = ("shm", "sim")  # every test here runs on coherent memory and on the simulator
 
 
 class Point(msgspec.Struct):

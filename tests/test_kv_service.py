@@ -37,11 +37,7 @@ async def stat(kv, name: str):
     return (await kv.stats())[name]
 
 
-@pytest.fixture(params=["shm", "sim"])
-def url(request, name: str) -> str:
-    """The service on coherent shared memory, and on the simulator of memory without
-    coherence (every process, every mapping even, has its own cache: flush mode)."""
-    return f"{request.param}://{name}"
+MEMORIES = ("shm", "sim")  # every test here runs on coherent memory and on the simulator
 
 
 @pytest.fixture(params=["shm", "sim", "grpc"])

@@ -25,9 +25,7 @@ class Point(msgspec.Struct):
     y: int
 
 
-@pytest.fixture(params=["shm", "sim"])
-def url(request, name: str) -> str:
-    return f"{request.param}://{name}"
+MEMORIES = ("shm", "sim")  # every test here runs on coherent memory and on the simulator
 
 
 def _small(url: str) -> dict:

@@ -13,9 +13,7 @@ import pytest
 import cxlrpc
 
 
-@pytest.fixture(params=["shm", "sim"])
-def url(request, name: str) -> str:
-    return f"{request.param}://{name}"
+MEMORIES = ("shm", "sim")  # every test here runs on coherent memory and on the simulator
 
 
 class Point(msgspec.Struct):

@@ -54,9 +54,7 @@ def _small(url: str) -> dict:
             if url.startswith("sim://") else {})
 
 
-@pytest.fixture(params=["shm", "sim"])
-def url(request, name: str) -> str:
-    return f"{request.param}://{name}"
+MEMORIES = ("shm", "sim")  # every test here runs on coherent memory and on the simulator
 
 
 async def test_a_stub_calls_the_service_with_its_types(url):

@@ -21,9 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 USER_METHODS = ["echo", "held", "held_in_thread", "slow"]
 
 
-@pytest.fixture(params=["shm", "sim"])
-def url(request, name: str) -> str:
-    return f"{request.param}://{name}"
+MEMORIES = ("shm", "sim")  # every test here runs on coherent memory and on the simulator
 
 
 class Handlers:

@@ -19,9 +19,7 @@ class Tick(msgspec.Struct):
     square: int
 
 
-@pytest.fixture(params=["shm", "sim"])
-def url(request, name: str) -> str:
-    return f"{request.param}://{name}"
+MEMORIES = ("shm", "sim")  # every test here runs on coherent memory and on the simulator
 
 
 def _server(url: str) -> cxlrpc.Server:

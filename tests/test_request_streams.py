@@ -16,6 +16,7 @@ import pytest
 
 import cxlrpc
 from cxlrpc.streams import STREAM_WINDOW
+from procs import until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -96,13 +97,6 @@ def _server(url: str, **opts: Any) -> cxlrpc.Server:
     return server
 
 
-async def _until(cond, timeout: float = 5.0) -> bool:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not cond() and asyncio.get_running_loop().time() < deadline:
-        await asyncio.sleep(0.005)
-    return cond()
-
-
 def _quiet(server: cxlrpc.Server) -> bool:
     return not server._tasks and not server._inbound and not server._credits
 
@@ -118,7 +112,7 @@ async def test_a_client_stream_is_summed_and_answered_once(url):
                 await call.send(p)
             await call.done_writing()
             assert await call.response() == Point(2, 4)
-        assert await _until(lambda: _quiet(server)) and not client._streams
+        assert await until(lambda: _quiet(server), 5) and not client._streams
 
 
 async def test_a_slow_handler_slows_the_sender(url):
@@ -140,8 +134,8 @@ async def test_bidirectional_replies_interleave_with_requests(url):
                 assert await replies.__anext__() == i * i
             await call.done_writing()
             assert [r async for r in call] == []
-        assert await _until(server.ended.is_set)
-        assert await _until(lambda: _quiet(server))
+        assert await until(server.ended.is_set, 5)
+        assert await until(lambda: _quiet(server), 5)
 
 
 async def test_a_bidirectional_call_streams_ahead_both_ways(url):
@@ -164,18 +158,18 @@ async def test_items_bigger_than_the_ring_go_through_the_heap(url):
                 await call.send(bytes([i]) * size)
             await call.send(b"small")
             assert await call.response() == [(size, b"\0"), (size, b"\1"), (size, b"\2"), (5, b"s")]
-        assert await _until(lambda: server._heap.used == 0)
+        assert await until(lambda: server._heap.used == 0, 5)
 
 
 async def test_a_handler_that_returns_early_ends_the_call(url):
     async with _server(url) as server, cxlrpc.connect(url) as client:
         async with client.open_stream("first", timeout=30) as call:
             await call.send(b"a")
-            assert await _until(lambda: call._final is not None)
+            assert await until(lambda: call._final is not None, 5)
             with pytest.raises(asyncio.InvalidStateError, match="already ended"):
                 await call.send(b"b")
             assert await call.response() == b"a"
-        assert await _until(lambda: _quiet(server))
+        assert await until(lambda: _quiet(server), 5)
         assert await client.call("unary", 7, timeout=5) == 7  # later items were dropped quietly
 
 
@@ -211,15 +205,15 @@ async def test_items_beyond_the_credit_fail_the_call(url):
                     await call.send(1)
                     await asyncio.sleep(0)
                 # the handler never reads: the refusal comes when it ends, by cancellation
-        assert await _until(server.ended.is_set)
+        assert await until(server.ended.is_set, 5)
 
 
 async def test_leaving_the_block_cancels_the_handler(url):
     async with _server(url) as server, cxlrpc.connect(url) as client:
         async with client.open_stream("stuck", timeout=30) as call:
             await call.send(1)
-        assert await _until(server.ended.is_set)
-        assert await _until(lambda: _quiet(server)) and not client._streams
+        assert await until(server.ended.is_set, 5)
+        assert await until(lambda: _quiet(server), 5) and not client._streams
 
 
 async def test_leaving_a_bidirectional_loop_cancels_the_handler(url):
@@ -229,8 +223,8 @@ async def test_leaving_a_bidirectional_loop_cancels_the_handler(url):
             async for reply in call:
                 assert reply == 9
                 break
-        assert await _until(server.ended.is_set)
-        assert await _until(lambda: _quiet(server))
+        assert await until(server.ended.is_set, 5)
+        assert await until(lambda: _quiet(server), 5)
 
 
 async def test_a_caller_cancelled_while_the_call_opens_cancels_it(url):
@@ -242,8 +236,8 @@ async def test_a_caller_cancelled_while_the_call_opens_cancels_it(url):
         entering.cancel()
         with pytest.raises(asyncio.CancelledError):
             await entering
-        assert await _until(server.ended.is_set)
-        assert await _until(lambda: _quiet(server)) and not client._streams
+        assert await until(server.ended.is_set, 5)
+        assert await until(lambda: _quiet(server), 5) and not client._streams
         with pytest.raises(cxlrpc.Cancelled):
             await call.response()
 
@@ -254,12 +248,12 @@ async def test_a_deadline_bounds_the_whole_call(url):
             with pytest.raises(cxlrpc.DeadlineExceeded):
                 for _ in range(10 * STREAM_WINDOW):  # blocks once the credit is spent
                     await call.send(1)
-        assert await _until(server.ended.is_set)
+        assert await until(server.ended.is_set, 5)
         server.ended.clear()
         async with client.open_stream("stuck", timeout=0.3) as call:
             with pytest.raises(cxlrpc.DeadlineExceeded):
                 await call.response()
-        assert await _until(server.ended.is_set)
+        assert await until(server.ended.is_set, 5)
 
 
 async def test_closing_the_client_mid_call_cancels_the_handler(url):
@@ -268,7 +262,7 @@ async def test_closing_the_client_mid_call_cancels_the_handler(url):
         call = client.open_stream("stuck", timeout=30)
         await call.send(1)
         await client.close()
-        assert await _until(server.ended.is_set)  # departed: its handler was cancelled
+        assert await until(server.ended.is_set, 5)  # departed: its handler was cancelled
         with pytest.raises(cxlrpc.Unavailable):
             await call.response()
 
@@ -419,7 +413,7 @@ async def test_a_failing_request_iterator_cancels_a_bidirectional_stub_call(url)
             async for x in client.stub(Stats, timeout=10).squares(broken()):
                 got.append(x)
         assert got in ([], [1])
-        assert await _until(lambda: not server._tasks and not server._inbound)
+        assert await until(lambda: not server._tasks and not server._inbound, 5)
 
 
 def test_contracts_and_implementations_must_agree_on_streams():

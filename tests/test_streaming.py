@@ -10,6 +10,7 @@ import pytest
 
 import cxlrpc
 from cxlrpc.server import STREAM_WINDOW
+from procs import until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -62,19 +63,12 @@ def _server(url: str) -> cxlrpc.Server:
     return server
 
 
-async def _until(cond, timeout: float = 5.0) -> bool:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not cond() and asyncio.get_running_loop().time() < deadline:
-        await asyncio.sleep(0.005)
-    return cond()
-
-
 async def test_items_arrive_in_order_decoded_and_the_stream_ends(url):
     async with _server(url) as server, cxlrpc.connect(url) as client:
         got = [t async for t in client.stream("ticks", 500, response_type=Tick, timeout=30)]
         assert got == [Tick(i, i * i) for i in range(500)]
         assert await client.call("cxlrpc.health", timeout=5)  # the connection goes on
-        assert await _until(lambda: not server._tasks and not server._credits)
+        assert await until(lambda: not server._tasks and not server._credits, 5)
 
 
 async def test_a_slow_reader_slows_the_writer(url):
@@ -93,8 +87,8 @@ async def test_leaving_the_loop_cancels_the_handler(url):
         async for item in client.stream("forever", timeout=30):
             assert item == b"."
             break
-        assert await _until(server.closed.is_set)  # the generator's finally ran
-        assert await _until(lambda: not server._tasks and not server._credits)
+        assert await until(server.closed.is_set, 5)  # the generator's finally ran
+        assert await until(lambda: not server._tasks and not server._credits, 5)
 
 
 async def test_an_error_ends_the_stream_after_its_items(url):
@@ -111,7 +105,7 @@ async def test_a_deadline_bounds_the_whole_stream(url):
         with pytest.raises(cxlrpc.DeadlineExceeded):
             async for _ in client.stream("forever", timeout=0.2):
                 pass
-        assert await _until(server.closed.is_set)
+        assert await until(server.closed.is_set, 5)
 
 
 async def test_items_bigger_than_a_ring_go_through_the_heap(url):
@@ -119,7 +113,7 @@ async def test_items_bigger_than_a_ring_go_through_the_heap(url):
     async with _server(url) as server, cxlrpc.connect(url) as client:
         got = [item async for item in client.stream("blobs", [4, size], timeout=30)]
         assert got == [bytes([i]) * size for i in range(4)]
-        assert await _until(lambda: server._heap.used == 0)
+        assert await until(lambda: server._heap.used == 0, 5)
 
 
 async def test_closing_the_client_mid_stream_ends_the_handler(url):
@@ -128,7 +122,7 @@ async def test_closing_the_client_mid_stream_ends_the_handler(url):
         stream = client.stream("forever", timeout=30)
         assert await stream.__anext__() == b"."
         await client.close()
-        assert await _until(server.closed.is_set)  # departed: its handler was cancelled
+        assert await until(server.closed.is_set, 5)  # departed: its handler was cancelled
         await stream.aclose()
 
 

@@ -327,13 +327,19 @@ class _ServerWatch:
     """What both client channels share: judging from the region whether the server is gone
     (each says how it reads the server's state word: ``_server_state``)."""
 
+    #: The server's (epoch, heartbeat) when its heartbeat was judged stopped: a reconnection
+    #: that finds them unchanged knows at once there is still no server.
+    stopped_beat: tuple[int, int] | None = None
+
     def server_gone(self, timeout: float) -> str | None:
         """Why the server should be considered gone, or None while it looks alive."""
         if self._server_state() != STATE_RUNNING:
             return "server closed"
         live = self.server_liveness
         live.timeout = timeout
-        if live.stale(self.region.heartbeat_value(), time.monotonic()):
+        beat = self.region.heartbeat_value()
+        if live.stale(beat, time.monotonic()):
+            self.stopped_beat = (self.region.epoch, beat)
             return f"server heartbeat stopped for {live.age(time.monotonic()):.2f} s"
         if self.region.owner_alive_locally() is False:
             return "server process died"

@@ -93,7 +93,11 @@ class _Health(msgspec.Struct):
     status: str
 
 
-def _attach(url: str, poll_interval: float) -> ClientChannel | FlushClientChannel:
+def _attach(url: str, poll_interval: float,
+            stopped_beat: tuple[int, int] | None = None) -> ClientChannel | FlushClientChannel:
+    """Claim a slot of the server at ``url``. ``stopped_beat``: the (epoch, heartbeat) of a
+    server judged gone; a region still showing them has no server (a server on another host
+    cannot unlink its region when it dies, nor acknowledge us)."""
     try:
         region = Region.open(url, kind=KIND_RPC)
     except FileNotFoundError as exc:
@@ -103,6 +107,8 @@ def _attach(url: str, poll_interval: float) -> ClientChannel | FlushClientChanne
     try:
         if region.owner_alive_locally() is False:  # a region left by a server that closed or died
             raise Unavailable(f"no server at {url} (its last server is gone)")
+        if stopped_beat is not None and (region.epoch, region.heartbeat_value()) == stopped_beat:
+            raise Unavailable(f"no server at {url} (its heartbeat has not moved since it stopped)")
         return client_channel(region, poll_interval)
     except (ConnectionRefusedError, RegionError) as exc:
         region.close()
@@ -183,6 +189,7 @@ def _watch(ref: "weakref.ref[_Base]", chan: ClientChannel | FlushClientChannel,
         if client._gone is None and client._chan is chan:
             reason = chan.server_gone(server_timeout)
             if reason is not None:
+                client._stopped_beat = chan.stopped_beat
                 client._set_gone(reason)
         del client  # the finalizer of a client dropped meanwhile may run here: it sets stop
         if stop.is_set():
@@ -241,10 +248,11 @@ class _Base:
         self._heap: HeapAccess | None = None
         self._frees: list[int] = []  # heap extents of replies read, to give back
         self._allocs: set[int] = set()  # call ids of ALLOCs whose reply may still come
+        self._stopped_beat: tuple[int, int] | None = None  # of the server last judged gone
 
     def _open(self) -> _Link:
         """Attach (claim a slot) and start the monitor: a connection not yet acknowledged."""
-        chan = _attach(self.url, self.poll_interval)
+        chan = _attach(self.url, self.poll_interval, self._stopped_beat)
         try:
             link = _Link(chan, self)
         except BaseException:

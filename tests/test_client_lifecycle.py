@@ -342,3 +342,21 @@ def test_no_warning_for_closed_clients(name):
         warnings.simplefilter("always", ResourceWarning)
         asyncio.run(main())
     assert not [w for w in record if "cxlrpc client" in str(w.message)]
+
+
+async def test_a_reconnection_to_a_server_whose_heartbeat_stopped_fails_at_once(name):
+    """A server on another host that died leaves its region behind and never acknowledges:
+    a client that judged its heartbeat stopped fails its reconnection at once (Unavailable)
+    while the region shows that same epoch and heartbeat, and attaches once it moves."""
+    from cxlrpc.client import _attach
+    url = f"shm://{name}"
+    async with cxlrpc.Server(url) as server:
+        server._stop_beating()  # as if it died: its heartbeat stands still
+        region = server._region
+        stopped = (region.epoch, region.heartbeat_value())
+        with pytest.raises(cxlrpc.Unavailable, match="heartbeat has not moved"):
+            _attach(url, 1e-3, stopped)
+        region.beat()  # it moved: a server is there after all
+        chan = _attach(url, 1e-3, stopped)
+        chan.detach()
+        chan.region.close()

@@ -337,6 +337,16 @@ def rss_bytes(pid: int) -> int:
 
 
 # ----------------------------------------------------------------------------- fault-suite: in-test helpers
+def sized_for(url: str, opts: dict) -> dict:
+    """Server options for ``url``: on the simulator (it copies whole regions) small rings and
+    a 1 MiB message limit, unless ``opts`` says otherwise."""
+    if url.startswith("sim://"):
+        opts.setdefault("request_capacity", 256 << 10)
+        opts.setdefault("response_capacity", 256 << 10)
+        opts.setdefault("max_message_size", 1 << 20)
+    return opts
+
+
 async def until(cond, timeout: float, interval: float = 0.01) -> bool:
     """Poll ``cond()`` (sync, or returning an awaitable) until true or ``timeout`` s pass."""
     deadline = time.monotonic() + timeout

@@ -19,7 +19,7 @@ import cxlrpc
 from cxlrpc import client as client_module
 from cxlrpc.region import parse_url
 
-from procs import echo_server, until
+from procs import echo_server, sized_for, until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -30,11 +30,7 @@ MEMORIES = ("shm", "sim")  # every test here runs on coherent memory and on the 
 
 
 def make_server(url: str, **opts) -> cxlrpc.Server:
-    if url.startswith("sim://"):  # the simulator copies whole regions: keep them small
-        opts.setdefault("request_capacity", 256 << 10)
-        opts.setdefault("response_capacity", 256 << 10)
-        opts.setdefault("max_message_size", 1 << 20)
-    server = cxlrpc.Server(url, **opts)
+    server = cxlrpc.Server(url, **sized_for(url, opts))
     server.started = 0
 
     @server.method("echo")

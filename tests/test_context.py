@@ -19,6 +19,7 @@ import cxlrpc
 from cxlrpc import frame as fr
 from cxlrpc.errors import ERRORS, error_for
 from cxlrpc.identity import host_identity
+from procs import sized_for
 
 pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,11 +43,7 @@ class Point(msgspec.Struct):
 
 def make_server(url: str, **opts) -> cxlrpc.Server:
     """A server with methods that report what their context holds."""
-    if url.startswith("sim://"):  # the simulator copies whole regions: keep them small
-        opts.setdefault("request_capacity", 256 << 10)
-        opts.setdefault("response_capacity", 256 << 10)
-        opts.setdefault("max_message_size", 1 << 20)
-    server = cxlrpc.Server(url, **opts)
+    server = cxlrpc.Server(url, **sized_for(url, opts))
     server.ran = []  # names of the handlers that ran
 
     @server.method("echo")

@@ -11,6 +11,7 @@ import msgspec
 import pytest
 
 import cxlrpc
+from procs import sized_for
 
 
 MEMORIES = ("shm", "sim")  # every test here runs on coherent memory and on the simulator
@@ -22,11 +23,7 @@ class Point(msgspec.Struct):
 
 
 def make_server(url: str, **opts) -> cxlrpc.Server:
-    if url.startswith("sim://"):  # the simulator copies whole regions: keep them small
-        opts.setdefault("request_capacity", 256 << 10)
-        opts.setdefault("response_capacity", 256 << 10)
-        opts.setdefault("max_message_size", 1 << 20)
-    server = cxlrpc.Server(url, **opts)
+    server = cxlrpc.Server(url, **sized_for(url, opts))
     started = {"n": 0}
     cancelled = asyncio.Event()
 

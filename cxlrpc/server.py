@@ -17,6 +17,8 @@ import itertools
 import logging
 import threading
 import time
+from asyncio import current_task as _current_task
+from asyncio.events import _get_running_loop
 from asyncio.tasks import _enter_task, _leave_task
 from contextvars import ContextVar
 from typing import Any, Awaitable, Callable, Mapping, NamedTuple, NoReturn, Sequence
@@ -39,6 +41,7 @@ Handler = Callable[..., Any]
 _NO_ARG = object()
 _UNDECODED = object()  # an intercepted call's request is decoded inside the chain
 _SUSPENDED, _FAILED = object(), object()  # what _run_eagerly returns instead of a result
+_RETURNED = object()  # what _first_step returns when the handler returned
 _STREAMED = object()  # what a stream's task returns: its items and END are already sent
 logger = logging.getLogger("cxlrpc.server")
 
@@ -659,11 +662,11 @@ class Server:
         eager = _EagerTask()
         try:
             step = ctx.run(_first_step, coro, eager)
-        except StopIteration as done:
-            return done.value
         except (Exception, asyncio.CancelledError) as exc:
             self._fail(f, exc)
             return _FAILED
+        if step is _RETURNED:
+            return eager.value
         self._suspended(coro, step, f, slot, ctx, eager)
         return _SUSPENDED
 
@@ -1058,10 +1061,11 @@ class _EagerTask:
     to ``asyncio.timeout`` or a TaskGroup there (cancel, cancelling, uncancel) goes to the
     task that carries the handler on once it suspends."""
 
-    __slots__ = ("task",)
+    __slots__ = ("task", "value")
 
     def __init__(self) -> None:
         self.task: asyncio.Task | None = None
+        self.value: Any = None  # the handler's result, when its first step returned
 
     def cancel(self, msg: Any = None) -> bool:
         return self.task.cancel(msg) if self.task is not None else False
@@ -1102,13 +1106,18 @@ def _handler_context(call: HandlerContext) -> contextvars.Context:
 
 
 def _first_step(coro: Any, eager: _EagerTask) -> Any:
-    """``coro.send(None)`` with ``eager`` as the loop's current task (the reader's restored)."""
-    loop = asyncio.get_running_loop()
-    reader = asyncio.current_task(loop)
+    """``coro.send(None)`` with ``eager`` as the loop's current task (the reader's restored):
+    what it yields, or _RETURNED with its result in ``eager.value`` (caught here, the
+    StopIteration costs no traceback through the callers' frames)."""
+    loop = _get_running_loop()
+    reader = _current_task(loop)
     _leave_task(loop, reader)
     _enter_task(loop, eager)
     try:
         return coro.send(None)
+    except StopIteration as done:
+        eager.value = done.value
+        return _RETURNED
     finally:
         _leave_task(loop, eager)
         _enter_task(loop, reader)

@@ -2,7 +2,10 @@
 while it is alive, and a producer whose claim was padded (judged dead) never commits.
 
 Producers run in a thread and are held at exact points of ``try_push_parts`` (after the tail
-CAS, or between header and copy), deterministically, while the consumer runs ``unblock``.
+CAS, or between header and copy), deterministically, while the consumer runs ``unblock``. The
+hooks hold Python's reference of the push (``_try_push_parts_py``): the native twin runs the
+same steps with the GIL held, so no thread can stop it between them; its callouts into the
+slow paths are tested at the end with states set up before the push.
 """
 from __future__ import annotations
 
@@ -110,8 +113,8 @@ class Setup:
 
         def run() -> None:
             try:
-                out["ok"] = self.ring.try_push_parts(parts, producer, TAG, self.claims[producer],
-                                                     lambda: producer in self.dead)
+                out["ok"] = self.ring._try_push_parts_py(parts, producer, TAG, self.claims[producer],
+                                                         lambda: producer in self.dead)
             except ClaimRevoked as exc:
                 out["revoked"] = exc
 

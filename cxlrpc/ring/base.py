@@ -1,6 +1,7 @@
 """What both rings share: layout binding, counter validation and the validating consumer."""
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 from ..memory import ACQ_REL, ACQUIRE, RELAXED, RELEASE, AtomicMemory
@@ -17,13 +18,36 @@ from .record import (
     max_payload,
 )
 
+try:
+    # CXLRPC_NO_NATIVE_RINGS=1 runs the Python reference instead (tests, and to rule it out)
+    from .. import _ring as _native
+except ImportError:  # built by the package where a C compiler exists
+    _native = None
+if os.environ.get("CXLRPC_NO_NATIVE_RINGS"):
+    _native = None
+
 _SMALL_ZEROS = memoryview(bytes(256))
 
 #: Counters stay far below 2**64 (2**62 bytes is centuries of traffic); larger ones are garbage.
 COUNTER_LIMIT = 1 << 62
 
 
-class RingBase:
+class _PyCore:
+    """Where the native module is not built: the state RingBase keeps lives in its __dict__."""
+
+    def __init__(self, buf: memoryview, offset: int, capacity: int, multi_producer: bool,
+                 flushing: bool) -> None:
+        pass
+
+
+#: The native hot path (cxlrpc/_ring.c) keeps the counters' private copies and the dropped
+#: count, and runs poll and the pushes over coherent memory; the ``_py`` methods here are the
+#: reference it follows, and run where it is not built and for memory without coherence.
+NATIVE = _native is not None
+_Core = _native.RingCore if _native is not None else _PyCore
+
+
+class RingBase(_Core):
     """A ring laid out at ``offset`` in ``buf``: control block, then ``capacity`` data bytes.
 
     The consumer side lives here; subclasses add their producer protocol.  Each side keeps
@@ -41,6 +65,7 @@ class RingBase:
         check_capacity(capacity)
         if offset % 128 or offset < 0 or offset + CONTROL_SIZE + capacity > len(buf):
             raise ValueError("ring does not fit its buffer at that offset (or is misaligned)")
+        _Core.__init__(self, buf, offset, capacity, self._multi_producer, mem.flushing)
         self.buf = buf
         self.mem = mem
         self.capacity = capacity
@@ -95,7 +120,7 @@ class RingBase:
             self.mem.invalidate(self._tail_at, 8)
         return self._tail.load(ACQUIRE) != self._head_local
 
-    def poll(self, handler: Callable[[memoryview], object], limit: int = 1 << 30) -> int:
+    def _poll_py(self, handler: Callable[[memoryview], object], limit: int = 1 << 30) -> int:
         """Hand up to ``limit`` committed payloads to ``handler`` in order, then free their space.
 
         The memoryview passed to ``handler`` is only valid during the call: decode or copy it.
@@ -140,6 +165,9 @@ class RingBase:
         if pos != head:
             self._release(head, pos)
         return count
+
+    if _native is None:
+        poll = _poll_py
 
     def pop(self) -> bytes | None:
         """Copy out and free the next committed payload, or None when there is none."""

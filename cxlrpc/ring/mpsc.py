@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Callable, Collection, Sequence
 
 from ..memory import ACQ_REL, ACQUIRE, RELEASE, Counter
-from .base import COUNTER_LIMIT, RingBase
+from .base import COUNTER_LIMIT, RingBase, _native
 from .record import (
     COMMITTED,
     HEADER_SIZE,
@@ -54,9 +54,9 @@ class MpscRing(RingBase):
         """Append one record; False when the ring is full (backpressure, nothing written)."""
         return self.try_push_parts((data,), producer)
 
-    def try_push_parts(self, parts: Sequence[bytes | memoryview], producer: int = 0, tag: int = 0,
-                       claim: Counter | None = None,
-                       revoked: Callable[[], bool] | None = None) -> bool:
+    def _try_push_parts_py(self, parts: Sequence[bytes | memoryview], producer: int = 0, tag: int = 0,
+                           claim: Counter | None = None,
+                           revoked: Callable[[], bool] | None = None) -> bool:
         """Claim, fill and commit one record made of ``parts`` concatenated.
 
         False when the ring is full.  ``revoked()`` (asked only when a header CAS fails or the
@@ -122,12 +122,20 @@ class MpscRing(RingBase):
             buf[start:start + n] = p
             start += n
         if cas(data + idx, word, word | COMMITTED, ACQ_REL) != word and revoked is not None and revoked():
-            # Padded and consumed while we copied: our bytes lie in free space.  Clear them
-            # unless the tail came close enough to a lap that someone may claim them anew.
-            if self._tail.load(ACQUIRE) + self.capacity // 2 <= tail + need - size + self.capacity:
-                self.mem.zero(data + idx + HEADER_SIZE, size - HEADER_SIZE)
-            raise ClaimRevoked("the consumer reclaimed this claim before it was committed")
+            self._lost_commit(idx, tail, need, size)
         return True
+
+    #: ``try_push_parts(parts, producer=0, tag=0, claim=None, revoked=None)``: the native twin
+    #: of the method above where it is built.
+    try_push_parts = _native.RingCore._push_mpsc if _native is not None else _try_push_parts_py
+
+    def _lost_commit(self, idx: int, tail: int, need: int, size: int) -> None:
+        """Our claim was padded and consumed while we copied: our bytes lie in free space.
+        Clear them unless the tail came close enough to a lap that someone may claim them
+        anew, then raise ClaimRevoked."""
+        if self._tail.load(ACQUIRE) + self.capacity // 2 <= tail + need - size + self.capacity:
+            self.mem.zero(self.data + idx + HEADER_SIZE, size - HEADER_SIZE)
+        raise ClaimRevoked("the consumer reclaimed this claim before it was committed")
 
     def _open(self, written: list[tuple[int, int, int]], revoked: Callable[[], bool] | None) -> None:
         """Slow path of a header CAS that found something other than zero: garbage over free

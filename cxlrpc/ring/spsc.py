@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Iterable, Sequence
 
 from ..memory import ACQUIRE, RELAXED, RELEASE, AtomicMemory
-from .base import RingBase
+from .base import _native, RingBase
 from .record import COMMITTED, HEADER_SIZE, KIND_DATA, KIND_PADDING
 
 
@@ -55,7 +55,7 @@ class SpscRing(RingBase):
         idx = tail & self.mask
         to_end = cap - idx
         need = size if size <= to_end else to_end + size
-        if tail + need - self._head_cache > cap:
+        if self._head_cache > tail or tail + need - self._head_cache > cap:
             if self._flushing:
                 self.mem.invalidate(self._head_at, 8)
             head = self._head.load(ACQUIRE)
@@ -82,7 +82,7 @@ class SpscRing(RingBase):
         """Append one record; False when the ring is full (backpressure, nothing written)."""
         return self.try_push_parts((data,))
 
-    def try_push_parts(self, parts: Sequence[bytes | memoryview]) -> bool:
+    def _try_push_parts_py(self, parts: Sequence[bytes | memoryview]) -> bool:
         """Append one record made of ``parts`` concatenated (saves the caller a join copy)."""
         length = 0
         for p in parts:
@@ -104,6 +104,9 @@ class SpscRing(RingBase):
         if self._flushing:
             self.mem.writeback(self._tail_at, 8)
         return True
+
+    #: ``try_push_parts(parts)``: the native twin of the method above where it is built.
+    try_push_parts = _native.RingCore._push_spsc if _native is not None else _try_push_parts_py
 
     def try_push_batch(self, records: Iterable[bytes | memoryview]) -> int:
         """Append records in order until one does not fit; one publish for all. Returns how many."""

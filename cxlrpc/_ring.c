@@ -1,0 +1,569 @@
+/* The rings' hot path in C, for memory with cache coherence (cxlrpc.ring.base documents the
+ * protocol; the Python methods there are the reference and run wherever this is not built, and
+ * for memory without coherence, whose write-backs and invalidations stay in Python).
+ *
+ * RingCore is the base class of RingBase: it holds the counters' private copies (_head_local,
+ * _tail_local, _head_cache) and the dropped count, so the Python slow paths (repairs, unblock,
+ * attach) and these fast paths share one state. Each entry point first checks that the region's
+ * memoryview was not released (the mapping may be gone), and again after every handler call.
+ * Every counter and header read from shared memory is validated before use, exactly as the
+ * Python reference does: a peer may die mid-write or write garbage.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <stdint.h>
+#include <string.h>
+
+#define HEADER_SIZE 8
+#define CONTROL_SIZE 256
+#define TAIL_OFFSET 0
+#define HEAD_OFFSET 128
+#define KIND_DATA 1ULL
+#define KIND_PADDING 2ULL
+#define COMMITTED (1ULL << 62)
+#define LENGTH_MASK 0xFFFFFFFFULL
+#define TAG_SHIFT 56
+#define MAX_PRODUCER 0xFFFF
+#define TAG_MASK 0x3F
+#define COUNTER_LIMIT (1ULL << 62)
+#define MAX_PARTS 8
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *buf; /* the region's memoryview */
+    char *base;
+    unsigned long long capacity, mask, max_payload;
+    Py_ssize_t data, tail_at, head_at;
+    unsigned long long head_local, tail_local, head_cache;
+    Py_ssize_t dropped;
+    int multi, flushing;
+} RingCore;
+
+static PyObject *s_poll_py, *s_push_py, *s_bad_tail, *s_store, *s_open, *s_revoke, *s_lost_commit;
+static PyObject *release_order; /* atomicshm.RELEASE, for the claim counter's store */
+
+static inline uint64_t *word_at(RingCore *r, Py_ssize_t off) { return (uint64_t *)(r->base + off); }
+static inline uint64_t load_acq(RingCore *r, Py_ssize_t off) { return __atomic_load_n(word_at(r, off), __ATOMIC_ACQUIRE); }
+static inline void store_rel(RingCore *r, Py_ssize_t off, uint64_t v) { __atomic_store_n(word_at(r, off), v, __ATOMIC_RELEASE); }
+static inline void store_rlx(RingCore *r, Py_ssize_t off, uint64_t v) { __atomic_store_n(word_at(r, off), v, __ATOMIC_RELAXED); }
+static inline uint64_t cas(RingCore *r, Py_ssize_t off, uint64_t expected, uint64_t desired) {
+    __atomic_compare_exchange_n(word_at(r, off), &expected, desired, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+    return expected; /* the previous value, as AtomicMemory.cas returns it */
+}
+
+static int check_open(RingCore *r) {
+    if (r->buf == NULL || ((PyMemoryViewObject *)r->buf)->flags & _Py_MEMORYVIEW_RELEASED) {
+        PyErr_SetString(PyExc_ValueError, "the ring's region is closed");
+        return -1;
+    }
+    return 0;
+}
+
+static int core_init(RingCore *self, PyObject *args, PyObject *kwds) {
+    PyObject *buf;
+    Py_ssize_t offset;
+    unsigned long long capacity;
+    int multi, flushing;
+    static char *kwlist[] = {"buf", "offset", "capacity", "multi_producer", "flushing", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OnKpp", kwlist, &buf, &offset, &capacity, &multi, &flushing))
+        return -1;
+    if (!PyMemoryView_Check(buf)) {
+        PyErr_SetString(PyExc_TypeError, "buf must be a memoryview");
+        return -1;
+    }
+    Py_buffer *view = PyMemoryView_GET_BUFFER(buf);
+    if (view->readonly || view->itemsize != 1 || !PyBuffer_IsContiguous(view, 'C')) {
+        PyErr_SetString(PyExc_ValueError, "buf must be a writable contiguous byte buffer");
+        return -1;
+    }
+    if (capacity < 1024 || capacity > (1ULL << 31) || (capacity & (capacity - 1))) {
+        PyErr_SetString(PyExc_ValueError, "ring capacity must be a power of two in [1 KiB, 2 GiB]");
+        return -1;
+    }
+    if (offset < 0 || offset % 128 || (unsigned long long)view->len < (unsigned long long)offset + CONTROL_SIZE + capacity ||
+        ((uintptr_t)view->buf + (uintptr_t)offset) % 8) {
+        PyErr_SetString(PyExc_ValueError, "ring does not fit its buffer at that offset (or is misaligned)");
+        return -1;
+    }
+    Py_INCREF(buf);
+    Py_XSETREF(self->buf, buf);
+    self->base = (char *)view->buf;
+    self->capacity = capacity;
+    self->mask = capacity - 1;
+    self->max_payload = capacity / 2 - HEADER_SIZE;
+    self->data = offset + CONTROL_SIZE;
+    self->tail_at = offset + TAIL_OFFSET;
+    self->head_at = offset + HEAD_OFFSET;
+    self->multi = multi;
+    self->flushing = flushing;
+    return 0;
+}
+
+static int core_traverse(RingCore *self, visitproc visit, void *arg) {
+    Py_VISIT(self->buf);
+    return 0;
+}
+
+static int core_clear(RingCore *self) {
+    Py_CLEAR(self->buf);
+    return 0;
+}
+
+static void core_dealloc(RingCore *self) {
+    PyObject_GC_UnTrack(self);
+    core_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* Zero the data bytes of positions [start, end) (an MPSC consumer's release). */
+static void zero_span(RingCore *r, uint64_t start, uint64_t end) {
+    while (start < end) {
+        uint64_t idx = start & r->mask;
+        uint64_t n = end - start;
+        if (n > r->capacity - idx)
+            n = r->capacity - idx;
+        memset(r->base + r->data + idx, 0, n);
+        start += n;
+    }
+}
+
+static void release_to(RingCore *r, uint64_t head, uint64_t pos) {
+    if (r->multi)
+        zero_span(r, head, pos);
+    r->head_local = pos;
+    store_rel(r, r->head_at, pos);
+}
+
+/* poll(handler, limit=2**30): RingBase._poll_py for coherent memory. */
+static PyObject *core_poll(RingCore *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "poll(handler, limit=2**30)");
+        return NULL;
+    }
+    if (self->flushing)
+        return PyObject_VectorcallMethod(s_poll_py, (PyObject *[]){(PyObject *)self, args[0], nargs > 1 ? args[1] : NULL},
+                                         nargs + 1, NULL);
+    long long limit = 1LL << 30;
+    if (nargs == 2) {
+        limit = PyLong_AsLongLong(args[1]);
+        if (limit == -1 && PyErr_Occurred())
+            return NULL;
+    }
+    if (check_open(self) < 0)
+        return NULL;
+    PyObject *handler = args[0];
+    uint64_t head = self->head_local;
+    uint64_t tail = load_acq(self, self->tail_at);
+    if (tail == head) {
+        if (__atomic_load_n(word_at(self, self->head_at), __ATOMIC_RELAXED) != head)
+            store_rel(self, self->head_at, head); /* repair garbage written over our counter */
+        return PyLong_FromLong(0);
+    }
+    uint64_t cap = self->capacity;
+    if (tail < head || tail - head > cap || (tail & 7)) {
+        PyObject *t = PyLong_FromUnsignedLongLong(tail);
+        if (t == NULL)
+            return NULL;
+        PyObject *res = PyObject_CallMethodOneArg((PyObject *)self, s_bad_tail, t);
+        Py_DECREF(t);
+        if (res == NULL)
+            return NULL;
+        Py_DECREF(res);
+        return PyLong_FromLong(0);
+    }
+    uint64_t pos = head;
+    long long count = 0;
+    while (pos < tail && count < limit) {
+        uint64_t idx = pos & self->mask;
+        uint64_t word = load_acq(self, self->data + idx);
+        if (!(word & COMMITTED) && self->multi)
+            break; /* a producer is still writing this record */
+        uint64_t length = word & LENGTH_MASK;
+        uint64_t size = HEADER_SIZE + ((length + 7) & ~7ULL);
+        uint64_t kind = (word >> 48) & 0xFF;
+        if (!(word & COMMITTED) || size > cap - idx || pos + size > tail || (kind != KIND_DATA && kind != KIND_PADDING)) {
+            self->dropped += 1; /* corrupt: nothing up to the tail can be trusted */
+            pos = tail;
+            break;
+        }
+        if (kind == KIND_DATA) {
+            Py_ssize_t start = self->data + (Py_ssize_t)idx + HEADER_SIZE;
+            PyObject *view = PySequence_GetSlice(self->buf, start, start + (Py_ssize_t)length);
+            if (view == NULL)
+                return NULL;
+            PyObject *res = PyObject_CallOneArg(handler, view);
+            Py_DECREF(view);
+            if (res == NULL)
+                return NULL; /* as the reference: nothing released, the record comes again */
+            Py_DECREF(res);
+            if (check_open(self) < 0)
+                return NULL; /* the handler closed the region */
+            if (self->head_local != head) {
+                PyErr_SetString(PyExc_RuntimeError, "a handler polled the ring it was called from");
+                return NULL;
+            }
+            count += 1;
+        }
+        pos += size;
+    }
+    if (pos != head)
+        release_to(self, head, pos);
+    return PyLong_FromLongLong(count);
+}
+
+/* Get the buffers of ``parts`` (a tuple or list of bytes-likes) and their total length. */
+static int get_parts(PyObject *parts, Py_buffer *views, Py_ssize_t *n_out, uint64_t *length) {
+    PyObject *seq = PySequence_Fast(parts, "parts must be a sequence of bytes-like objects");
+    if (seq == NULL)
+        return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n > MAX_PARTS) {
+        Py_DECREF(seq);
+        PyErr_Format(PyExc_ValueError, "a record has at most %d parts", MAX_PARTS);
+        return -1;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    uint64_t total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (PyObject_GetBuffer(items[i], &views[i], PyBUF_SIMPLE) < 0) {
+            for (Py_ssize_t j = 0; j < i; j++)
+                PyBuffer_Release(&views[j]);
+            Py_DECREF(seq);
+            return -1;
+        }
+        total += (uint64_t)views[i].len;
+    }
+    Py_DECREF(seq);
+    *n_out = n;
+    *length = total;
+    return 0;
+}
+
+static void release_parts(Py_buffer *views, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++)
+        PyBuffer_Release(&views[i]);
+}
+
+static void copy_parts(RingCore *r, Py_ssize_t start, Py_buffer *views, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        memcpy(r->base + start, views[i].buf, (size_t)views[i].len);
+        start += views[i].len;
+    }
+}
+
+static PyObject *too_long(RingCore *r, uint64_t length) {
+    PyErr_Format(PyExc_ValueError, "record of %llu bytes exceeds the ring's limit %llu",
+                 (unsigned long long)length, r->max_payload);
+    return NULL;
+}
+
+static int valid_head(RingCore *r, uint64_t head, uint64_t tail) {
+    return !(head & 7) && head <= tail && head + r->capacity >= tail;
+}
+
+/* try_push_parts(parts): SpscRing._try_push_parts_py for coherent memory. */
+static PyObject *core_push_spsc(RingCore *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 1) {
+        PyErr_SetString(PyExc_TypeError, "try_push_parts(parts)");
+        return NULL;
+    }
+    if (self->flushing)
+        return PyObject_VectorcallMethod(s_push_py, (PyObject *[]){(PyObject *)self, args[0]}, 2, NULL);
+    Py_buffer views[MAX_PARTS];
+    Py_ssize_t n;
+    uint64_t length;
+    if (get_parts(args[0], views, &n, &length) < 0)
+        return NULL;
+    PyObject *result = NULL;
+    if (check_open(self) < 0)
+        goto done;
+    if (length > self->max_payload) {
+        too_long(self, length);
+        goto done;
+    }
+    uint64_t cap = self->capacity, tail = self->tail_local;
+    uint64_t size = HEADER_SIZE + ((length + 7) & ~7ULL);
+    uint64_t idx = tail & self->mask, to_end = cap - idx;
+    uint64_t need = size <= to_end ? size : to_end + size;
+    if (self->head_cache > tail || tail + need - self->head_cache > cap) {
+        uint64_t head = load_acq(self, self->head_at);
+        if (!valid_head(self, head, tail)) {
+            if (!(head & 7) && tail < head && head <= tail + cap && tail == self->tail_local)
+                self->tail_local = self->head_cache = head; /* the consumer ran past our tail over garbage */
+            store_rel(self, self->tail_at, self->tail_local); /* repair a garbage tail */
+            result = Py_NewRef(Py_False);
+            goto done;
+        }
+        self->head_cache = head;
+        if (tail + need - head > cap) {
+            store_rel(self, self->tail_at, self->tail_local);
+            result = Py_NewRef(Py_False);
+            goto done;
+        }
+    }
+    if (need != size) {
+        store_rlx(self, self->data + idx, COMMITTED | (KIND_PADDING << 48) | (to_end - HEADER_SIZE));
+        idx = 0;
+    }
+    store_rlx(self, self->data + idx, COMMITTED | (KIND_DATA << 48) | length);
+    copy_parts(self, self->data + (Py_ssize_t)idx + HEADER_SIZE, views, n);
+    self->tail_local = tail + need;
+    store_rel(self, self->tail_at, tail + need);
+    result = Py_NewRef(Py_True);
+done:
+    release_parts(views, n);
+    return result;
+}
+
+static int give_up(PyObject *claim) {
+    if (claim == Py_None)
+        return 0;
+    PyObject *no_claim = PyLong_FromUnsignedLongLong(1ULL << 63); /* a claim we lost must not look like ours */
+    if (no_claim == NULL)
+        return -1;
+    PyObject *res = PyObject_VectorcallMethod(s_store, (PyObject *[]){claim, no_claim, release_order}, 3, NULL);
+    Py_DECREF(no_claim);
+    if (res == NULL)
+        return -1;
+    Py_DECREF(res);
+    return 0;
+}
+
+/* ``self.<name>(written, revoked[, message])`` where written is [(address, position, value), ...]. */
+static int call_slow(RingCore *self, PyObject *name, uint64_t (*w)[3], int nw, PyObject *revoked, const char *message) {
+    PyObject *list = PyList_New(nw);
+    if (list == NULL)
+        return -1;
+    for (int i = 0; i < nw; i++) {
+        PyObject *t = Py_BuildValue("(KKK)", (unsigned long long)w[i][0], (unsigned long long)w[i][1],
+                                    (unsigned long long)w[i][2]);
+        if (t == NULL) {
+            Py_DECREF(list);
+            return -1;
+        }
+        PyList_SET_ITEM(list, i, t);
+    }
+    PyObject *res;
+    if (message != NULL)
+        res = PyObject_CallMethod((PyObject *)self, PyUnicode_AsUTF8(name), "Os", list, message);
+    else
+        res = PyObject_CallMethodObjArgs((PyObject *)self, name, list, revoked, NULL);
+    Py_DECREF(list);
+    if (res == NULL)
+        return -1;
+    Py_DECREF(res);
+    return 0;
+}
+
+/* 1 if revoked() says so, 0 if not, -1 on error. */
+static int ask_revoked(PyObject *revoked) {
+    PyObject *res = PyObject_CallNoArgs(revoked);
+    if (res == NULL)
+        return -1;
+    int yes = PyObject_IsTrue(res);
+    Py_DECREF(res);
+    return yes;
+}
+
+/* try_push_parts(parts, producer=0, tag=0, claim=None, revoked=None): MpscRing._try_push_parts_py
+ * for coherent memory (its slow paths stay in Python). */
+static PyObject *core_push_mpsc(RingCore *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1 || nargs > 5) {
+        PyErr_SetString(PyExc_TypeError, "try_push_parts(parts, producer=0, tag=0, claim=None, revoked=None)");
+        return NULL;
+    }
+    PyObject *full_args[6] = {(PyObject *)self, args[0], NULL, NULL, Py_None, Py_None};
+    PyObject *zero = NULL;
+    for (Py_ssize_t i = 1; i < 5; i++)
+        full_args[i + 1] = i < nargs ? args[i] : full_args[i + 1];
+    if (self->flushing) {
+        if ((zero = PyLong_FromLong(0)) == NULL)
+            return NULL;
+        if (full_args[2] == NULL) full_args[2] = zero;
+        if (full_args[3] == NULL) full_args[3] = zero;
+        PyObject *res = PyObject_VectorcallMethod(s_push_py, full_args, 6, NULL);
+        Py_DECREF(zero);
+        return res;
+    }
+    long producer = 0, tag = 0;
+    if (nargs > 1 && (producer = PyLong_AsLong(args[1])) == -1 && PyErr_Occurred())
+        return NULL;
+    if (nargs > 2 && (tag = PyLong_AsLong(args[2])) == -1 && PyErr_Occurred())
+        return NULL;
+    if (producer < 0 || producer > MAX_PRODUCER || tag < 0 || tag > TAG_MASK) {
+        PyErr_SetString(PyExc_ValueError, "producer id must fit in 16 bits and tag in 6");
+        return NULL;
+    }
+    PyObject *claim = full_args[4], *revoked = full_args[5];
+    Py_buffer views[MAX_PARTS];
+    Py_ssize_t n;
+    uint64_t length;
+    if (get_parts(args[0], views, &n, &length) < 0)
+        return NULL;
+    PyObject *result = NULL;
+    if (check_open(self) < 0)
+        goto done;
+    if (length > self->max_payload) {
+        too_long(self, length);
+        goto done;
+    }
+    uint64_t cap = self->capacity, mask = self->mask;
+    uint64_t size = HEADER_SIZE + ((length + 7) & ~7ULL);
+    uint64_t tail, idx, to_end, need;
+    for (;;) {
+        tail = load_acq(self, self->tail_at);
+        if ((tail & 7) || tail >= COUNTER_LIMIT)
+            goto full; /* garbage tail: the consumer resets it */
+        idx = tail & mask;
+        to_end = cap - idx;
+        need = size <= to_end ? size : to_end + size;
+        if (self->head_cache > tail || tail + need - self->head_cache > cap) {
+            uint64_t head = load_acq(self, self->head_at);
+            if (!valid_head(self, head, tail))
+                goto full; /* garbage head: the consumer republishes its own */
+            self->head_cache = head;
+            if (tail + need - head > cap)
+                goto full;
+        }
+        if (claim != Py_None) { /* visible before the claim below is */
+            PyObject *t = PyLong_FromUnsignedLongLong(tail);
+            if (t == NULL)
+                goto done;
+            PyObject *res = PyObject_VectorcallMethod(s_store, (PyObject *[]){claim, t, release_order}, 3, NULL);
+            Py_DECREF(t);
+            if (res == NULL)
+                goto done;
+            Py_DECREF(res);
+        }
+        if (cas(self, self->tail_at, tail, tail + need) == tail)
+            break;
+    }
+    uint64_t data = (uint64_t)self->data;
+    uint64_t word = ((uint64_t)tag << TAG_SHIFT) | (KIND_DATA << 48) | ((uint64_t)producer << 32) | length;
+    uint64_t written[2][3];
+    int nw;
+    if (need != size) {
+        /* Our record goes to the start: its uncommitted header goes first, so the whole claim is
+         * attributable to us before the padding makes it reachable. */
+        written[0][0] = data, written[0][1] = tail + to_end, written[0][2] = word;
+        if (cas(self, (Py_ssize_t)data, 0, word) != 0 && call_slow(self, s_open, written, 1, revoked, NULL) < 0)
+            goto done;
+        uint64_t pad = COMMITTED | (KIND_PADDING << 48) | ((uint64_t)producer << 32) | (to_end - HEADER_SIZE);
+        written[1][0] = data + idx, written[1][1] = tail, written[1][2] = pad;
+        if (cas(self, (Py_ssize_t)(data + idx), 0, pad) != 0 && call_slow(self, s_open, written, 2, revoked, NULL) < 0)
+            goto done;
+        idx = 0;
+        nw = 2;
+    } else {
+        written[0][0] = data + idx, written[0][1] = tail, written[0][2] = word;
+        if (cas(self, (Py_ssize_t)(data + idx), 0, word) != 0 && call_slow(self, s_open, written, 1, revoked, NULL) < 0)
+            goto done;
+        nw = 1;
+    }
+    /* The consumer passes a claim only by padding it (it judged us dead): then our header went
+     * into free space, and nothing may be copied or committed there. */
+    if (revoked != Py_None && load_acq(self, self->head_at) > tail) {
+        int yes = ask_revoked(revoked);
+        if (yes < 0)
+            goto done;
+        if (yes) {
+            if (nw == 2) { /* the reference passes only the written headers: data's, then the padding */
+                call_slow(self, s_revoke, written, 2, NULL, "the consumer passed this claim before its header was written");
+            } else {
+                uint64_t one[1][3] = {{data + idx, tail, word}};
+                call_slow(self, s_revoke, one, 1, NULL, "the consumer passed this claim before its header was written");
+            }
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_RuntimeError, "_revoke returned");
+            goto done;
+        }
+    }
+    copy_parts(self, (Py_ssize_t)(data + idx) + HEADER_SIZE, views, n);
+    if (cas(self, (Py_ssize_t)(data + idx), word, word | COMMITTED) != word && revoked != Py_None) {
+        int yes = ask_revoked(revoked);
+        if (yes < 0)
+            goto done;
+        if (yes) { /* padded and consumed while we copied: the reference clears our bytes and raises */
+            PyObject *res = PyObject_CallMethod((PyObject *)self, "_lost_commit", "KKKK", (unsigned long long)idx,
+                                                (unsigned long long)tail, (unsigned long long)need,
+                                                (unsigned long long)size);
+            Py_XDECREF(res);
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_RuntimeError, "_lost_commit returned");
+            goto done;
+        }
+    }
+    result = Py_NewRef(Py_True);
+    goto done;
+full:
+    if (give_up(claim) == 0)
+        result = Py_NewRef(Py_False);
+done:
+    release_parts(views, n);
+    return result;
+}
+
+static PyMemberDef core_members[] = {
+    {"_head_local", T_ULONGLONG, offsetof(RingCore, head_local), 0, "the consumer's own copy of its counter"},
+    {"_tail_local", T_ULONGLONG, offsetof(RingCore, tail_local), 0, "an SPSC producer's own copy of its counter"},
+    {"_head_cache", T_ULONGLONG, offsetof(RingCore, head_cache), 0, "the producer's last valid view of the head"},
+    {"dropped", T_PYSSIZET, offsetof(RingCore, dropped), 0, "corrupt records or counters the consumer discarded"},
+    {NULL},
+};
+
+static PyMethodDef core_methods[] = {
+    {"poll", (PyCFunction)(void (*)(void))core_poll, METH_FASTCALL,
+     "poll(handler, limit=2**30): hand committed payloads to handler in order, then free their space."},
+    {"_push_spsc", (PyCFunction)(void (*)(void))core_push_spsc, METH_FASTCALL, "SPSC try_push_parts(parts)."},
+    {"_push_mpsc", (PyCFunction)(void (*)(void))core_push_mpsc, METH_FASTCALL,
+     "MPSC try_push_parts(parts, producer=0, tag=0, claim=None, revoked=None)."},
+    {NULL},
+};
+
+static PyTypeObject RingCoreType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "cxlrpc._ring.RingCore",
+    .tp_basicsize = sizeof(RingCore),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "A ring's counters and its hot path over coherent memory (see cxlrpc.ring.base).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)core_init,
+    .tp_dealloc = (destructor)core_dealloc,
+    .tp_traverse = (traverseproc)core_traverse,
+    .tp_clear = (inquiry)core_clear,
+    .tp_members = core_members,
+    .tp_methods = core_methods,
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "cxlrpc._ring", "The rings' hot path in C.", -1, NULL};
+
+PyMODINIT_FUNC PyInit__ring(void) {
+    if (PyType_Ready(&RingCoreType) < 0)
+        return NULL;
+#define INTERN(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return NULL
+    INTERN(s_poll_py, "_poll_py");
+    INTERN(s_push_py, "_try_push_parts_py");
+    INTERN(s_bad_tail, "_bad_tail");
+    INTERN(s_store, "store");
+    INTERN(s_open, "_open");
+    INTERN(s_revoke, "_revoke");
+    INTERN(s_lost_commit, "_lost_commit");
+#undef INTERN
+    PyObject *atomicshm = PyImport_ImportModule("atomicshm");
+    if (atomicshm == NULL)
+        return NULL;
+    release_order = PyObject_GetAttrString(atomicshm, "RELEASE");
+    Py_DECREF(atomicshm);
+    if (release_order == NULL)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&RingCoreType);
+    if (PyModule_AddObject(m, "RingCore", (PyObject *)&RingCoreType) < 0) {
+        Py_DECREF(&RingCoreType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

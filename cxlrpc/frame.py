@@ -14,6 +14,7 @@ validated on decode: a frame from shared memory may be garbage.
 """
 from __future__ import annotations
 
+import os
 import struct
 from types import MappingProxyType
 from typing import Any, Mapping
@@ -150,7 +151,7 @@ def out_of_line(head: bytes) -> bytes:
 _unpack = HEADER.unpack_from
 
 
-def decode(view: memoryview) -> Frame:
+def _decode_py(view: memoryview) -> Frame:
     """Decode and validate a frame from a ring payload, copying the body out."""
     n = len(view)
     if n < HEADER_SIZE:
@@ -203,3 +204,14 @@ def _method_name(raw: bytes) -> str:
     if len(_method_names) < 4096:
         _method_names[raw] = method
     return method
+
+
+try:  # the same decode in C (frames without metadata), where the package was built with one
+    from . import _frame as _native
+except ImportError:
+    _native = None
+if _native is not None and not os.environ.get("CXLRPC_NO_NATIVE"):
+    _native.configure(Frame, FrameError, _method_names, _method_name, _decode_py)
+    decode = _native.decode
+else:
+    decode = _decode_py

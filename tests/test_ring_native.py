@@ -1,7 +1,7 @@
 """The rings' native hot path (cxlrpc/_ring.c) against its Python reference.
 
 The model-checked ring suites run the native path wherever it is built; here they run again
-with ``CXLRPC_NO_NATIVE_RINGS=1`` (the reference), and the native path's callouts into the
+with ``CXLRPC_NO_NATIVE=1`` (the reference), and the native path's callouts into the
 Python slow paths, its closed-region check and its state sharing are tested directly.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ def test_native_rings_are_built_where_a_compiler_is() -> None:
     """A build that silently fell back to the reference would make every ring 5-8x slower."""
     if shutil.which("gcc") is None and shutil.which("cc") is None:
         pytest.skip("no C compiler here")
-    if os.environ.get("CXLRPC_NO_NATIVE_RINGS"):
+    if os.environ.get("CXLRPC_NO_NATIVE"):
         pytest.skip("the reference was asked for")
     assert base.NATIVE, "cxlrpc._ring did not build: run pip install -e . and read its output"
     assert SpscRing.try_push_parts is not SpscRing._try_push_parts_py
@@ -41,7 +41,7 @@ def test_native_rings_are_built_where_a_compiler_is() -> None:
 @native
 def test_reference_rings_pass_the_ring_suites() -> None:
     """The same model-checked, cross-process and garbage suites, on the Python reference."""
-    env = {**os.environ, "CXLRPC_NO_NATIVE_RINGS": "1"}
+    env = {**os.environ, "CXLRPC_NO_NATIVE": "1"}
     files = ["test_ring_spsc.py", "test_ring_mpsc.py", "test_ring_claims.py"]
     check = "import cxlrpc.ring.base as b; assert not b.NATIVE"
     assert subprocess.run([sys.executable, "-c", check], env=env, timeout=60).returncode == 0

@@ -19,11 +19,11 @@ from .record import (
 )
 
 try:
-    # CXLRPC_NO_NATIVE_RINGS=1 runs the Python reference instead (tests, and to rule it out)
+    # CXLRPC_NO_NATIVE=1 runs the Python reference instead (tests, and to rule it out)
     from .. import _ring as _native
 except ImportError:  # built by the package where a C compiler exists
     _native = None
-if os.environ.get("CXLRPC_NO_NATIVE_RINGS"):
+if os.environ.get("CXLRPC_NO_NATIVE"):
     _native = None
 
 _SMALL_ZEROS = memoryview(bytes(256))

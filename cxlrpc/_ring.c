@@ -60,13 +60,31 @@ static int check_open(RingCore *r) {
     return 0;
 }
 
+/* ``self.<name>(*args, **kwargs)``: the Python reference takes every call the fast path does not
+ * (memory without coherence, keywords, odd arguments, private counters that are not sane). */
+static PyObject *to_reference(RingCore *self, PyObject *name, PyObject *const *args, Py_ssize_t nargs,
+                              PyObject *kwnames) {
+    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    PyObject *stack[16];
+    if (nargs + nkw + 1 > 16) {
+        PyErr_SetString(PyExc_TypeError, "too many arguments");
+        return NULL;
+    }
+    stack[0] = (PyObject *)self;
+    for (Py_ssize_t i = 0; i < nargs + nkw; i++)
+        stack[i + 1] = args[i];
+    return PyObject_VectorcallMethod(name, stack, (size_t)(nargs + 1), kwnames);
+}
+
+/* A private counter the fast path can trust: aligned and far below 2**64 (no unsigned wrap). */
+static inline int sane(uint64_t counter) { return !(counter & 7) && counter < COUNTER_LIMIT; }
+
 static int core_init(RingCore *self, PyObject *args, PyObject *kwds) {
     PyObject *buf;
-    Py_ssize_t offset;
-    unsigned long long capacity;
+    Py_ssize_t offset, capacity;
     int multi, flushing;
     static char *kwlist[] = {"buf", "offset", "capacity", "multi_producer", "flushing", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OnKpp", kwlist, &buf, &offset, &capacity, &multi, &flushing))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Onnpp", kwlist, &buf, &offset, &capacity, &multi, &flushing))
         return -1;
     if (!PyMemoryView_Check(buf)) {
         PyErr_SetString(PyExc_TypeError, "buf must be a memoryview");
@@ -77,7 +95,7 @@ static int core_init(RingCore *self, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_ValueError, "buf must be a writable contiguous byte buffer");
         return -1;
     }
-    if (capacity < 1024 || capacity > (1ULL << 31) || (capacity & (capacity - 1))) {
+    if (capacity < 1024 || capacity > (1LL << 31) || (capacity & (capacity - 1))) {
         PyErr_SetString(PyExc_ValueError, "ring capacity must be a power of two in [1 KiB, 2 GiB]");
         return -1;
     }
@@ -136,18 +154,17 @@ static void release_to(RingCore *r, uint64_t head, uint64_t pos) {
 }
 
 /* poll(handler, limit=2**30): RingBase._poll_py for coherent memory. */
-static PyObject *core_poll(RingCore *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs < 1 || nargs > 2) {
-        PyErr_SetString(PyExc_TypeError, "poll(handler, limit=2**30)");
-        return NULL;
-    }
-    if (self->flushing)
-        return PyObject_VectorcallMethod(s_poll_py, (PyObject *[]){(PyObject *)self, args[0], nargs > 1 ? args[1] : NULL},
-                                         nargs + 1, NULL);
+static PyObject *core_poll(RingCore *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    if (kwnames || self->flushing || nargs < 1 || nargs > 2 || (nargs == 2 && !PyLong_CheckExact(args[1])) ||
+        !sane(self->head_local))
+        return to_reference(self, s_poll_py, args, nargs, kwnames);
     long long limit = 1LL << 30;
     if (nargs == 2) {
-        limit = PyLong_AsLongLong(args[1]);
-        if (limit == -1 && PyErr_Occurred())
+        int overflow;
+        limit = PyLong_AsLongLongAndOverflow(args[1], &overflow);
+        if (overflow)
+            limit = overflow > 0 ? LLONG_MAX : -1;
+        else if (limit == -1 && PyErr_Occurred())
             return NULL;
     }
     if (check_open(self) < 0)
@@ -182,7 +199,7 @@ static PyObject *core_poll(RingCore *self, PyObject *const *args, Py_ssize_t nar
         uint64_t length = word & LENGTH_MASK;
         uint64_t size = HEADER_SIZE + ((length + 7) & ~7ULL);
         uint64_t kind = (word >> 48) & 0xFF;
-        if (!(word & COMMITTED) || size > cap - idx || pos + size > tail || (kind != KIND_DATA && kind != KIND_PADDING)) {
+        if (!(word & COMMITTED) || size > cap - idx || size > tail - pos || (kind != KIND_DATA && kind != KIND_PADDING)) {
             self->dropped += 1; /* corrupt: nothing up to the tail can be trusted */
             pos = tail;
             break;
@@ -212,7 +229,8 @@ static PyObject *core_poll(RingCore *self, PyObject *const *args, Py_ssize_t nar
     return PyLong_FromLongLong(count);
 }
 
-/* Get the buffers of ``parts`` (a tuple or list of bytes-likes) and their total length. */
+/* Get the buffers of ``parts`` (a sequence of bytes-likes) and their total length: 0, or -1 on
+ * error, or 1 (nothing taken) when there are more than MAX_PARTS. */
 static int get_parts(PyObject *parts, Py_buffer *views, Py_ssize_t *n_out, uint64_t *length) {
     PyObject *seq = PySequence_Fast(parts, "parts must be a sequence of bytes-like objects");
     if (seq == NULL)
@@ -220,8 +238,7 @@ static int get_parts(PyObject *parts, Py_buffer *views, Py_ssize_t *n_out, uint6
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     if (n > MAX_PARTS) {
         Py_DECREF(seq);
-        PyErr_Format(PyExc_ValueError, "a record has at most %d parts", MAX_PARTS);
-        return -1;
+        return 1; /* the caller hands the record to the reference */
     }
     PyObject **items = PySequence_Fast_ITEMS(seq);
     uint64_t total = 0;
@@ -247,7 +264,7 @@ static void release_parts(Py_buffer *views, Py_ssize_t n) {
 
 static void copy_parts(RingCore *r, Py_ssize_t start, Py_buffer *views, Py_ssize_t n) {
     for (Py_ssize_t i = 0; i < n; i++) {
-        memcpy(r->base + start, views[i].buf, (size_t)views[i].len);
+        memmove(r->base + start, views[i].buf, (size_t)views[i].len); /* a part may be a view of the ring */
         start += views[i].len;
     }
 }
@@ -259,22 +276,21 @@ static PyObject *too_long(RingCore *r, uint64_t length) {
 }
 
 static int valid_head(RingCore *r, uint64_t head, uint64_t tail) {
-    return !(head & 7) && head <= tail && head + r->capacity >= tail;
+    return !(head & 7) && head <= tail && tail - head <= r->capacity;
 }
 
 /* try_push_parts(parts): SpscRing._try_push_parts_py for coherent memory. */
-static PyObject *core_push_spsc(RingCore *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 1) {
-        PyErr_SetString(PyExc_TypeError, "try_push_parts(parts)");
-        return NULL;
-    }
-    if (self->flushing)
-        return PyObject_VectorcallMethod(s_push_py, (PyObject *[]){(PyObject *)self, args[0]}, 2, NULL);
+static PyObject *core_push_spsc(RingCore *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    if (kwnames || self->flushing || nargs != 1 || !sane(self->tail_local) || self->head_cache >= COUNTER_LIMIT)
+        return to_reference(self, s_push_py, args, nargs, kwnames);
     Py_buffer views[MAX_PARTS];
     Py_ssize_t n;
     uint64_t length;
-    if (get_parts(args[0], views, &n, &length) < 0)
+    int got = get_parts(args[0], views, &n, &length);
+    if (got < 0)
         return NULL;
+    if (got > 0)
+        return to_reference(self, s_push_py, args, nargs, kwnames);
     PyObject *result = NULL;
     if (check_open(self) < 0)
         goto done;
@@ -289,7 +305,7 @@ static PyObject *core_push_spsc(RingCore *self, PyObject *const *args, Py_ssize_
     if (self->head_cache > tail || tail + need - self->head_cache > cap) {
         uint64_t head = load_acq(self, self->head_at);
         if (!valid_head(self, head, tail)) {
-            if (!(head & 7) && tail < head && head <= tail + cap && tail == self->tail_local)
+            if (!(head & 7) && head > tail && head - tail <= cap && tail == self->tail_local)
                 self->tail_local = self->head_cache = head; /* the consumer ran past our tail over garbage */
             store_rel(self, self->tail_at, self->tail_local); /* repair a garbage tail */
             result = Py_NewRef(Py_False);
@@ -368,39 +384,29 @@ static int ask_revoked(PyObject *revoked) {
 
 /* try_push_parts(parts, producer=0, tag=0, claim=None, revoked=None): MpscRing._try_push_parts_py
  * for coherent memory (its slow paths stay in Python). */
-static PyObject *core_push_mpsc(RingCore *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs < 1 || nargs > 5) {
-        PyErr_SetString(PyExc_TypeError, "try_push_parts(parts, producer=0, tag=0, claim=None, revoked=None)");
-        return NULL;
-    }
-    PyObject *full_args[6] = {(PyObject *)self, args[0], NULL, NULL, Py_None, Py_None};
-    PyObject *zero = NULL;
-    for (Py_ssize_t i = 1; i < 5; i++)
-        full_args[i + 1] = i < nargs ? args[i] : full_args[i + 1];
-    if (self->flushing) {
-        if ((zero = PyLong_FromLong(0)) == NULL)
-            return NULL;
-        if (full_args[2] == NULL) full_args[2] = zero;
-        if (full_args[3] == NULL) full_args[3] = zero;
-        PyObject *res = PyObject_VectorcallMethod(s_push_py, full_args, 6, NULL);
-        Py_DECREF(zero);
-        return res;
-    }
+static PyObject *core_push_mpsc(RingCore *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    if (kwnames || self->flushing || nargs < 1 || nargs > 5 || (nargs > 1 && !PyLong_CheckExact(args[1])) ||
+        (nargs > 2 && !PyLong_CheckExact(args[2])) || self->head_cache >= COUNTER_LIMIT)
+        return to_reference(self, s_push_py, args, nargs, kwnames);
     long producer = 0, tag = 0;
-    if (nargs > 1 && (producer = PyLong_AsLong(args[1])) == -1 && PyErr_Occurred())
+    int overflow = 0, overflow2 = 0;
+    if (nargs > 1 && (producer = PyLong_AsLongAndOverflow(args[1], &overflow)) == -1 && PyErr_Occurred())
         return NULL;
-    if (nargs > 2 && (tag = PyLong_AsLong(args[2])) == -1 && PyErr_Occurred())
+    if (nargs > 2 && (tag = PyLong_AsLongAndOverflow(args[2], &overflow2)) == -1 && PyErr_Occurred())
         return NULL;
-    if (producer < 0 || producer > MAX_PRODUCER || tag < 0 || tag > TAG_MASK) {
+    if (overflow || overflow2 || producer < 0 || producer > MAX_PRODUCER || tag < 0 || tag > TAG_MASK) {
         PyErr_SetString(PyExc_ValueError, "producer id must fit in 16 bits and tag in 6");
         return NULL;
     }
-    PyObject *claim = full_args[4], *revoked = full_args[5];
+    PyObject *claim = nargs > 3 ? args[3] : Py_None, *revoked = nargs > 4 ? args[4] : Py_None;
     Py_buffer views[MAX_PARTS];
     Py_ssize_t n;
     uint64_t length;
-    if (get_parts(args[0], views, &n, &length) < 0)
+    int got = get_parts(args[0], views, &n, &length);
+    if (got < 0)
         return NULL;
+    if (got > 0)
+        return to_reference(self, s_push_py, args, nargs, kwnames);
     PyObject *result = NULL;
     if (check_open(self) < 0)
         goto done;
@@ -435,6 +441,8 @@ static PyObject *core_push_mpsc(RingCore *self, PyObject *const *args, Py_ssize_
             if (res == NULL)
                 goto done;
             Py_DECREF(res);
+            if (check_open(self) < 0) /* a callout: another thread may have closed the region */
+                goto done;
         }
         if (cas(self, self->tail_at, tail, tail + need) == tail)
             break;
@@ -447,17 +455,20 @@ static PyObject *core_push_mpsc(RingCore *self, PyObject *const *args, Py_ssize_
         /* Our record goes to the start: its uncommitted header goes first, so the whole claim is
          * attributable to us before the padding makes it reachable. */
         written[0][0] = data, written[0][1] = tail + to_end, written[0][2] = word;
-        if (cas(self, (Py_ssize_t)data, 0, word) != 0 && call_slow(self, s_open, written, 1, revoked, NULL) < 0)
+        if (cas(self, (Py_ssize_t)data, 0, word) != 0 &&
+            (call_slow(self, s_open, written, 1, revoked, NULL) < 0 || check_open(self) < 0))
             goto done;
         uint64_t pad = COMMITTED | (KIND_PADDING << 48) | ((uint64_t)producer << 32) | (to_end - HEADER_SIZE);
         written[1][0] = data + idx, written[1][1] = tail, written[1][2] = pad;
-        if (cas(self, (Py_ssize_t)(data + idx), 0, pad) != 0 && call_slow(self, s_open, written, 2, revoked, NULL) < 0)
+        if (cas(self, (Py_ssize_t)(data + idx), 0, pad) != 0 &&
+            (call_slow(self, s_open, written, 2, revoked, NULL) < 0 || check_open(self) < 0))
             goto done;
         idx = 0;
         nw = 2;
     } else {
         written[0][0] = data + idx, written[0][1] = tail, written[0][2] = word;
-        if (cas(self, (Py_ssize_t)(data + idx), 0, word) != 0 && call_slow(self, s_open, written, 1, revoked, NULL) < 0)
+        if (cas(self, (Py_ssize_t)(data + idx), 0, word) != 0 &&
+            (call_slow(self, s_open, written, 1, revoked, NULL) < 0 || check_open(self) < 0))
             goto done;
         nw = 1;
     }
@@ -465,7 +476,7 @@ static PyObject *core_push_mpsc(RingCore *self, PyObject *const *args, Py_ssize_
      * into free space, and nothing may be copied or committed there. */
     if (revoked != Py_None && load_acq(self, self->head_at) > tail) {
         int yes = ask_revoked(revoked);
-        if (yes < 0)
+        if (yes < 0 || check_open(self) < 0)
             goto done;
         if (yes) {
             if (nw == 2) { /* the reference passes only the written headers: data's, then the padding */
@@ -482,7 +493,7 @@ static PyObject *core_push_mpsc(RingCore *self, PyObject *const *args, Py_ssize_
     copy_parts(self, (Py_ssize_t)(data + idx) + HEADER_SIZE, views, n);
     if (cas(self, (Py_ssize_t)(data + idx), word, word | COMMITTED) != word && revoked != Py_None) {
         int yes = ask_revoked(revoked);
-        if (yes < 0)
+        if (yes < 0 || check_open(self) < 0)
             goto done;
         if (yes) { /* padded and consumed while we copied: the reference clears our bytes and raises */
             PyObject *res = PyObject_CallMethod((PyObject *)self, "_lost_commit", "KKKK", (unsigned long long)idx,
@@ -513,10 +524,11 @@ static PyMemberDef core_members[] = {
 };
 
 static PyMethodDef core_methods[] = {
-    {"poll", (PyCFunction)(void (*)(void))core_poll, METH_FASTCALL,
+    {"poll", (PyCFunction)(void (*)(void))core_poll, METH_FASTCALL | METH_KEYWORDS,
      "poll(handler, limit=2**30): hand committed payloads to handler in order, then free their space."},
-    {"_push_spsc", (PyCFunction)(void (*)(void))core_push_spsc, METH_FASTCALL, "SPSC try_push_parts(parts)."},
-    {"_push_mpsc", (PyCFunction)(void (*)(void))core_push_mpsc, METH_FASTCALL,
+    {"_push_spsc", (PyCFunction)(void (*)(void))core_push_spsc, METH_FASTCALL | METH_KEYWORDS,
+     "SPSC try_push_parts(parts)."},
+    {"_push_mpsc", (PyCFunction)(void (*)(void))core_push_mpsc, METH_FASTCALL | METH_KEYWORDS,
      "MPSC try_push_parts(parts, producer=0, tag=0, claim=None, revoked=None)."},
     {NULL},
 };

@@ -182,6 +182,8 @@ def test_oversize_and_bad_arguments_raise() -> None:
         ring.try_push_parts((b"x",), 1 << 16)
     with pytest.raises(TypeError):
         ring.try_push_parts(([1, 2],))
-    with pytest.raises(ValueError, match="parts"):
-        ring.try_push_parts((b"x",) * 9)
+    with pytest.raises(ValueError, match="16 bits"):
+        ring.try_push_parts((b"x",), 2**70)
     assert ring.pop() is None
+    assert ring.try_push_parts((b"x",) * 9, producer=2)  # more parts, keywords: the reference takes them
+    assert ring.pop() == b"x" * 9

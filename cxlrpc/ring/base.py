@@ -160,6 +160,8 @@ class RingBase(_Core):
             if kind == KIND_DATA:
                 start = data + idx + HEADER_SIZE
                 handler(buf[start:start + length])
+                if self._head_local != head:  # a nested poll moved the head under this one
+                    raise RuntimeError("a handler polled the ring it was called from")
                 count += 1
             pos += size
         if pos != head:

@@ -4,7 +4,8 @@ then a multi-pod run where 4 client processes replay chats that share a system p
 Every server and client is its own spawned process. Operations: put of a new key every call
 (what an inference engine does with new chunks), put_warm (overwriting a few keys: blocks the
 pool has touched before), get (zero-copy: lease the value and read one byte of it), get_into
-(copy into a preallocated buffer), get_alt (get and get_into alternating on one key) and exists,
+(copy into a preallocated buffer), get_alt (a zero-copy get right after a get_into of the same
+key, the get_into untimed) and exists,
 at 4 KiB, 64 KiB, 1 MiB and 16 MiB; batch_get of 32 x 1 MiB. Each backend runs once per round, rounds in
 rotated order, and the tables show the median across rounds, with changes vs the gRPC twin.
 """
@@ -81,32 +82,31 @@ class _Data:
         out = [(f"get-{s}-{j}", v) for s, vs in self.values.items() for j, v in enumerate(vs)]
         return out + list(self.batch.items())
 
-    def calls(self, kv: Any, it: dict) -> tuple[Callable, list[tuple], list[Any]]:
-        """(function, argument tuples to cycle through, expected result of each) for one item."""
+    def calls(self, kv: Any, it: dict) -> tuple[Callable, list[tuple], list[Any], Callable | None]:
+        """(function, argument tuples to cycle through, expected result of each, an untimed call
+        to make before each timed one or None) for one item."""
         op, size = it["op"], it["size"]
         if op == "batch_get":
             keys = list(self.batch)
-            return kv.batch_get, [(keys,)], [sum(v[0] for v in self.batch.values())]
+            return kv.batch_get, [(keys,)], [sum(v[0] for v in self.batch.values())], None
         vals = self.values[size]
         gets = [f"get-{size}-{j}" for j in range(KEYS_PER_SIZE)]
         if op == "put":  # a new key every call
             fresh, put = itertools.count(), kv.put
             return (lambda value: put(f"new-{size}-{next(fresh)}", value)), [(v,) for v in vals], \
-                [None] * len(vals)
+                [None] * len(vals), None
         if op == "put_warm":
-            return kv.put, [(f"put-{size}-{j}", v) for j, v in enumerate(vals)], [None] * len(vals)
-        if op == "get_alt":  # get, then get_into, on each key in turn
-            out, get, get_into = kv.out_buffer(size), kv.get, kv.get_into
-            args = [(k, alt) for k in gets for alt in (False, True)]
-            want = [size if alt else v[0] for v in vals for alt in (False, True)]
-            return (lambda key, alt: get_into(key, out) if alt else get(key)), args, want
+            return kv.put, [(f"put-{size}-{j}", v) for j, v in enumerate(vals)], [None] * len(vals), None
+        if op == "get_alt":  # each timed get follows an untimed get_into of its key
+            out, get_into = kv.out_buffer(size), kv.get_into
+            return kv.get, [(k,) for k in gets], [v[0] for v in vals], lambda key: get_into(key, out)
         if op == "get":
-            return kv.get, [(k,) for k in gets], [v[0] for v in vals]
+            return kv.get, [(k,) for k in gets], [v[0] for v in vals], None
         if op == "get_into":
             out = kv.out_buffer(size)
-            return kv.get_into, [(k, out) for k in gets], [size] * len(gets)
+            return kv.get_into, [(k, out) for k in gets], [size] * len(gets), None
         if op == "exists":
-            return kv.exists, [(k,) for k in gets], [True] * len(gets)
+            return kv.exists, [(k,) for k in gets], [True] * len(gets), None
         raise ValueError(op)
 
 
@@ -126,7 +126,7 @@ async def _ops_async(conn: Connection, b: Backend, address: Any, items: list[dic
         conn.recv()  # go
         clock, out = time.perf_counter_ns, {}
         for it in items:
-            fn, args, want = data.calls(kv, it)
+            fn, args, want, before = data.calls(kv, it)
             k = len(args)
             for i in range(k):
                 _check(it, await fn(*args[i]), want[i])
@@ -137,6 +137,8 @@ async def _ops_async(conn: Connection, b: Backend, address: Any, items: list[dic
             start = clock()
             for i in range(n):
                 a = args[i % k]
+                if before is not None:
+                    await before(*a)
                 t0 = clock()
                 await fn(*a)
                 samples[i] = clock() - t0
@@ -155,7 +157,7 @@ def _ops_sync(conn: Connection, kv: Any, items: list[dict]) -> None:
     conn.recv()  # go
     clock, out = time.perf_counter_ns, {}
     for it in items:
-        fn, args, want = data.calls(kv, it)
+        fn, args, want, before = data.calls(kv, it)
         k = len(args)
         for i in range(k):
             _check(it, fn(*args[i]), want[i])
@@ -166,6 +168,8 @@ def _ops_sync(conn: Connection, kv: Any, items: list[dict]) -> None:
         start = clock()
         for i in range(n):
             a = args[i % k]
+            if before is not None:
+                before(*a)
             t0 = clock()
             fn(*a)
             samples[i] = clock() - t0

@@ -375,12 +375,16 @@ class KVIndex:
         return lease
 
     def batch_get(self, ns: str, keys: list[str | bytes], lease_s: float | None = None,
-                  owner: Hashable | None = None, hold_s: float = 0.0) -> list[Lease | None]:
+                  owner: Hashable | None = None, hold_s: float = 0.0,
+                  release: Iterable[int] = ()) -> list[Lease | None]:
         """``get`` of each key, with None for a miss instead of KeyError. ``hold_s``: each lease
         outlives its release until that long after the get (Mooncake's read lease: removal and
-        eviction stay blocked for a while after a read)."""
+        eviction stay blocked for a while after a read). ``release``: leases of ``owner`` to
+        end first (see :meth:`release`)."""
         now = self._clock()
         self._expire(now)
+        for lease_id in release:
+            self._release(lease_id, owner, now)
         _check_ns(ns)
         _check_owner(owner)
         duration = self._lease_s(lease_s)
@@ -395,8 +399,11 @@ class KVIndex:
         Returns False (and counts a stale release) if the lease is unknown or already ended, or
         (when ``owner`` is given) belongs to another owner.
         """
-        self._expire(self._clock())
         now = self._clock()
+        self._expire(now)
+        return self._release(lease_id, owner, now)
+
+    def _release(self, lease_id: int, owner: Hashable | None, now: float) -> bool:
         lease = self._leases.get(lease_id)
         if lease is None or (owner is not None and lease.owner != owner):
             self._counters["stale_releases"] += 1

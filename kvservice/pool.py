@@ -241,6 +241,8 @@ class Block:
     be revoked and must not be read after the block ends.
     """
 
+    __slots__ = ("_on_release", "_view", "_base", "_views", "size", "version", "_valid")
+
     def __init__(self, view: memoryview, version: int = 0,
                  on_release: Callable[[bool], None] | None = None,
                  valid: Callable[[], bool] | None = None) -> None:
@@ -248,7 +250,8 @@ class Block:
         # is garbage-collected (``on_release(True)``: it may run inside any allocation)
         self._on_release = on_release
         self._view: memoryview | None = view.toreadonly()
-        self._views: list[memoryview] = [view]
+        self._base = view
+        self._views: list[memoryview] | None = None  # the array()s' views, made on demand
         self.size = len(view)
         self.version = version
         self._valid = valid
@@ -273,6 +276,8 @@ class Block:
     def array(self, dtype: Any = np.uint8, shape: Any = None) -> np.ndarray:
         """The value as a read-only numpy array (no copy), optionally reshaped."""
         view = self.view()[:]
+        if self._views is None:
+            self._views = []
         self._views.append(view)
         arr = np.frombuffer(view, dtype=dtype)
         return arr if shape is None else arr.reshape(shape)
@@ -296,13 +301,14 @@ class Block:
         """End the lease (idempotent) and release the views into the pool."""
         if self._view is None:
             return
-        views, self._views = [self._view, *self._views], []
-        self._view = None
+        views = [self._view, *self._views] if self._views is not None else [self._view]
+        self._view = self._views = None
         for view in views:
             try:
                 view.release()
             except BufferError:
                 pass  # an array still exports it; see the class docstring
+        self._base.release()  # nothing exports the writable view the pool handed us
         on_release, self._on_release = self._on_release, None
         if on_release is not None:
             on_release(False)

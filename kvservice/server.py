@@ -223,9 +223,8 @@ class KVServer:
             self.index.abort_put(ticket_id, owner)
 
     def _get(self, req: w.Get) -> list[Lease | None]:
-        owner = cxlrpc.current_peer()
-        self._end_leases(req.release, owner)
-        return self.index.batch_get(req.ns, req.keys, req.lease_s, owner, req.hold_s)
+        return self.index.batch_get(req.ns, req.keys, req.lease_s, cxlrpc.current_peer(), req.hold_s,
+                                    req.release.ids if req.release is not None else ())
 
     async def _get_stream(self, req: w.GetStream):
         """Lease the keys a chunk at a time, each chunk one item of a server stream: the caller

@@ -137,7 +137,7 @@ def check_coherence(mode: str) -> str:
     return mode
 
 
-def fence(order: int = SEQ_CST) -> None:
-    """A full (by default) memory fence: orders this thread's loads and stores."""
-    atomicshm.fence(order)
+#: ``fence(order=SEQ_CST)``: a full (by default) memory fence, ordering this thread's loads and
+#: stores (the extension's function itself: no Python frame on hot paths).
+fence: Callable[..., None] = atomicshm.fence
 

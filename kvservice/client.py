@@ -183,9 +183,10 @@ class _Ops:
         return blocks
 
     def _block(self, lease: w.Lease) -> Block:
-        view = self.pool.fresh(lease.offset, lease.size)  # a bad offset from the server raises
-        pool, offset, version = self.pool, lease.offset, lease.version
-        return Block(view, version, lambda collected: self._release(lease.lease_id, collected),
+        pool, offset, version, lease_id = self.pool, lease.offset, lease.version, lease.lease_id
+        view = pool.fresh(offset, lease.size)  # a bad offset from the server raises
+        release = self._release
+        return Block(view, version, lambda collected: release(lease_id, collected),
                      lambda: pool.holds(offset, version))
 
     def _release(self, lease_id: int, collected: bool = False) -> None:

@@ -183,8 +183,10 @@ class Pool:
         the fence orders the reads before the check."""
         fence()
         entry = self._entry(offset)
-        self._mem.invalidate(entry, 8)
-        return self._mem.load(entry, ACQUIRE) == version
+        mem = self._mem
+        if mem.flushing:
+            mem.invalidate(entry, 8)
+        return mem.load(entry, ACQUIRE) == version
 
     def fresh(self, offset: int, size: int) -> memoryview:
         """A block another host wrote, to read in place: :meth:`slice` after dropping any

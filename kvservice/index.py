@@ -145,6 +145,11 @@ class _Timers:
             self._heap = [e for e in self._heap if self._alive(e[2])]
             heapq.heapify(self._heap)
 
+    def due(self, now: float) -> bool:
+        """Is a deadline (live or dead) at or before ``now``?"""
+        heap = self._heap
+        return bool(heap) and heap[0][0] <= now
+
     def pop_due(self, now: float) -> list[object]:
         due = []
         heap = self._heap
@@ -369,7 +374,8 @@ class KVIndex:
         now = self._clock()
         self._expire(now)
         _check_owner(owner)
-        lease = self._lease(_check_ns(ns), normalize_key(key), self._lease_s(lease_s), owner, now)
+        key, duration = normalize_key(key), self._lease_s(lease_s)
+        lease = self._lease(self._ns.get(_check_ns(ns)), key, duration, owner, now)
         if lease is None:
             raise KeyError(key)
         return lease
@@ -389,9 +395,10 @@ class KVIndex:
         _check_owner(owner)
         duration = self._lease_s(lease_s)
         if hold_s:
-            self._lease_s(hold_s)  # bounded like a lease
+            duration = max(duration, self._lease_s(hold_s))  # a hold is bounded like a lease
         wanted = [normalize_key(k) for k in keys]  # validate all before granting any lease
-        return [self._lease(ns, k, max(duration, hold_s), owner, now, now + hold_s) for k in wanted]
+        space, lease, hold_until = self._ns.get(ns), self._lease, now + hold_s
+        return [lease(space, k, duration, owner, now, hold_until) for k in wanted]
 
     def release(self, lease_id: int, owner: Hashable | None = None) -> bool:
         """End a lease, freeing its block if it was the last holder of a hidden one.
@@ -501,6 +508,8 @@ class KVIndex:
     # ---- internals --------------------------------------------------------------------------
 
     def _expire(self, now: float) -> int:
+        if not (self._lease_timers.due(now) or self._ticket_timers.due(now) or self._ttl_timers.due(now)):
+            return 0
         n = 0
         for lease in self._lease_timers.pop_due(now):
             if lease.expires_at > now:
@@ -526,9 +535,9 @@ class KVIndex:
                              f"{self._max_lease_s}: renew a lease instead of asking for a long one")
         return lease_s
 
-    def _lease(self, ns: str, key: bytes, duration: float, owner: Hashable | None,
+    def _lease(self, space: _Namespace | None, key: bytes, duration: float, owner: Hashable | None,
                now: float, hold_until: float = 0.0) -> Lease | None:
-        space = self._ns.get(ns)
+        """A lease on ``key``'s value in ``space`` (the caller looked the namespace up)."""
         block = space.entries.get(key) if space is not None else None
         if block is None:
             self._counters["misses"] += 1
@@ -538,11 +547,14 @@ class KVIndex:
         block.last_access = now
         block.leases += 1
         expires_at = now + duration
-        record = _LeaseRec(next(self._ids), block, owner, expires_at, hold_until)
-        self._leases[record.id] = record
-        self._own(owner, record.id)
-        self._lease_timers.push(expires_at, record, len(self._leases))
-        return Lease(record.id, block.offset, block.size, block.version, expires_at, duration)
+        lease_id = next(self._ids)
+        record = _LeaseRec(lease_id, block, owner, expires_at, hold_until)
+        leases = self._leases
+        leases[lease_id] = record
+        if owner is not None:
+            self._own(owner, lease_id)
+        self._lease_timers.push(expires_at, record, len(leases))
+        return Lease(lease_id, block.offset, block.size, block.version, expires_at, duration)
 
     def _plan(self, ns: str, need: int, others: bool = True, own_first: bool = True) -> list[_Block]:
         """Victims freeing ``need`` bytes if possible: own LRU and eligible others' LRU, in the

@@ -31,6 +31,8 @@ Key = str | bytes
 #: Queued releases that go out at once, in a message of their own, rather than wait for the
 #: next request (and the most one request carries): a bound on the request's size.
 _MAX_RELEASES = 64
+#: How long a queued release waits for a request to ride on before it is sent on its own.
+_RELEASE_DELAY_S = 0.0005
 
 
 class KeyNotFound(KeyError, cxlrpc.NotFound):
@@ -259,7 +261,7 @@ class KVClient(_Ops):
         super().__init__(rpc, hello, pool)
         self._loop = asyncio.get_running_loop()
         self._thread = threading.get_ident()  # the loop's: the only one that sends
-        self._flush_armed = False  # a flush is scheduled for the loop's next turn
+        self._flush_armed = False  # a flush is scheduled (_RELEASE_DELAY_S from the first release)
         self._tasks: set[asyncio.Task] = set()
         self._greeting: asyncio.Task | None = None  # the hello callers refused meanwhile share
         #: Leases of blocks held, by id: (when to renew, the lease). One timer renews those due.
@@ -530,9 +532,10 @@ class KVClient(_Ops):
 
     def _arm(self) -> None:
         if self._released and not self._flush_armed:
-            # a request sent before the loop turns takes them; else this sends them
+            # a request sent meanwhile takes them; else this sends them. One timer serves every
+            # release of its window: re-arming at each release cost a callback a get.
             self._flush_armed = True
-            self._loop.call_soon(self._armed_flush)
+            self._loop.call_later(_RELEASE_DELAY_S, self._armed_flush)
 
     def _armed_flush(self) -> None:
         self._flush_armed = False

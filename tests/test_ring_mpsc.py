@@ -595,3 +595,22 @@ def test_backpressure_survives_garbage_head_seen_by_producer() -> None:
     checked_poll(env, [])  # consumer: tail < head, resync (head := tail)
     assert not ring.readable()
     exact_roundtrip(env, 1)
+
+
+@pytest.mark.parametrize("head,tail", [(4096 + 3, 4096), (2**64 - 8, 2**64 - 16), (8, 2**64 - 5)])
+def test_consumer_made_over_garbage_counters_recovers(head: int, tail: int) -> None:
+    """A consumer that attaches while garbage sits in both counters (misaligned, near 2**64)
+    never raises or indexes outside the ring; producers keep working after its repair."""
+    env = Env(4096)
+    env.store_counter(HEAD_OFFSET, head)
+    env.store_counter(TAIL_OFFSET, tail)
+    ring = MpscRing(env.buf, env.mem, GUARD, 4096)
+    ring.attach()
+    got, sent = [], []
+    for i in range(30):
+        rec = payload(i, 50 + 13 * i)
+        if ring.try_push_parts((rec,), 1):
+            sent.append(rec)
+        ring.poll(lambda view: got.append(bytes(view)))
+    assert len(sent) >= 25 and got == sent[len(sent) - len(got):] and len(got) >= 25
+    assert env.guards_intact()

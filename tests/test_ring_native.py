@@ -41,7 +41,10 @@ def test_native_rings_are_built_where_a_compiler_is() -> None:
 @native
 def test_reference_rings_pass_the_ring_suites() -> None:
     """The same model-checked, cross-process and garbage suites, on the Python reference."""
-    env = {**os.environ, "CXLRPC_NO_NATIVE": "1"}
+    import cxlrpc
+    root = str(Path(cxlrpc.__file__).resolve().parents[1])  # the package this run imports
+    env = {**os.environ, "CXLRPC_NO_NATIVE": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     files = ["test_ring_spsc.py", "test_ring_mpsc.py", "test_ring_claims.py"]
     check = "import cxlrpc.ring.base as b; assert not b.NATIVE"
     assert subprocess.run([sys.executable, "-c", check], env=env, timeout=60).returncode == 0

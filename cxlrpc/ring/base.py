@@ -32,6 +32,12 @@ _SMALL_ZEROS = memoryview(bytes(256))
 COUNTER_LIMIT = 1 << 62
 
 
+def adoptable(counter: int) -> int:
+    """A counter read from shared memory, as a private copy may start from it: itself when
+    aligned and below COUNTER_LIMIT, else 0 (garbage; the peers' repairs converge from there)."""
+    return counter if not counter & 7 and counter < COUNTER_LIMIT else 0
+
+
 class _PyCore:
     """Where the native module is not built: the state RingBase keeps lives in its __dict__."""
 
@@ -79,7 +85,7 @@ class RingBase(_Core):
         #: from the other side invalidated first (see cxlrpc.memory).  Checked inline, so the
         #: coherent hot path pays one attribute test per site.
         self._flushing = mem.flushing
-        self._head_local = self._head.load(ACQUIRE)  # consumer's own copy of its counter
+        self._head_local = self._adopted_head()  # consumer's own copy of its counter
         self._head_cache = self._head_local  # producer's last valid view of the head
         self.dropped = 0  # corrupt records or counters the consumer discarded
 
@@ -94,7 +100,16 @@ class RingBase(_Core):
     def attach(self) -> None:
         """Adopt the ring's published counters (a process taking over an existing ring)."""
         self.mem.invalidate(self._head_at, 8)
-        self._head_local = self._head_cache = self._head.load(ACQUIRE)
+        self._head_local = self._head_cache = self._adopted_head()
+
+    def _adopted_head(self) -> int:
+        """The head a private copy starts from: the published one, or where the tail stands
+        when the head is garbage (what lies between cannot be trusted; a consumer's first
+        poll then republishes it)."""
+        head = self._head.load(ACQUIRE)
+        if not head & 7 and head < COUNTER_LIMIT:
+            return head
+        return adoptable(self._tail.load(ACQUIRE))
 
     def _span(self, op: Callable[[int, int], None], start: int, end: int) -> None:
         """Write back or invalidate the data bytes of positions [start, end) (wrapping)."""

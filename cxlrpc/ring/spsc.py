@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Iterable, Sequence
 
 from ..memory import ACQUIRE, RELAXED, RELEASE, AtomicMemory
-from .base import _native, RingBase
+from .base import _native, RingBase, adoptable
 from .record import COMMITTED, HEADER_SIZE, KIND_DATA, KIND_PADDING
 
 
@@ -18,7 +18,7 @@ class SpscRing(RingBase):
 
     def __init__(self, buf: memoryview, mem: AtomicMemory, offset: int, capacity: int) -> None:
         super().__init__(buf, mem, offset, capacity)
-        self._tail_local = self._tail.load(RELAXED)
+        self._tail_local = adoptable(self._tail.load(RELAXED))
 
     def reset(self) -> None:
         super().reset()
@@ -27,14 +27,14 @@ class SpscRing(RingBase):
     def attach(self) -> None:
         super().attach()
         self.mem.invalidate(self._tail_at, 8)
-        self._tail_local = self._tail.load(ACQUIRE)
+        self._tail_local = adoptable(self._tail.load(ACQUIRE))
 
     def skip_to_tail(self) -> None:
         """Consumer only: discard everything published so far (a new holder of the ring)."""
         self.mem.invalidate(self._tail_at, 8)
         tail = self._tail.load(ACQUIRE)
         if tail & 7 or tail >= (1 << 62):
-            tail = self._head.load(ACQUIRE)  # garbage tail: the producer republishes its own
+            tail = adoptable(self._head.load(ACQUIRE))  # garbage tail: the producer republishes its own
         self._head_local = tail
         self._store_head(tail)
 

@@ -317,8 +317,12 @@ class _Base:
             mb = fr.method_bytes(method)
             if len(self._methods) < 4096:
                 self._methods[method] = mb
-        raw, body = fr.encode_body(arg)
-        flags |= raw
+        if type(arg) is bytes:
+            flags |= fr.RAW
+            body = arg
+        else:
+            raw, body = fr.encode_body(arg)
+            flags |= raw
         prefix = mb
         if metadata:
             prefix = mb + fr.encode_metadata(metadata)

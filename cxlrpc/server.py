@@ -18,7 +18,6 @@ import logging
 import threading
 import time
 from asyncio import current_task as _current_task
-from asyncio.events import _get_running_loop
 from asyncio.tasks import _enter_task, _leave_task
 from contextvars import ContextVar
 from typing import Any, Awaitable, Callable, Mapping, NamedTuple, NoReturn, Sequence
@@ -126,7 +125,7 @@ class _Method:
     at registration (a handler that cannot be served is refused there, not on every call)."""
 
     __slots__ = ("fn", "is_async", "streaming", "requests", "streams", "blocking", "arg_type",
-                 "takes_arg")
+                 "raw_arg", "takes_arg")
 
     def __init__(self, name: str, fn: Handler, blocking: bool = False,
                  requests: bool | None = None) -> None:
@@ -175,6 +174,8 @@ class _Method:
                                 f"`async def` (or an async generator) taking it as its argument")
             self.arg_type = item_type if stream_of else None
         self.streams = self.streaming or self.requests
+        #: A raw (bytes-like) body is the argument itself: no decoding to do.
+        self.raw_arg = self.arg_type is None or self.arg_type is bytes or self.arg_type is Any
 
 
 class Server:
@@ -246,6 +247,7 @@ class Server:
         self._region: Region | None = None
         self._chan: ServerChannel | FlushServerChannel | None = None
         self._reader: asyncio.Task | None = None
+        self._event_loop: asyncio.AbstractEventLoop | None = None  # the loop that serves
         self._tasks: dict[tuple[int, int, int], asyncio.Task] = {}
         #: Calls the server cancelled (their deadline passed, their caller broke the stream
         #: protocol), with the error their caller gets.
@@ -337,7 +339,8 @@ class Server:
             self._region = None
             raise
         self._region.publish()
-        self._reader = asyncio.get_running_loop().create_task(self._serve())
+        self._event_loop = asyncio.get_running_loop()
+        self._reader = self._event_loop.create_task(self._serve())
 
     async def close(self, grace: float | None = None) -> None:
         """Stop serving, first letting calls in flight finish for up to ``grace`` seconds
@@ -560,11 +563,16 @@ class Server:
         if m is None:
             self._error(f, StatusCode.UNIMPLEMENTED, f"unknown method {f.method!r}")
             return
-        try:
-            arg = fr.decode_body(f.flags, f.body, m.arg_type) if m.takes_arg else _NO_ARG
-        except Exception as exc:  # DecodeError, ValidationError, RecursionError on deep nesting
-            self._error(f, StatusCode.INVALID_ARGUMENT, f"bad request for {f.method!r}: {exc}")
-            return
+        if not m.takes_arg:
+            arg = _NO_ARG
+        elif f.flags & fr.RAW and m.raw_arg:
+            arg = f.body
+        else:
+            try:
+                arg = fr.decode_body(f.flags, f.body, m.arg_type)
+            except Exception as exc:  # DecodeError, ValidationError, RecursionError on deep nesting
+                self._error(f, StatusCode.INVALID_ARGUMENT, f"bad request for {f.method!r}: {exc}")
+                return
         if m.is_async:
             ctx = _handler_context(call)
             try:
@@ -661,7 +669,7 @@ class Server:
         it on), or _FAILED (the error was sent)."""
         eager = _EagerTask()
         try:
-            step = ctx.run(_first_step, coro, eager)
+            step = ctx.run(_first_step, coro, eager, self._event_loop)
         except (Exception, asyncio.CancelledError) as exc:
             self._fail(f, exc)
             return _FAILED
@@ -1105,11 +1113,10 @@ def _handler_context(call: HandlerContext) -> contextvars.Context:
     return ctx
 
 
-def _first_step(coro: Any, eager: _EagerTask) -> Any:
-    """``coro.send(None)`` with ``eager`` as the loop's current task (the reader's restored):
+def _first_step(coro: Any, eager: _EagerTask, loop: asyncio.AbstractEventLoop) -> Any:
+    """``coro.send(None)`` with ``eager`` as ``loop``'s current task (the reader's restored):
     what it yields, or _RETURNED with its result in ``eager.value`` (caught here, the
     StopIteration costs no traceback through the callers' frames)."""
-    loop = _get_running_loop()
     reader = _current_task(loop)
     _leave_task(loop, reader)
     _enter_task(loop, eager)

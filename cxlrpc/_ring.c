@@ -275,6 +275,27 @@ static PyObject *too_long(RingCore *r, uint64_t length) {
     return NULL;
 }
 
+/* The start both pushes share: the parts' buffers and total length, checked against the region
+ * and the ring's limit. 0: go on, the buffers are held. 1: the push is over, *out is its result
+ * (the reference's, when there are more parts than MAX_PARTS) or NULL with an error set, and
+ * nothing is held. */
+static int take_parts(RingCore *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
+                      Py_buffer *views, Py_ssize_t *n, uint64_t *length, PyObject **out) {
+    int got = get_parts(args[0], views, n, length);
+    *out = NULL;
+    if (got < 0)
+        return 1;
+    if (got > 0) {
+        *out = to_reference(self, s_push_py, args, nargs, kwnames);
+        return 1;
+    }
+    if (check_open(self) < 0 || (*length > self->max_payload && too_long(self, *length) == NULL)) {
+        release_parts(views, *n);
+        return 1;
+    }
+    return 0;
+}
+
 static int valid_head(RingCore *r, uint64_t head, uint64_t tail) {
     return !(head & 7) && head <= tail && tail - head <= r->capacity;
 }
@@ -286,18 +307,10 @@ static PyObject *core_push_spsc(RingCore *self, PyObject *const *args, Py_ssize_
     Py_buffer views[MAX_PARTS];
     Py_ssize_t n;
     uint64_t length;
-    int got = get_parts(args[0], views, &n, &length);
-    if (got < 0)
-        return NULL;
-    if (got > 0)
-        return to_reference(self, s_push_py, args, nargs, kwnames);
-    PyObject *result = NULL;
-    if (check_open(self) < 0)
-        goto done;
-    if (length > self->max_payload) {
-        too_long(self, length);
-        goto done;
-    }
+    PyObject *result;
+    if (take_parts(self, args, nargs, kwnames, views, &n, &length, &result))
+        return result;
+    result = NULL;
     uint64_t cap = self->capacity, tail = self->tail_local;
     uint64_t size = HEADER_SIZE + ((length + 7) & ~7ULL);
     uint64_t idx = tail & self->mask, to_end = cap - idx;
@@ -402,18 +415,10 @@ static PyObject *core_push_mpsc(RingCore *self, PyObject *const *args, Py_ssize_
     Py_buffer views[MAX_PARTS];
     Py_ssize_t n;
     uint64_t length;
-    int got = get_parts(args[0], views, &n, &length);
-    if (got < 0)
-        return NULL;
-    if (got > 0)
-        return to_reference(self, s_push_py, args, nargs, kwnames);
-    PyObject *result = NULL;
-    if (check_open(self) < 0)
-        goto done;
-    if (length > self->max_payload) {
-        too_long(self, length);
-        goto done;
-    }
+    PyObject *result;
+    if (take_parts(self, args, nargs, kwnames, views, &n, &length, &result))
+        return result;
+    result = NULL;
     uint64_t cap = self->capacity, mask = self->mask;
     uint64_t size = HEADER_SIZE + ((length + 7) & ~7ULL);
     uint64_t tail, idx, to_end, need;

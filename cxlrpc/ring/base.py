@@ -32,10 +32,15 @@ _SMALL_ZEROS = memoryview(bytes(256))
 COUNTER_LIMIT = 1 << 62
 
 
+def sane(counter: int) -> bool:
+    """Could a correct peer have published this counter (aligned, below COUNTER_LIMIT)?"""
+    return not counter & 7 and counter < COUNTER_LIMIT
+
+
 def adoptable(counter: int) -> int:
     """A counter read from shared memory, as a private copy may start from it: itself when
-    aligned and below COUNTER_LIMIT, else 0 (garbage; the peers' repairs converge from there)."""
-    return counter if not counter & 7 and counter < COUNTER_LIMIT else 0
+    sane, else 0 (garbage; the peers' repairs converge from there)."""
+    return counter if sane(counter) else 0
 
 
 class _PyCore:
@@ -107,9 +112,7 @@ class RingBase(_Core):
         when the head is garbage (what lies between cannot be trusted; a consumer's first
         poll then republishes it)."""
         head = self._head.load(ACQUIRE)
-        if not head & 7 and head < COUNTER_LIMIT:
-            return head
-        return adoptable(self._tail.load(ACQUIRE))
+        return head if sane(head) else adoptable(self._tail.load(ACQUIRE))
 
     def _span(self, op: Callable[[int, int], None], start: int, end: int) -> None:
         """Write back or invalidate the data bytes of positions [start, end) (wrapping)."""

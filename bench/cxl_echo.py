@@ -21,7 +21,8 @@ def serve(conn: Connection, address: str, max_payload: int = 1 << 20, doorbell: 
     """Serve ``echo`` on ``address`` until the parent says stop; close cleanly (unlinks the region).
 
     ``handler``: ``"async"`` (an ``async def``, what users write and what grpc.aio servicers
-    are) or ``"plain"`` (a plain function, the cheapest shape). ``coherence``: the server's
+    are), ``"plain"`` (a plain function, the cheapest shape) or ``"view"`` (a plain function
+    taking a ``memoryview``: it reads the request in place, as iceoryx2's server does). ``coherence``: the server's
     ``"hardware"`` or ``"flush"`` layout (flush: each client's own request ring of ``cap``).
     Bodies past a ring go through the heap: ``max_payload`` raises ``max_message_size`` only
     past its 64 MiB default."""
@@ -37,7 +38,10 @@ def serve(conn: Connection, address: str, max_payload: int = 1 << 20, doorbell: 
         def echo_plain(payload: bytes) -> bytes:
             return payload
 
-        server.add_method("echo", echo_async if handler == "async" else echo_plain)
+        def echo_view(payload: memoryview) -> memoryview:
+            return payload
+
+        server.add_method("echo", {"async": echo_async, "plain": echo_plain, "view": echo_view}[handler])
 
         async with server:
             conn.send(("ready", {"pid": os.getpid(), "address": address, "capacity": cap}))

@@ -52,7 +52,8 @@ _G_AIO_SRV, _G_SYNC_SRV = "bench.grpc_echo:serve_aio", "bench.grpc_echo:serve_sy
 _G_AIO, _G_SYNC = "bench.grpc_echo:open_aio", "bench.grpc_echo:open_sync"
 
 # cxlrpc servers use an ``async def`` handler (the shape users write, as grpc.aio's servicers
-# are) unless the row says "plain handler". Flush-mode rows lay the region out for memory without
+# are) unless the row says "plain handler" (a plain function; "memoryview": taking the request
+# as a memoryview, read in place). Flush-mode rows lay the region out for memory without
 # cross-host coherence: on this machine's normal memory their write-backs and invalidations are
 # real instructions, so they show a lower bound of that cost.
 ECHO: tuple[Transport, ...] = (
@@ -64,6 +65,9 @@ ECHO: tuple[Transport, ...] = (
     Transport("cxl-aio-plain", "cxlrpc aio adaptive, plain handler", "cxlrpc", _CXL_SRV, _CXL_AIO,
               True, "shm", {"doorbell": "adaptive", "handler": "plain"}, {"doorbell": "adaptive"},
               needs="cxlrpc"),
+    Transport("cxl-aio-view", "cxlrpc aio adaptive, plain memoryview handler", "cxlrpc", _CXL_SRV,
+              _CXL_AIO, True, "shm", {"doorbell": "adaptive", "handler": "view"},
+              {"doorbell": "adaptive"}, needs="cxlrpc"),
     Transport("cxl-sync", "cxlrpc sync adaptive", "cxlrpc", _CXL_SRV, _CXL_SYNC, False, "shm",
               {"doorbell": "adaptive"}, {"doorbell": "adaptive"}, needs="cxlrpc"),
     Transport("cxl-aio-spin", "cxlrpc aio busy-spin", "cxlrpc", _CXL_SRV, _CXL_AIO, True, "shm",

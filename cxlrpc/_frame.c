@@ -2,7 +2,8 @@
  * and documents the format; frames flagged META go to it whole).
  *
  * Every header field is validated as the reference does (a frame from shared memory may be
- * garbage) and the same FrameError is raised. The body is copied out of the ring.
+ * garbage) and the same FrameError is raised. The body is copied out of the ring, except a
+ * request's whose method is in ``lend``: it is a read-only view into the record.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -18,6 +19,7 @@
 #define FLAG_STREAM 8
 #define KNOWN_FLAGS (FLAG_RAW | FLAG_HEAP | FLAG_META | FLAG_STREAM)
 #define MAX_KIND 9
+#define KIND_REQUEST 1
 
 /* Set by configure(): Frame, FrameError, the method-name cache (bytes -> str), the reference's
  * _method_name(raw) (decodes, validates, caches) and its decode (for META frames). */
@@ -39,7 +41,34 @@ static PyObject *configure(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *decode(PyObject *self, PyObject *view_obj) {
+/* A read-only view of view_obj[start:] (it keeps the exporter alive: no raw pointer escapes). */
+static PyObject *lent_body(PyObject *view_obj, Py_ssize_t start) {
+    PyObject *at = PyLong_FromSsize_t(start);
+    if (at == NULL)
+        return NULL;
+    PyObject *slice = PySlice_New(at, NULL, NULL);
+    Py_DECREF(at);
+    if (slice == NULL)
+        return NULL;
+    PyObject *sub = PyObject_GetItem(view_obj, slice);
+    Py_DECREF(slice);
+    if (sub == NULL)
+        return NULL;
+    PyObject *body = PyObject_CallMethod(sub, "toreadonly", NULL);
+    Py_DECREF(sub);
+    return body;
+}
+
+static PyObject *decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "decode(view, lend=None) takes one or two arguments");
+        return NULL;
+    }
+    PyObject *view_obj = args[0], *lend = nargs == 2 && args[1] != Py_None ? args[1] : NULL;
+    if (lend != NULL && !PyAnySet_Check(lend)) {
+        PyErr_SetString(PyExc_TypeError, "lend must be a set or frozenset of method names, or None");
+        return NULL;
+    }
     if (frame_type == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "cxlrpc._frame is not configured");
         return NULL;
@@ -68,7 +97,7 @@ static PyObject *decode(PyObject *self, PyObject *view_obj) {
     }
     if (flags & FLAG_META) { /* metadata: the reference decodes it (and raises BadMetadata) */
         PyBuffer_Release(&view);
-        return PyObject_CallOneArg(reference_decode, view_obj);
+        return PyObject_Vectorcall(reference_decode, args, nargs, NULL);
     }
     if (mlen) {
         PyObject *raw = PyBytes_FromStringAndSize((const char *)p + HEADER_SIZE, mlen);
@@ -88,7 +117,10 @@ static PyObject *decode(PyObject *self, PyObject *view_obj) {
         if (method == NULL)
             goto done;
     }
-    body = PyBytes_FromStringAndSize((const char *)p + end, n - end);
+    int lent = 0;
+    if (lend != NULL && kind == KIND_REQUEST && (lent = PySet_Contains(lend, method)) < 0)
+        goto done;
+    body = lent ? lent_body(view_obj, end) : PyBytes_FromStringAndSize((const char *)p + end, n - end);
     if (body == NULL)
         goto done;
     PyObject *fields[9];
@@ -118,7 +150,9 @@ done:
 static PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS,
      "configure(Frame, FrameError, method_cache, method_name, reference_decode): bind the reference's pieces."},
-    {"decode", decode, METH_O, "Decode and validate a frame from a ring payload, copying the body out."},
+    {"decode", (PyCFunction)(void (*)(void))decode, METH_FASTCALL,
+     "decode(view, lend=None): decode and validate a frame from a ring payload, copying the body "
+     "out (a request's whose method is in lend: a read-only view into view)."},
     {NULL, NULL, 0, NULL},
 };
 

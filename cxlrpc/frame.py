@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import struct
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import AbstractSet, Any, Mapping
 
 import msgspec
 
@@ -69,7 +69,7 @@ class BadMetadata(FrameError):
 
 
 class Frame(msgspec.Struct, gc=False):
-    """A decoded frame; ``body`` is already copied out of the ring."""
+    """A decoded frame; ``body`` is copied out of the ring (a lent body: a read-only view of it)."""
 
     kind: int
     flags: int
@@ -79,7 +79,7 @@ class Frame(msgspec.Struct, gc=False):
     call_id: int
     timeout: float
     method: str
-    body: bytes
+    body: bytes | memoryview
     #: Read-only call metadata (flag META; empty without).
     metadata: Mapping[str, str] = NO_METADATA
 
@@ -94,11 +94,13 @@ def encode_body(value: Any) -> tuple[int, bytes | memoryview]:
         raise InvalidArgument(f"cannot encode {type(value).__name__}: {exc}") from exc
 
 
-def decode_body(flags: int, body: bytes, type_: Any = None) -> Any:
+def decode_body(flags: int, body: bytes | memoryview, type_: Any = None) -> Any:
     """Inverse of :func:`encode_body`, validating into ``type_`` when given."""
     if flags & RAW:
         if type_ is None or type_ is bytes or type_ is Any:
             return body
+        if type_ is memoryview:
+            return body if type(body) is memoryview else memoryview(body)
         return msgspec.convert(body, type_)
     if type_ is None:
         type_ = Any
@@ -151,8 +153,9 @@ def out_of_line(head: bytes) -> bytes:
 _unpack = HEADER.unpack_from
 
 
-def _decode_py(view: memoryview) -> Frame:
-    """Decode and validate a frame from a ring payload, copying the body out."""
+def _decode_py(view: memoryview, lend: AbstractSet[str] | None = None) -> Frame:
+    """Decode and validate a frame from a ring payload, copying the body out; a request's whose
+    method is in ``lend`` is a read-only view into ``view`` instead (valid while the record is)."""
     n = len(view)
     if n < HEADER_SIZE:
         raise FrameError(f"frame of {n} bytes is shorter than its header")
@@ -173,9 +176,13 @@ def _decode_py(view: memoryview) -> Frame:
         except FrameError as exc:
             raise BadMetadata(str(exc), Frame(kind, flags, status, slot, gen, call_id, timeout,
                                               method, b"")) from None
-        return Frame(kind, flags, status, slot, gen, call_id, timeout, method, bytes(view[end:]),
-                     metadata)
-    return Frame(kind, flags, status, slot, gen, call_id, timeout, method, bytes(view[end:]))
+    else:
+        metadata = NO_METADATA
+    if lend is not None and kind == REQUEST and method in lend:
+        body: bytes | memoryview = view[end:].toreadonly()
+    else:
+        body = bytes(view[end:])
+    return Frame(kind, flags, status, slot, gen, call_id, timeout, method, body, metadata)
 
 
 def _metadata(view: memoryview, start: int, n: int) -> tuple[Mapping[str, str], int]:

@@ -45,6 +45,13 @@ class HeapAccess:
         self.mem.writeback(self.start + offset, length)
         return length
 
+    def view(self, offset: int, length: int) -> memoryview:
+        """A read-only view of the extent, in place (its lines invalidated first)."""
+        self.check(offset, length)
+        at = self.start + offset
+        self.mem.invalidate(at, length)
+        return self.buf[at:at + length].toreadonly()
+
     def read(self, offset: int, length: int) -> bytes:
         """A copy of the extent (its lines invalidated first: another host wrote them)."""
         self.check(offset, length)
@@ -60,6 +67,7 @@ class ServerHeap:
         self.access = access
         self._alloc = PoolAllocator(access.size, UNIT)
         self._owners: dict[int, tuple[int, int, int]] = {}  # offset -> (slot, gen, length)
+        self._lent: set[int] = set()  # extents a handler still reads: kept past their owner
 
     def alloc(self, slot: int, gen: int, length: int) -> int | None:
         """An extent of ``length`` bytes for the connection, or None while the heap is full."""
@@ -82,9 +90,21 @@ class ServerHeap:
         self._alloc.free(offset)
         return True
 
+    def lend(self, offset: int) -> None:
+        """A handler reads the extent in place past this call: keep it, even if its owner
+        departs, until :meth:`give_back`."""
+        self._lent.add(offset)
+
+    def give_back(self, offset: int) -> None:
+        """The handler is done with a lent extent: free it (its owner may be gone)."""
+        self._lent.discard(offset)
+        if self._owners.pop(offset, None) is not None:
+            self._alloc.free(offset)
+
     def release_owner(self, slot: int, gen: int) -> int:
-        """Free everything a departed connection held; how many extents."""
-        mine = [off for off, (s, g, _) in self._owners.items() if (s, g) == (slot, gen)]
+        """Free everything a departed connection held, but what is lent; how many extents."""
+        mine = [off for off, (s, g, _) in self._owners.items()
+                if (s, g) == (slot, gen) and off not in self._lent]
         for offset in mine:
             self.free(offset, slot, gen)
         return len(mine)

@@ -125,7 +125,7 @@ class _Method:
     at registration (a handler that cannot be served is refused there, not on every call)."""
 
     __slots__ = ("fn", "is_async", "streaming", "requests", "streams", "blocking", "arg_type",
-                 "raw_arg", "takes_arg")
+                 "raw_arg", "takes_arg", "view_arg")
 
     def __init__(self, name: str, fn: Handler, blocking: bool = False,
                  requests: bool | None = None) -> None:
@@ -174,8 +174,19 @@ class _Method:
                                 f"`async def` (or an async generator) taking it as its argument")
             self.arg_type = item_type if stream_of else None
         self.streams = self.streaming or self.requests
+        #: The request is a read-only ``memoryview`` of the body (``arg: memoryview``), where
+        #: it lies when the handler's shape allows (see :attr:`lends`).
+        self.view_arg = self.arg_type is memoryview
         #: A raw (bytes-like) body is the argument itself: no decoding to do.
-        self.raw_arg = self.arg_type is None or self.arg_type is bytes or self.arg_type is Any
+        self.raw_arg = (self.arg_type is None or self.arg_type is bytes or self.arg_type is Any
+                        or self.view_arg)
+
+    @property
+    def lends(self) -> bool:
+        """Whether the body may be lent to the handler, in place: it takes a memoryview and
+        runs in the loop (a plain function reads the ring record before it is reused; a
+        coroutine, which may outlive the record, gets a copy of it but keeps a heap extent)."""
+        return self.view_arg and not (self.blocking or self.streams)
 
 
 class Server:
@@ -243,6 +254,8 @@ class Server:
             fr.HEALTH: _Method(fr.HEALTH, self._health),
             fr.LIST_METHODS: _Method(fr.LIST_METHODS, self._list_methods),
         }
+        #: Methods whose request bodies are lent to the handler as views (None: no such method)
+        self._lend: frozenset[str] | None = None
         self._on_disconnect: list[Callable[[Peer], None]] = []
         self._region: Region | None = None
         self._chan: ServerChannel | FlushServerChannel | None = None
@@ -278,6 +291,9 @@ class Server:
         ``blocking=True`` to run it in a thread (a deadline then ends the call, not the thread).
         Streams: an async generator streams its replies (``client.stream``); a parameter
         annotated ``AsyncIterator[T]`` receives a stream of requests (``client.open_stream``).
+        A parameter annotated ``memoryview`` is a read-only view of the request body in place
+        (the ring record for a plain function, the heap extent for it and ``async def``), lent
+        until the handler is done; otherwise it is a view of a copy.
         """
         def register(fn: Handler) -> Handler:
             self.add_method(name, fn, blocking=blocking)
@@ -296,6 +312,8 @@ class Server:
         if name in self._methods:
             raise ValueError(f"method {name!r} is already registered")
         self._methods[name] = _Method(name, fn, blocking, requests)
+        lend = frozenset(n for n, m in self._methods.items() if m.lends)
+        self._lend = lend if lend and not self._interceptors else None
 
     def add_service(self, service: type, impl: object, prefix: str | None = None) -> None:
         """Serve ``impl``'s methods under the names the typed ``service`` declares
@@ -507,7 +525,7 @@ class Server:
     def _dispatch(self, view: memoryview) -> None:
         """Decode, check the sender still holds its slot, run the handler (inline when plain)."""
         try:
-            f = fr.decode(view)
+            f = fr.decode(view, self._lend)
         except fr.BadMetadata as exc:
             self._bad_metadata(exc.frame, str(exc))
             return
@@ -543,8 +561,27 @@ class Server:
             else:
                 self._drop()
             return
-        if f.flags & fr.HEAP and not self._take_body(f):
+        if not f.flags & fr.HEAP:
+            self._dispatch_request(f)
             return
+        extent = self._take_body(f)
+        if extent is None:
+            return
+        carried = False
+        try:
+            carried = self._dispatch_request(f, extent)
+        finally:
+            if extent >= 0 and not carried:  # a lent body: the handler is done with it
+                _take_back(f.body)
+                self._heap.free(extent, f.slot, f.gen)
+                self._heap_freed()
+
+    def _dispatch_request(self, f: fr.Frame, extent: int = -1) -> bool | None:
+        """A request whose body is at hand: run its handler (inline when plain) and reply.
+        ``extent``: the heap extent its body is a lent view of (-1: none); True when a task
+        that goes on reading it took it over."""
+        chan = self._chan
+        slot = f.slot
         if self._draining and not f.method.startswith(fr.RESERVED_PREFIX):
             self._error(f, StatusCode.UNAVAILABLE, "server is shutting down")
             return
@@ -567,6 +604,8 @@ class Server:
             arg = _NO_ARG
         elif f.flags & fr.RAW and m.raw_arg:
             arg = f.body
+            if m.view_arg and type(arg) is bytes:  # not lent (the handler may outlive the record)
+                arg = memoryview(arg)
         else:
             try:
                 arg = fr.decode_body(f.flags, f.body, m.arg_type)
@@ -574,15 +613,17 @@ class Server:
                 self._error(f, StatusCode.INVALID_ARGUMENT, f"bad request for {f.method!r}: {exc}")
                 return
         if m.is_async:
+            if type(f.body) is memoryview and extent < 0:
+                arg = memoryview(bytes(arg))  # lent by the ring, which reuses it once we return
             ctx = _handler_context(call)
             try:
                 coro = m.fn() if arg is _NO_ARG else m.fn(arg)
             except Exception as exc:
                 self._fail(f, exc)
                 return
-            result = self._run_eagerly(coro, f, slot, ctx)
+            result = self._run_eagerly(coro, f, slot, ctx, extent)
             if result is _SUSPENDED:
-                return
+                return extent >= 0
         elif m.blocking:
             ctx = _handler_context(call)
             run = functools.partial(ctx.run, m.fn) if arg is _NO_ARG else functools.partial(ctx.run, m.fn, arg)
@@ -594,9 +635,14 @@ class Server:
                 result = m.fn() if arg is _NO_ARG else m.fn(arg)
             except Exception as exc:
                 self._fail(f, exc)
+                if type(arg) is memoryview:
+                    _take_back(arg)
                 return
             finally:
                 _current_call.reset(token)
+            if type(arg) is memoryview and m.view_arg:  # the body was lent: answer, then take it back
+                self._lent_reply(f, arg, result)
+                return
             if inspect.iscoroutine(result):  # a plain function that returned a coroutine
                 ctx = _handler_context(call)
                 result = self._run_eagerly(result, f, slot, ctx)
@@ -612,6 +658,21 @@ class Server:
                 chan.ring_client(slot, f.gen)
                 return
         self._reply(f, result)
+
+    def _lent_reply(self, f: fr.Frame, body: memoryview, result: Any) -> None:
+        """Reply to a call whose handler read its body in place, then end the handler's view."""
+        try:
+            if inspect.iscoroutine(result):  # it could go on reading the body after we reuse it
+                result.close()
+                raise TypeError(f"handler for {f.method!r} takes a memoryview (lent only while "
+                                f"a plain function runs) but returned a coroutine: make it an "
+                                f"`async def` (it then gets a copy)")
+            if f.call_id != fr.NO_REPLY:
+                self._reply(f, result)  # a reply that is a view of the body is copied out here
+        except Exception as exc:
+            self._fail(f, exc)
+        finally:
+            _take_back(body)
 
     def _dispatch_intercepted(self, m: _Method | None, f: fr.Frame, call: HandlerContext) -> None:
         """Run a call through the interceptors, inline up to its first suspension as a
@@ -662,11 +723,13 @@ class Server:
         if f.kind == fr.REQUEST and self._chan.slot_generation(f.slot) == f.gen:
             self._error(f, StatusCode.INVALID_ARGUMENT, f"bad request metadata: {message}")
 
-    def _run_eagerly(self, coro: Any, f: fr.Frame, slot: int, ctx: contextvars.Context) -> Any:
+    def _run_eagerly(self, coro: Any, f: fr.Frame, slot: int, ctx: contextvars.Context,
+                     extent: int = -1) -> Any:
         """Run a handler's coroutine inline up to its first suspension, in its own context and
         with a stand-in as the current task (what 3.12's eager tasks do): one that never
         suspends costs no task and no loop iteration. Its result, or _SUSPENDED (a task carries
-        it on), or _FAILED (the error was sent)."""
+        it on, and the heap extent ``f.body`` is a lent view of, if any), or _FAILED (the error
+        was sent)."""
         eager = _EagerTask()
         try:
             step = ctx.run(_first_step, coro, eager, self._event_loop)
@@ -676,7 +739,16 @@ class Server:
         if step is _RETURNED:
             return eager.value
         self._suspended(coro, step, f, slot, ctx, eager)
+        if extent >= 0:
+            self._heap.lend(extent)
+            eager.task.add_done_callback(functools.partial(self._give_back, extent, f.body))
         return _SUSPENDED
+
+    def _give_back(self, extent: int, view: memoryview, _: asyncio.Task) -> None:
+        """A handler task that read its body in the heap ended: free the extent."""
+        _take_back(view)
+        self._heap.give_back(extent)
+        self._heap_freed()
 
     def _suspended(self, coro: Any, step: Any, f: fr.Frame, slot: int, ctx: contextvars.Context,
                    eager: "_EagerTask") -> None:
@@ -987,21 +1059,26 @@ class Server:
                                             slot, gen, call_id, 0.0, b""),
                        f"the heap had no room for {size} bytes before the deadline".encode())
 
-    def _take_body(self, f: fr.Frame) -> bool:
-        """Replace an out-of-line request's extent by its bytes (and free the extent); False
-        (the request answered or dropped) when the extent is not the sender's."""
+    def _take_body(self, f: fr.Frame) -> int | None:
+        """Replace an out-of-line request's extent by its bytes and free the extent (-1), or,
+        for a method that lends its body (the frame's body is a view), by a read-only view of
+        the extent, kept until the handler is done (its offset); None (the request answered or
+        dropped) when the extent is not the sender's."""
         heap = self._heap
         if heap is not None and len(f.body) == EXTENT.size:
             offset, length = EXTENT.unpack(f.body)
             if heap.owned(offset, length, f.slot, f.gen):
-                f.body = heap.access.read(offset, length)
                 f.flags &= ~fr.HEAP
+                if type(f.body) is memoryview:
+                    f.body = heap.access.view(offset, length)
+                    return offset
+                f.body = heap.access.read(offset, length)
                 heap.free(offset, f.slot, f.gen)
                 self._heap_freed()
-                return True
+                return -1
         self._drop()
         self._error(f, StatusCode.INVALID_ARGUMENT, "request body is not in a heap extent of its own")
-        return False
+        return None
 
     def _flush_backlog(self) -> None:
         """Retry responses that met a full response ring (backpressure, never loss)."""
@@ -1092,6 +1169,15 @@ class _EagerTask:
 
     def get_loop(self) -> asyncio.AbstractEventLoop:
         return asyncio.get_running_loop()
+
+
+def _take_back(view: memoryview) -> None:
+    """End a lent body's view once its handler returned: a handler that kept it gets an error
+    on use, not bytes of a later request (views it derived stay its own to drop)."""
+    try:
+        view.release()
+    except BufferError:  # the handler still exports it (say, np.frombuffer): it must not
+        pass
 
 
 def _cancel(task: asyncio.Task) -> None:

@@ -39,6 +39,10 @@ def _server(url: str, **opts) -> cxlrpc.Server:
     def digest(payload: bytes) -> str:
         return hashlib.sha256(payload).hexdigest()
 
+    @server.method("digest_in_place")
+    def digest_in_place(payload: memoryview) -> str:  # reads its heap extent where it lies
+        return hashlib.sha256(payload).hexdigest()
+
     @server.method("slow")
     async def slow(payload: bytes) -> int:
         await asyncio.sleep(0.2)
@@ -200,7 +204,7 @@ HEAP_SITES = _heap_flush_sites()
 
 
 def test_the_heap_mutation_test_sees_both_sites():
-    assert sorted(m for m, _ in HEAP_SITES) == ["read", "write"], HEAP_SITES
+    assert sorted(m for m, _ in HEAP_SITES) == ["read", "view", "write"], HEAP_SITES
 
 
 @pytest.mark.parametrize("site", HEAP_SITES, ids=[f"{m}:{n}" for m, n in HEAP_SITES])
@@ -219,7 +223,10 @@ async def test_removing_a_heap_flush_or_invalidate_breaks_big_bodies(name, site,
     async with _server(url), cxlrpc.connect(url) as client:
         payload = os.urandom(300_000)
         try:
+            other = os.urandom(300_000)  # not what the extent held when last read
             ok = (await client.call("digest", payload, timeout=10) == hashlib.sha256(payload).hexdigest()
+                  and await client.call("digest_in_place", other, timeout=10)
+                  == hashlib.sha256(other).hexdigest()
                   and await client.call("make", [300_000, 5], timeout=10) == b"\x05" * 300_000)
         except cxlrpc.RpcError:
             ok = False

@@ -54,6 +54,7 @@ class _Call(NamedTuple):
 
 
 _Steps = Generator[_Call, Any, Any]
+_LEASES = list[w.Lease | None]  # what a get returns
 
 
 def _single(call: _Call) -> _Steps:
@@ -169,7 +170,11 @@ class _Ops:
 
     def _get(self, keys: Iterable[Key], ns: str, lease_s: float | None, hold_s: float = 0.0) -> _Steps:
         leases = yield _Call("get", w.Get(ns, [normalize_key(k) for k in keys], lease_s, hold_s,
-                                          self._carry()), list[w.Lease | None])
+                                          self._carry()), _LEASES)
+        return self._blocks(leases)
+
+    def _blocks(self, leases: list[w.Lease | None]) -> list[Block | None]:
+        """A block per lease (None for a miss); on failure every lease taken is ended."""
         blocks: list[Block | None] = []
         try:
             for lease in leases:
@@ -297,8 +302,37 @@ class KVClient(_Ops):
         return await self._drive(self._begin_put(key, size, namespace, ttl, self._drive))
 
     async def get(self, key: Key, namespace: str = "", lease_s: float | None = None) -> Block:
-        """Lease ``key``'s value for zero-copy reading (``with`` ends the lease); KeyNotFound."""
-        return self._one(key, await self._drive(self._get([key], namespace, lease_s)))
+        """Lease ``key``'s value for zero-copy reading (``with`` ends the lease); KeyNotFound.
+
+        The hot path of an inference engine: ``_drive`` of ``_get`` unrolled for one RPC (the
+        generator and its driver cost the client more than the RPC layer did)."""
+        req = w.Get(namespace, [normalize_key(key)], lease_s, 0.0, self._carry())
+        if self._released:  # more than one request carries: they go first
+            self._flush()
+        try:
+            leases = await self.rpc.call("get", req, response_type=_LEASES)
+        except asyncio.CancelledError:
+            self._unsent(req, None)
+            raise
+        except Exception as exc:
+            self._unsent(req, exc)
+            if not self._refused(exc):
+                raise
+            await self._greet()  # a restarted server: the get starts anew, as _drive does
+            return self._one(key, await self._drive(self._get([key], namespace, lease_s)))
+        if len(leases) != 1:  # a server that broke the protocol: end what it leased
+            for block in self._blocks(leases):
+                if block is not None:
+                    block.release()
+            raise cxlrpc.Internal(f"the server answered a get of one key with {len(leases)} leases")
+        lease = leases[0]
+        if lease is None:
+            raise KeyNotFound(key)
+        try:
+            return self._block(lease)
+        except BaseException:
+            self._release(lease.lease_id)
+            raise
 
     async def batch_get(self, keys: Iterable[Key], namespace: str = "",
                         lease_s: float | None = None, hold_s: float = 0.0) -> list[Block | None]:
@@ -509,10 +543,16 @@ class KVClient(_Ops):
             return  # the server ends the lease when it sees us gone
         self._released.append(lease_id)
         try:
-            if threading.get_ident() == self._thread:
-                self._ended(lease_id, collected)
-            else:  # released (or collected) in another thread: the loop sends it
-                self._loop.call_soon_threadsafe(self._ended, lease_id, True)
+            if threading.get_ident() != self._thread:  # released or collected in another
+                self._loop.call_soon_threadsafe(self._ended, lease_id, True)  # thread
+            elif collected:
+                self._ended(lease_id, True)
+            else:  # _ended and _queued inline: this runs once per get
+                self._held.pop(lease_id, None)
+                if len(self._released) >= _MAX_RELEASES:
+                    self._flush()
+                elif not self._flush_armed:
+                    self._arm()
         except RuntimeError:
             pass  # the loop is closed: the server ends the lease when it sees us gone
 

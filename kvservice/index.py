@@ -640,7 +640,11 @@ class KVIndex:
 
     def _own(self, owner: Hashable | None, record_id: int) -> None:
         if owner is not None:
-            self._owners.setdefault(owner, set()).add(record_id)
+            ids = self._owners.get(owner)
+            if ids is None:  # not setdefault: that makes a set per lease to throw away
+                self._owners[owner] = {record_id}
+            else:
+                ids.add(record_id)
 
     def _disown(self, owner: Hashable | None, record_id: int) -> None:
         ids = self._owners.get(owner) if owner is not None else None

@@ -301,11 +301,11 @@ class Block:
 
     def release(self) -> None:
         """End the lease (idempotent) and release the views into the pool."""
-        if self._view is None:
+        view, views = self._view, self._views
+        if view is None:
             return
-        views = [self._view, *self._views] if self._views is not None else [self._view]
         self._view = self._views = None
-        for view in views:
+        for view in (view, *views) if views is not None else (view,):
             try:
                 view.release()
             except BufferError:

@@ -403,6 +403,26 @@ async def test_releases_of_a_failed_get_are_queued_again(url):
                            timeout=2)
 
 
+async def test_a_get_answered_with_two_leases_ends_both_and_raises(url):
+    """A server that breaks the protocol (two leases for one key) leaks no lease: the client
+    ends both and says what happened."""
+    async with KVServer(url, pool_size=1 * MiB) as server, KVClient.connect(url) as kv:
+        await kv.batch_put({"a": b"1" * 100, "b": b"2" * 100})
+        real = kv.rpc.call
+
+        async def two_keys(method, arg=None, **options):
+            if method == "get":
+                arg = w.Get(arg.ns, [b"a", b"b"], arg.lease_s, arg.hold_s, arg.release)
+            return await real(method, arg, **options)
+
+        kv.rpc.call = two_keys
+        with pytest.raises(cxlrpc.Internal, match="one key with 2 leases"):
+            await kv.get("a")
+        del kv.rpc.call
+        assert await kv.get_bytes("b") == b"2" * 100  # carries the two releases
+        assert await until(_stats_are(server, leases=0), timeout=2), server.stats()
+
+
 # ---- the blocking client and the command line -------------------------------------------------
 
 async def test_blocking_client(url):

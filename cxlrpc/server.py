@@ -651,13 +651,23 @@ class Server:
         if result is _FAILED or f.call_id == fr.NO_REPLY:
             return
         # Fast path of _reply: the slot was checked above and nothing ran in between.
-        if type(result) is bytes and slot not in self._backlog:
-            ring = chan.responses[slot]
-            head = fr.HEADER.pack(fr.RESPONSE, fr.RAW, 0, slot, f.gen, f.call_id, 0.0, 0)
-            if fr.HEADER_SIZE + len(result) <= ring.max_payload and ring.try_push_parts((head, result)):
-                chan.ring_client(slot, f.gen)
+        if slot in self._backlog:
+            self._reply(f, result)
+            return
+        if type(result) is bytes:
+            flags, body = fr.RAW, result
+        else:
+            try:
+                flags, body = fr.encode_body(result)
+            except RpcError as exc:
+                self._error(f, StatusCode.INTERNAL, f"cannot encode the result: {exc.message}")
                 return
-        self._reply(f, result)
+        ring = chan.responses[slot]
+        head = fr.HEADER.pack(fr.RESPONSE, flags, 0, slot, f.gen, f.call_id, 0.0, 0)
+        if fr.HEADER_SIZE + len(body) <= ring.max_payload and ring.try_push_parts((head, body)):
+            chan.ring_client(slot, f.gen)
+        else:  # too big for the ring, or the ring is full: the heap, or the backlog
+            self._send(slot, f.gen, head, body)
 
     def _lent_reply(self, f: fr.Frame, body: memoryview, result: Any) -> None:
         """Reply to a call whose handler read its body in place, then end the handler's view."""

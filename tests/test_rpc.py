@@ -246,6 +246,34 @@ async def test_oversized_request_is_resource_exhausted(url):
             await client.call("echo", b"x" * (64 << 10), timeout=5)
 
 
+async def test_typed_results_too_big_for_the_ring_or_unencodable(url):
+    """A MessagePack result goes through the heap when it outgrows the ring, and one that
+    cannot be encoded is INTERNAL, naming it, from plain and async handlers alike."""
+    server = cxlrpc.Server(url, request_capacity=64 << 10, response_capacity=64 << 10,
+                           max_message_size=1 << 20)
+
+    @server.method("points")
+    def points(n: int) -> list[Point]:
+        return [Point(i, -i) for i in range(n)]
+
+    @server.method("odd")
+    def odd() -> object:
+        return object()
+
+    @server.method("aodd")
+    async def aodd() -> object:
+        await asyncio.sleep(0)
+        return object()
+
+    async with server, cxlrpc.connect(url) as client:
+        many = await client.call("points", 20_000, response_type=list[Point], timeout=5)
+        assert len(many) == 20_000 and many[-1] == Point(19_999, -19_999)  # ~100 KiB: the heap
+        for method in ("odd", "aodd"):
+            with pytest.raises(cxlrpc.Internal, match="cannot encode the result: cannot encode object"):
+                await client.call(method, timeout=5)
+        assert await client.call("points", 2, response_type=list[Point], timeout=5) == [Point(0, 0), Point(1, -1)]
+
+
 async def test_oversized_response_is_resource_exhausted(url):
     server = cxlrpc.Server(url, request_capacity=1 << 20, response_capacity=64 << 10,
                            max_message_size=1 << 20)

@@ -648,26 +648,8 @@ class Server:
                 result = self._run_eagerly(result, f, slot, ctx)
                 if result is _SUSPENDED:
                     return
-        if result is _FAILED or f.call_id == fr.NO_REPLY:
-            return
-        # Fast path of _reply: the slot was checked above and nothing ran in between.
-        if slot in self._backlog:
-            self._reply(f, result)
-            return
-        if type(result) is bytes:
-            flags, body = fr.RAW, result
-        else:
-            try:
-                flags, body = fr.encode_body(result)
-            except RpcError as exc:
-                self._error(f, StatusCode.INTERNAL, f"cannot encode the result: {exc.message}")
-                return
-        ring = chan.responses[slot]
-        head = fr.HEADER.pack(fr.RESPONSE, flags, 0, slot, f.gen, f.call_id, 0.0, 0)
-        if fr.HEADER_SIZE + len(body) <= ring.max_payload and ring.try_push_parts((head, body)):
-            chan.ring_client(slot, f.gen)
-        else:  # too big for the ring, or the ring is full: the heap, or the backlog
-            self._send(slot, f.gen, head, body)
+        if result is not _FAILED:
+            self._reply(f, result, held=True)  # the slot was checked above, nothing ran since
 
     def _lent_reply(self, f: fr.Frame, body: memoryview, result: Any) -> None:
         """Reply to a call whose handler read its body in place, then end the handler's view."""
@@ -965,15 +947,28 @@ class Server:
             detail = f"{type(exc).__name__}: {exc}" if self.error_details else "the handler failed"
             self._error(f, StatusCode.INTERNAL, detail)
 
-    def _reply(self, f: fr.Frame, result: Any) -> None:
+    def _reply(self, f: fr.Frame, result: Any, held: bool = False) -> None:
+        """Answer ``f`` with ``result``: straight into the ring when it fits and nothing waits
+        ahead of it, else through :meth:`_send`. ``held``: the caller knows the slot is still
+        the sender's (a plain handler just ran inline)."""
         if f.call_id == fr.NO_REPLY:
             return
-        try:
-            flags, body = fr.encode_body(result)
-        except RpcError as exc:
-            self._error(f, StatusCode.INTERNAL, f"cannot encode the result: {exc.message}")
-            return
-        self._send(f.slot, f.gen, fr.header(fr.RESPONSE, flags, 0, f.slot, f.gen, f.call_id, 0.0, b""), body)
+        if type(result) is bytes:
+            flags, body = fr.RAW, result
+        else:
+            try:
+                flags, body = fr.encode_body(result)
+            except RpcError as exc:
+                self._error(f, StatusCode.INTERNAL, f"cannot encode the result: {exc.message}")
+                return
+        chan, slot = self._chan, f.slot
+        head = fr.HEADER.pack(fr.RESPONSE, flags, 0, slot, f.gen, f.call_id, 0.0, 0)
+        if slot not in self._backlog and (held or chan.slot_generation(slot) == f.gen):
+            ring = chan.responses[slot]
+            if fr.HEADER_SIZE + len(body) <= ring.max_payload and ring.try_push_parts((head, body)):
+                chan.ring_client(slot, f.gen)
+                return
+        self._send(slot, f.gen, head, body)  # the heap, the backlog, or nobody left to answer
 
     def _error(self, f: fr.Frame, code: int, message: str) -> None:
         if f.call_id == fr.NO_REPLY:

@@ -393,10 +393,8 @@ class KVIndex:
         self._expire(now)
         for lease_id in release:
             self._release(lease_id, owner, now)
-        if type(ns) is not str:
-            _check_ns(ns)  # raises
-        if owner is not None:
-            hash(owner)  # _check_owner
+        _check_ns(ns)
+        _check_owner(owner)
         duration = self._lease_s(lease_s)
         if hold_s:
             duration = max(duration, self._lease_s(hold_s))  # a hold is bounded like a lease
@@ -512,9 +510,7 @@ class KVIndex:
     # ---- internals --------------------------------------------------------------------------
 
     def _expire(self, now: float) -> int:
-        leases, tickets, ttls = self._lease_timers._heap, self._ticket_timers._heap, self._ttl_timers._heap
-        if not ((leases and leases[0][0] <= now) or (tickets and tickets[0][0] <= now)
-                or (ttls and ttls[0][0] <= now)):  # _Timers.due, inline: this runs every call
+        if not (self._lease_timers.due(now) or self._ticket_timers.due(now) or self._ttl_timers.due(now)):
             return 0
         n = 0
         for lease in self._lease_timers.pop_due(now):

@@ -572,9 +572,7 @@ class Server:
             carried = self._dispatch_request(f, extent)
         finally:
             if extent >= 0 and not carried:  # a lent body: the handler is done with it
-                _take_back(f.body)
-                self._heap.free(extent, f.slot, f.gen)
-                self._heap_freed()
+                self._give_back(extent, f.body)
 
     def _dispatch_request(self, f: fr.Frame, extent: int = -1) -> bool | None:
         """A request whose body is at hand: run its handler (inline when plain) and reply.
@@ -659,8 +657,7 @@ class Server:
                 raise TypeError(f"handler for {f.method!r} takes a memoryview (lent only while "
                                 f"a plain function runs) but returned a coroutine: make it an "
                                 f"`async def` (it then gets a copy)")
-            if f.call_id != fr.NO_REPLY:
-                self._reply(f, result)  # a reply that is a view of the body is copied out here
+            self._reply(f, result, held=True)  # a view of the body is copied out here
         except Exception as exc:
             self._fail(f, exc)
         finally:
@@ -736,8 +733,9 @@ class Server:
             eager.task.add_done_callback(functools.partial(self._give_back, extent, f.body))
         return _SUSPENDED
 
-    def _give_back(self, extent: int, view: memoryview, _: asyncio.Task) -> None:
-        """A handler task that read its body in the heap ended: free the extent."""
+    def _give_back(self, extent: int, view: memoryview, _: asyncio.Task | None = None) -> None:
+        """A handler (or the task that finished it) that read its body in the heap is done:
+        end its view and free the extent."""
         _take_back(view)
         self._heap.give_back(extent)
         self._heap_freed()

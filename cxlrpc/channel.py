@@ -35,7 +35,7 @@ from typing import Sequence
 from .doorbell import Doorbell, DoorbellReceiver, wake_address
 from .identity import host_identity
 from .memory import ACQ_REL, ACQUIRE, FLUSH, RELAXED, RELEASE, check_coherence
-from .region import HEADER_SIZE as REGION_HEADER, Region, RegionError, pid_alive
+from .region import HEADER_SIZE as REGION_HEADER, PidWatch, Region, RegionError
 from .ring import MpscRing, SpscRing, ring_size
 from .ring.mpsc import NO_CLAIM, ClaimRevoked
 from .ring.record import TAG_MASK
@@ -219,6 +219,7 @@ class ServerChannel:
         self.bell = DoorbellReceiver(mem.counter(CONTROL + _SERVER_PARKED),
                                      wake_address(region.epoch, "server"), poll_interval)
         self._liveness = [Liveness(0.0) for _ in range(geo.slots)]
+        self._pids = [PidWatch() for _ in range(geo.slots)]  # holders that share our identity
         self.seen: list[int | None] = [None] * geo.slots  # generation last seen claimed (or sending)
         self.state.store(STATE_RUNNING, RELEASE)
 
@@ -261,6 +262,7 @@ class ServerChannel:
                 self.seen[i] = None
             if not word & 1:
                 self._liveness[i].forget()
+                self._pids[i].close()
                 continue
             live = self._liveness[i]
             live.timeout = timeout
@@ -268,7 +270,7 @@ class ServerChannel:
             base = self.geo.slot(i)
             identity = mem.load(base + _SLOT_IDENTITY, ACQUIRE)
             local = identity == self.identity
-            if live.stale(beat, now) or (local and pid_dead_here(mem.load(base + _SLOT_PID, ACQUIRE))):
+            if live.stale(beat, now) or (local and self._pids[i].dead(mem.load(base + _SLOT_PID, ACQUIRE))):
                 if self.slot_state[i].cas(word, word & ~1, ACQ_REL) == word:
                     live.forget()
                     departed.append((i, gen))
@@ -311,16 +313,13 @@ class ServerChannel:
             if gen >= 0:
                 self.ring_client(slot, gen)
         self.bell.close()
+        for watch in self._pids:
+            watch.close()
 
 
 def client_wake_address(epoch: int, slot: int, gen: int) -> bytes:
     """The wake-up socket address of one holder (generation) of a slot."""
     return wake_address(epoch, f"c{slot}.{gen}")
-
-
-def pid_dead_here(pid: int) -> bool:
-    """Host-local accelerator: the PID hint (of a peer with our host identity) is gone."""
-    return 0 < pid < (1 << 32) and not pid_alive(pid)
 
 
 class _ServerWatch:
@@ -548,6 +547,7 @@ class FlushServerChannel:
         self._gens = [0] * geo.slots
         self._nonces = [0] * geo.slots  # the knock last granted (a stale knock is not a new one)
         self._liveness = [Liveness(0.0) for _ in range(geo.slots)]
+        self._pids = [PidWatch() for _ in range(geo.slots)]  # holders that share our identity
         self.seen: list[int | None] = [None] * geo.slots
         self.state.store(STATE_RUNNING, RELEASE)  # written back when the region is published
 
@@ -591,7 +591,7 @@ class FlushServerChannel:
             live.timeout = timeout
             if (live.stale(beat, now) or (ours and load(base + _F_RELEASED, ACQUIRE) == gen)
                     or (ours and load(base + _F_IDENTITY, ACQUIRE) == self.identity
-                        and pid_dead_here(load(base + _F_PID, ACQUIRE)))):
+                        and self._pids[i].dead(load(base + _F_PID, ACQUIRE)))):
                 self._free(i, gen)
                 departed.append((i, gen))
         return departed
@@ -608,6 +608,7 @@ class FlushServerChannel:
         self._publish_grant(slot, _grant_word(self._nonces[slot], gen, False))
         self._held[slot] = -1
         self._liveness[slot].forget()
+        self._pids[slot].close()
         self.seen[slot] = None
         self.requests.active.remove(self.request_rings[slot])
 
@@ -624,6 +625,8 @@ class FlushServerChannel:
         self.state.store(STATE_CLOSED, RELEASE)
         self.region.mem.writeback(CONTROL, 64)
         self.bell.close()
+        for watch in self._pids:
+            watch.close()
 
 
 class FlushClientChannel(_ServerWatch):

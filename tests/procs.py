@@ -100,10 +100,29 @@ def client_holding_slot(url: str, call_slow: bool = False) -> mp.Process:
 
 
 def cpu_seconds(pid: int) -> float:
-    """User+system CPU time of a process, from /proc."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU time all threads of a process ran, in ns-resolution (/proc schedstat; the stat
+    file's clock ticks are 10 ms, too coarse for an idle budget of milliseconds)."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except FileNotFoundError:
+            pass  # the thread ended meanwhile
+    return total / 1e9
+
+
+def wakeups(pid: int) -> int:
+    """Voluntary context switches of all threads of a process: how often it slept and woke."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                total += sum(int(line.split()[1]) for line in f
+                             if line.startswith("voluntary_ctxt_switches"))
+        except FileNotFoundError:
+            pass
+    return total
 
 
 # ----------------------------------------------------------------------------- fault-suite helpers

@@ -23,7 +23,7 @@ from cxlrpc.channel import read_geometry
 from cxlrpc.memory import ACQUIRE
 from cxlrpc.region import Region, parse_url, unlink_shm
 
-from procs import report
+from procs import cpu_seconds, report
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -85,12 +85,6 @@ class Peer:
                 self.kill()
         for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
             f.close()
-
-
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def slot_claimed(url: str, slot: int) -> bool:

@@ -4,13 +4,16 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
 
 import posix_ipc
 import pytest
 
 import cxlrpc
 from cxlrpc.memory import RELEASE
-from cxlrpc.region import HEADER_SIZE, Region, RegionError, UninitializedRegion, parse_url, unlink_shm
+from cxlrpc import region as region_mod
+from cxlrpc.region import (HEADER_SIZE, PidWatch, Region, RegionError, UninitializedRegion, parse_url,
+                           unlink_shm)
 
 
 def test_create_open_round_trip_and_owner_only(url, name):
@@ -116,3 +119,73 @@ def test_another_user_cannot_open_a_region(url, name):
     finally:
         region.unlink()
         region.close()
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("budget", [region_mod.PIDFD_BUDGET, 0], ids=["pidfd", "proc-fallback"])
+def test_pid_watch_sees_a_child_live_then_dead(monkeypatch, budget):
+    """A live child reads alive; killed (a zombie, not yet reaped) it reads dead, and stays dead
+    once reaped, with a pidfd and with the /proc fallback; close() gives the descriptor back."""
+    monkeypatch.setattr(region_mod, "PIDFD_BUDGET", budget)
+    fds = _open_fds()
+    child = subprocess.Popen(["sleep", "30"])
+    watch = PidWatch()
+    try:
+        assert watch.alive(child.pid) and not watch.dead(child.pid)
+        assert _open_fds() == fds + (1 if budget else 0)  # the pipe-less child holds none
+        child.kill()
+        deadline = time.monotonic() + 5
+        while watch.alive(child.pid) and time.monotonic() < deadline:
+            time.sleep(0.005)  # exit is asynchronous to kill(): poll the condition
+        assert watch.dead(child.pid), "a killed, unreaped child (a zombie) still reads alive"
+        child.wait(5)
+        assert watch.dead(child.pid)
+    finally:
+        child.kill()
+        child.wait(5)
+        watch.close()
+    assert _open_fds() == fds
+
+
+def test_pid_watch_follows_a_new_pid_and_ignores_garbage_hints():
+    """Another PID replaces the watched one (its pidfd closed); 0 (not written) and values no
+    pid_t can hold are no proof of death; a PID that never existed reads dead."""
+    a = subprocess.Popen(["sleep", "30"])
+    b = subprocess.Popen(["sleep", "30"])
+    watch = PidWatch()
+    fds = _open_fds()
+    try:
+        assert watch.alive(a.pid)
+        a.kill()
+        a.wait(5)
+        assert watch.alive(b.pid) and _open_fds() == fds + 1
+        for hint in (0, -5, 1 << 31, 1 << 40):
+            assert not watch.dead(hint) and not watch.alive(hint)
+        pid_max = int(open("/proc/sys/kernel/pid_max").read())
+        assert watch.dead(pid_max)  # above every PID the kernel hands out
+    finally:
+        for p in (a, b):
+            p.kill()
+            p.wait(5)
+        watch.close()
+
+
+def test_pidfd_budget_is_shared_and_returned(monkeypatch):
+    """Past PIDFD_BUDGET watches fall back to /proc (still correct) instead of taking more
+    descriptors; closing a watch returns its share of the budget."""
+    monkeypatch.setattr(region_mod, "PIDFD_BUDGET", region_mod._pidfds_open + 1)
+    first, second = PidWatch(), PidWatch()
+    fds = _open_fds()
+    try:
+        assert first.alive(os.getpid()) and second.alive(os.getppid())
+        assert _open_fds() == fds + 1  # only the first got a pidfd
+        first.close()
+        second.close()
+        assert second.alive(os.getppid()) and _open_fds() == fds + 1  # the budget came back
+    finally:
+        first.close()
+        second.close()
+    assert _open_fds() == fds

@@ -25,7 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from cxlrpc.memory import ACQUIRE, HARDWARE, RELEASE, fence
+from cxlrpc.memory import (ACQUIRE, HARDWARE, RELEASE, STREAM_COLD_MIN, STREAM_WARM_MIN, fence,
+                           stream_bytes, stream_copy)
 from cxlrpc.region import HEADER_SIZE, Region, RegionError, parse_url, prefault
 
 POOL_KIND = 2
@@ -211,9 +212,13 @@ class Pool:
         return self.data[offset:offset + size]
 
     def write(self, offset: int, data: memoryview) -> None:
-        """Copy ``data`` into the block at ``offset`` and fence, before the commit publishes it."""
+        """Copy ``data`` into the block at ``offset`` and fence, before the commit publishes it
+        (a big value with streaming stores: the block is cold, its readers elsewhere)."""
         dst = self.slice(offset, len(data))
-        dst[:] = data
+        if len(data) >= STREAM_COLD_MIN:
+            stream_copy(dst, data)
+        else:
+            dst[:] = data
         dst.release()
         self.written(offset, len(data))
 
@@ -286,7 +291,8 @@ class Block:
 
     def tobytes(self) -> bytes:
         """A copy of the value (checked after the copy)."""
-        data = self.view().tobytes()
+        view = self.view()
+        data = stream_bytes(view) if self.size >= STREAM_WARM_MIN else view.tobytes()
         self.check()
         return data
 
@@ -295,7 +301,10 @@ class Block:
         dst = memoryview(out).cast("B")
         if len(dst) < self.size:
             raise ValueError(f"buffer of {len(dst)} bytes is too small for {self.size}")
-        dst[:self.size] = self.view()
+        if self.size >= STREAM_WARM_MIN:
+            stream_copy(dst, self.view())
+        else:
+            dst[:self.size] = self.view()
         self.check()
         return self.size
 

@@ -317,6 +317,24 @@ async def test_block_views_fail_safely(url):
     assert not os.path.exists(f"/dev/shm/cxlrpc.{url[6:]}.pool")
 
 
+async def test_big_values_round_trip_through_every_copy(url):
+    """Values past the sizes where copies switch to streaming stores (into the pool from
+    STREAM_COLD_MIN, out of it from STREAM_WARM_MIN), at odd lengths: put, get_into, get_bytes
+    and the zero-copy view all see the bytes put."""
+    from cxlrpc.memory import STREAM_COLD_MIN, STREAM_WARM_MIN
+    async with KVServer(url, pool_size=32 * MiB) as server, KVClient.connect(url) as kv:
+        for size in (STREAM_COLD_MIN + 3, STREAM_WARM_MIN + 4097):
+            value = os.urandom(size)
+            await kv.put("big", value)
+            out = np.zeros(size + 10, np.uint8)
+            assert await kv.get_into("big", out) == size
+            assert out[:size].tobytes() == value and not out[size:].any()
+            assert await kv.get_bytes("big") == value
+            with await kv.get("big") as block:
+                assert block.view() == value
+        assert await until(_no_leases(server), timeout=5)
+
+
 # ---- lease releases ride on the next request ---------------------------------------------------
 
 async def test_each_release_rides_on_the_next_get_so_a_get_is_one_message(url):

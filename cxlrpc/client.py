@@ -49,6 +49,17 @@ _RETRY_FIRST, _RETRY_MAX = 0.002, 0.1
 ClientInterceptor = Callable[[str, Any, dict, Callable[[str, Any, dict], Any]], Any]
 
 
+class _LateReply:
+    """Where the reply of a call whose caller gave up goes (``Client.call``'s ``on_late_reply``)."""
+
+    __slots__ = ("callback", "response_type", "waiting")
+
+    def __init__(self, callback: Callable[[Any], None]) -> None:
+        self.callback = callback
+        self.response_type: Any = None
+        self.waiting = False  # the request left: its reply will come to the callback
+
+
 class _Large(NamedTuple):
     """A request too big for the ring: its body goes through the server's heap (its metadata
     block stays in the frame)."""
@@ -478,6 +489,8 @@ class Client(_Base):
         super().__init__(url, doorbell, server_timeout, poll_interval, wait_for_ready)
         self._interceptors = _checked(interceptors)
         self._pending: dict[int, tuple[asyncio.Future, Any]] = {}
+        #: calls whose callers gave up, by call id: their replies go to on_late_reply
+        self._late: dict[int, _LateReply] = {}
         self._streams: dict[int, StreamCall] = {}  # streaming calls open, by call id
         self._reader: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -640,37 +653,55 @@ class Client(_Base):
         await self.close()
 
     async def call(self, method: str, arg: Any = None, *, timeout: float | None = None,
-                   metadata: Mapping[str, str] | None = None, response_type: Any = None) -> Any:
+                   metadata: Mapping[str, str] | None = None, response_type: Any = None,
+                   on_late_reply: Callable[[Any], None] | None = None) -> Any:
         """Call ``method`` with ``arg`` and optional ``metadata`` (small str pairs the handler
-        reads from its context); raises an :class:`RpcError` subclass on failure."""
-        if self._interceptors:
-            return await _chained(self._interceptors, lambda method, arg, metadata: self._start(
-                method, arg, timeout, metadata, response_type))(method, arg, _own_metadata(metadata))
-        return await self._start(method, arg, timeout, metadata, response_type)
+        reads from its context); raises an :class:`RpcError` subclass on failure.
+
+        ``on_late_reply``: should the caller give up (cancelled, or its timeout passed), the
+        client does not cancel the call (the server still ends it at its deadline), and this
+        is called once, from the loop, with the reply when it comes (the result, or the
+        RpcError it carries; Unavailable if the connection is lost first), or with the
+        caller's CancelledError or DeadlineExceeded if the request never left: what the call
+        did can then be undone. No task is made for it.
+        """
+        late = None if on_late_reply is None else _LateReply(on_late_reply)
+        try:
+            if self._interceptors:
+                return await _chained(self._interceptors, lambda method, arg, metadata: self._start(
+                    method, arg, timeout, metadata, response_type, late))(method, arg, _own_metadata(metadata))
+            return await self._start(method, arg, timeout, metadata, response_type, late)
+        except (asyncio.CancelledError, DeadlineExceeded) as exc:
+            if late is not None and not late.waiting:
+                self._loop.call_soon(late.callback, exc)
+            raise
 
     def _start(self, method: str, arg: Any, timeout: float | None,
-               metadata: Mapping[str, str] | None, response_type: Any) -> Awaitable[Any]:
+               metadata: Mapping[str, str] | None, response_type: Any,
+               late: _LateReply | None = None) -> Awaitable[Any]:
         """Check and encode a call; the awaitable of its round trip (of reconnecting first,
         when the server was judged gone)."""
         if self._gone is not None:
-            return self._start_connected(method, arg, timeout, metadata, response_type)
+            return self._start_connected(method, arg, timeout, metadata, response_type, late)
         if timeout is not None and timeout <= 0:
             raise DeadlineExceeded("timeout must be positive")
         call_id = next(self._ids)
         parts = self._request(call_id, method, arg, timeout or 0.0, metadata)
         deadline = None if timeout is None else self._loop.time() + timeout
         if type(parts) is _Large:
-            return self._call_large(call_id, parts, timeout or 0.0, deadline, response_type)
-        return self._roundtrip(call_id, parts, deadline, response_type)
+            return self._call_large(call_id, parts, timeout or 0.0, deadline, response_type, late)
+        return self._roundtrip(call_id, parts, deadline, response_type, late=late)
 
     async def _start_connected(self, method: str, arg: Any, timeout: float | None,
-                               metadata: Mapping[str, str] | None, response_type: Any) -> Any:
+                               metadata: Mapping[str, str] | None, response_type: Any,
+                               late: _LateReply | None) -> Any:
         """Slow path of a call while not connected: reconnect (or raise why not), then call."""
         timeout = await self._connected(timeout)
-        return await self._start(method, arg, timeout, metadata, response_type)
+        return await self._start(method, arg, timeout, metadata, response_type, late)
 
     async def _call_large(self, call_id: int, large: _Large, timeout: float,
-                          deadline: float | None, response_type: Any) -> Any:
+                          deadline: float | None, response_type: Any,
+                          late: _LateReply | None) -> Any:
         """A request through the heap: ALLOC an extent, write the body there, then call."""
         chan = self._chan
         alloc_id, alloc = self._alloc_request(len(large.body), timeout)
@@ -681,12 +712,13 @@ class Client(_Base):
         if self._gone is not None or self._chan is not chan:  # the extent is another server's
             raise Unavailable(self._gone or "the connection was lost while the call waited for heap space")
         parts, offset = self._staged(large, reply, call_id, timeout)
-        return await self._roundtrip(call_id, parts, deadline, response_type, unsent=offset)
+        return await self._roundtrip(call_id, parts, deadline, response_type, unsent=offset, late=late)
 
     async def _roundtrip(self, call_id: int, parts: tuple, deadline: float | None,
-                         response_type: Any, unsent: int | None = None) -> Any:
+                         response_type: Any, unsent: int | None = None,
+                         late: _LateReply | None = None) -> Any:
         """Push a request and await its reply. ``unsent``: a heap extent to give back if the
-        request never left."""
+        request never left; ``late``: where the reply goes if the caller gives up after."""
         loop = self._loop
         fut = loop.create_future()
         self._pending[call_id] = (fut, response_type)
@@ -706,11 +738,12 @@ class Client(_Base):
             if not self._direct and len(self._pending) == 1:
                 await self._poll_directly(fut)
             return await fut
-        except asyncio.CancelledError:
-            self._send_cancel(call_id)
-            raise
-        except DeadlineExceeded:
-            self._send_cancel(call_id)
+        except (asyncio.CancelledError, DeadlineExceeded):
+            if late is not None and pushed:
+                late.response_type, late.waiting = response_type, True
+                self._late[call_id] = late
+            else:
+                self._send_cancel(call_id)
             raise
         finally:
             self._pending.pop(call_id, None)
@@ -904,7 +937,11 @@ class Client(_Base):
                 return
         entry = self._pending.pop(f.call_id, None)
         if entry is None or entry[0].done():
-            self._granted_late(f)  # the caller gave up (timeout, cancel)
+            late = self._late.pop(f.call_id, None) if self._late else None
+            if late is not None:
+                self._loop.call_soon(late.callback, self._late_outcome(f, late.response_type))
+            else:
+                self._granted_late(f)  # the caller gave up (timeout, cancel)
             return
         fut, response_type = entry
         if f.flags & fr.HEAP and not self._heap_body(f, wanted=True):
@@ -918,6 +955,15 @@ class Client(_Base):
         except RpcError as exc:
             fut.set_exception(exc)
 
+    def _late_outcome(self, f: fr.Frame, response_type: Any) -> Any:
+        """The result of a reply nobody awaits (for its on_late_reply), or the RpcError it is."""
+        if f.flags & fr.HEAP and not self._heap_body(f, wanted=True):
+            return InvalidArgument("the reply's heap extent is not inside the heap")
+        try:
+            return self._decode_reply(f, response_type)
+        except RpcError as exc:
+            return exc
+
     def _fail_all(self, exc: RpcError) -> None:
         for call in list(self._streams.values()):
             call.fail(exc)
@@ -925,6 +971,9 @@ class Client(_Base):
         for fut, _ in pending.values():
             if not fut.done():
                 fut.set_exception(exc)
+        late, self._late = self._late, {}
+        for entry in late.values():
+            self._loop.call_soon(entry.callback, exc)
 
     def _on_gone(self) -> None:
         loop = self._loop

@@ -470,21 +470,18 @@ class KVClient(_Ops):
         self._adopt(await asyncio.shield(task))
 
     async def _undoable(self, step: _Call) -> Any:
-        """Call ``step`` so that, if we are cancelled meanwhile, its reply is still awaited and
-        what it created on the server is taken back by ``step.undo``."""
-        task = self._loop.create_task(self.rpc.call(step.method, step.arg,
-                                                    response_type=step.response_type))
-        try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            task.add_done_callback(lambda t: self._take_back(step, t))
-            raise
+        """Call ``step`` so that, if we are cancelled meanwhile, its reply is still read and
+        what it created on the server is taken back by ``step.undo`` (cxlrpc's on_late_reply:
+        no task per call, which a shielded task cost: ~40 us of a 1 MiB put here)."""
+        return await self.rpc.call(step.method, step.arg, response_type=step.response_type,
+                                   on_late_reply=lambda outcome: self._take_back(step, outcome))
 
-    def _take_back(self, step: _Call, task: asyncio.Task) -> None:
-        if task.cancelled() or task.exception() is not None:
-            self._unsent(step.arg, None if task.cancelled() else task.exception())
+    def _take_back(self, step: _Call, outcome: Any) -> None:
+        """The late reply of an undoable call (or the error that ended it): undo what it made."""
+        if isinstance(outcome, BaseException):
+            self._unsent(step.arg, None if isinstance(outcome, asyncio.CancelledError) else outcome)
             return  # it created nothing (or the server is gone, and reclaims it all)
-        undo = step.undo(task.result())
+        undo = step.undo(outcome)
         try:
             self.rpc.send_nowait(undo.method, undo.arg)
         except cxlrpc.ResourceExhausted:  # ring full: wait for room in the background

@@ -43,33 +43,49 @@ async def test_closed_clients_leases_end_when_a_new_client_takes_the_slot_at_onc
 
 @pytest.mark.parametrize("size", [1000, 1 * MiB], ids=["inline", "two-phase"])
 async def test_cancelled_puts_leave_nothing_behind_and_never_commit(url, size):
-    """Puts abandoned by asyncio.wait_for at every point of their flight (before the request,
-    during begin, during commit): once the dust settles no reservation is left and no key of
-    theirs exists, so the whole pool is free for the next put."""
-    async with KVServer(url, pool_size=16 * MiB, put_timeout_s=60.0) as server:
+    """Puts abandoned by asyncio.wait_for, and cancelled after each number of loop turns, at
+    every point of their flight (before the request, during begin, during commit): once the
+    dust settles no reservation is left and no key of theirs exists, so the whole pool is free
+    for the next put. (The turns make the points certain: a put is quicker than most timeouts.)"""
+    async with KVServer(url, pool_size=40 * MiB, put_timeout_s=60.0) as server:
         async with KVClient.connect(url) as kv:
-            timeouts = [0.0, 1e-6, 1e-5, 3e-5, 1e-4, 3e-4, 1e-3] * 4
+            late: set[str] = set()  # the RPCs whose replies came after their caller gave up
+            take_back = kv._take_back
+
+            def seen_late(step, outcome):
+                if not isinstance(outcome, BaseException):
+                    late.add(step.method)
+                take_back(step, outcome)
+
+            kv._take_back = seen_late
+            timeouts = ([("wait_for", t) for t in (1e-6, 1e-5, 3e-5, 1e-4, 3e-4, 1e-3)]
+                        + [("turns", n) for n in range(8)]) * 2
             cancelled = 0
-            for i, timeout in enumerate(timeouts):
+            for i, (how, after) in enumerate(timeouts):
                 try:
-                    if timeout:
-                        await asyncio.wait_for(kv.put(b"k%d" % i, bytes([i]) * size), timeout)
+                    if how == "wait_for":
+                        await asyncio.wait_for(kv.put(b"k%d" % i, bytes([i]) * size), after)
                     else:
                         task = asyncio.ensure_future(kv.put(b"k%d" % i, bytes([i]) * size))
-                        await asyncio.sleep(0)
+                        for _ in range(after):
+                            await asyncio.sleep(0)
                         task.cancel()
                         await task
                 except (asyncio.TimeoutError, asyncio.CancelledError):
                     cancelled += 1
-            assert cancelled >= len(timeouts) // 4, "too few puts were cancelled to test anything"
+            # cancelled before the request (after no turn), and while each RPC was in flight
+            assert cancelled >= 2 and late == ({"inline"} if size < MiB else {"begin", "commit"}), \
+                (cancelled, late)
             await kv.exists(b"sync")  # one round trip after the undo messages
             assert await until(lambda: server.stats()["pending_puts"] == 0, 3.0), server.stats()
             present = [i for i in range(len(timeouts)) if await kv.exists(b"k%d" % i)]
             # only puts whose caller saw them succeed may remain
             stats = server.stats()
+            assert stats["evictions"] == 0  # the pool holds every put: none went missing
             assert stats["entries"] == len(present)
             assert stats["entries"] == len(timeouts) - cancelled, (present, cancelled)
-            await kv.put(b"big", b"x" * (12 * MiB))  # the pool is not pinned by abandoned puts
+            assert stats["pool_used"] == stats["entries"] * -(-size // 4096) * 4096  # no reservation
+            await kv.put(b"big", b"x" * (35 * MiB - stats["pool_used"]))  # nothing pins the rest
             assert (await kv.get_bytes(b"big"))[:1] == b"x"
 
 

@@ -129,6 +129,58 @@ async def test_cancelling_the_caller_cancels_the_server_task(url):
         await asyncio.wait_for(server.cancelled.wait(), 5)
 
 
+async def test_a_caller_that_gives_up_hands_the_late_reply_to_on_late_reply(url):
+    """With ``on_late_reply``, a cancelled caller does not cancel the call: the handler runs to
+    its end and its reply (a result or an error) goes to the callback, once; a timed-out one
+    gets the server's reply to its deadline; a call whose request never left reports the
+    caller's own exception instead."""
+    server = make_server(url)
+    async with server, cxlrpc.connect(url) as client:
+        outcomes: list = []
+        task = asyncio.create_task(client.call("slow", 0.2, on_late_reply=outcomes.append))
+        await asyncio.wait_for(_until(lambda: server.started["n"] == 1), 5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.wait_for(_until(lambda: outcomes), 5)
+        assert outcomes == [0.2] and not server.cancelled.is_set()
+        # a timed-out caller: the server, which got the deadline, ends the handler at it
+        with pytest.raises(cxlrpc.DeadlineExceeded):
+            await client.call("slow", 0.2, timeout=0.05, on_late_reply=outcomes.append)
+        await asyncio.wait_for(_until(lambda: len(outcomes) == 2), 5)
+        assert isinstance(outcomes[1], cxlrpc.DeadlineExceeded) and "in handler" in str(outcomes[1])
+        # a late error is handed over as the RpcError it carries
+        task = asyncio.create_task(client.call("slow", "not a number", on_late_reply=outcomes.append))
+        await asyncio.sleep(0)  # the request is pushed; cancel before the reply is read
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.wait_for(_until(lambda: len(outcomes) == 3), 5)
+        assert isinstance(outcomes[2], cxlrpc.InvalidArgument)
+        # cancelled while it waits for heap space for its big body: the request never left
+        big = b"x" * ((900 << 10) if url.startswith("sim") else (3 << 20))  # past half a ring
+        task = asyncio.create_task(client.call("echo", big, on_late_reply=outcomes.append))
+        await asyncio.sleep(0)  # its ALLOC is pushed; its reply not read yet
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.wait_for(_until(lambda: len(outcomes) == 4), 5)
+        assert isinstance(outcomes[3], asyncio.CancelledError)
+        assert await client.call("echo", 5, timeout=5) == 5 and len(outcomes) == 4
+
+
+async def test_late_replies_still_owed_fail_with_unavailable_when_the_client_closes(url):
+    server = make_server(url)
+    async with server:
+        client = await cxlrpc.connect(url)
+        outcomes: list = []
+        with pytest.raises(cxlrpc.DeadlineExceeded):
+            await client.call("slow", 5.0, timeout=0.05, on_late_reply=outcomes.append)
+        await client.close()
+        await asyncio.wait_for(_until(lambda: outcomes), 5)
+        assert len(outcomes) == 1 and isinstance(outcomes[0], cxlrpc.Unavailable)
+
+
 async def test_a_cancel_read_with_its_request_still_cancels_the_handler(url):
     """A CANCEL in the same batch as its request, whose handler suspended: its task had not
     started yet when the CANCEL came (cancelled then, it would skip its body: the handler's

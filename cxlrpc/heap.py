@@ -14,7 +14,7 @@ import struct
 from typing import Sequence
 
 from .allocator import PoolAllocator
-from .memory import STREAM_WARM_MIN, AtomicMemory, stream_bytes, stream_copy
+from .memory import AtomicMemory, copy_bytes, to_bytes
 
 EXTENT = struct.Struct("<QQ")  # offset, length: the body of a HEAP frame
 OFFSET = struct.Struct("<Q")   # ALLOC's size, its reply's offset, FREE's offset
@@ -40,10 +40,7 @@ class HeapAccess:
         at = self.start + offset
         for part in parts:
             n = len(part)
-            if n >= STREAM_WARM_MIN:
-                stream_copy(self.buf[at:at + n], part)
-            else:
-                self.buf[at:at + n] = part
+            copy_bytes(self.buf[at:at + n], part)
             at += n
         self.mem.writeback(self.start + offset, length)
         return length
@@ -60,8 +57,7 @@ class HeapAccess:
         self.check(offset, length)
         at = self.start + offset
         self.mem.invalidate(at, length)
-        view = self.buf[at:at + length]
-        return stream_bytes(view) if length >= STREAM_WARM_MIN else bytes(view)
+        return to_bytes(self.buf[at:at + length])
 
 
 class ServerHeap:

@@ -144,6 +144,20 @@ def stream_bytes(src) -> bytes:
     return _native.stream_bytes(src) if _native is not None else bytes(src)
 
 
+def copy_bytes(dst: memoryview, src, cold: bool = False) -> None:
+    """Copy ``src`` into the start of ``dst``, with streaming stores where they win: from
+    STREAM_COLD_MIN into a destination just handed out (``cold``), else from STREAM_WARM_MIN."""
+    if len(src) >= (STREAM_COLD_MIN if cold else STREAM_WARM_MIN):
+        stream_copy(dst, src)
+    else:
+        dst[:len(src)] = src
+
+
+def to_bytes(src) -> bytes:
+    """A copy of ``src`` as bytes (with streaming stores from STREAM_WARM_MIN)."""
+    return stream_bytes(src) if len(src) >= STREAM_WARM_MIN else bytes(src)
+
+
 def require_native_flush():
     """The native write-back/invalidate module, or a clear error when it was not built."""
     if _native is None:

@@ -25,8 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from cxlrpc.memory import (ACQUIRE, HARDWARE, RELEASE, STREAM_COLD_MIN, STREAM_WARM_MIN, fence,
-                           stream_bytes, stream_copy)
+from cxlrpc.memory import ACQUIRE, HARDWARE, RELEASE, copy_bytes, fence, to_bytes
 from cxlrpc.region import HEADER_SIZE, Region, RegionError, parse_url, prefault
 
 POOL_KIND = 2
@@ -215,10 +214,7 @@ class Pool:
         """Copy ``data`` into the block at ``offset`` and fence, before the commit publishes it
         (a big value with streaming stores: the block is cold, its readers elsewhere)."""
         dst = self.slice(offset, len(data))
-        if len(data) >= STREAM_COLD_MIN:
-            stream_copy(dst, data)
-        else:
-            dst[:] = data
+        copy_bytes(dst, data, cold=True)
         dst.release()
         self.written(offset, len(data))
 
@@ -291,8 +287,7 @@ class Block:
 
     def tobytes(self) -> bytes:
         """A copy of the value (checked after the copy)."""
-        view = self.view()
-        data = stream_bytes(view) if self.size >= STREAM_WARM_MIN else view.tobytes()
+        data = to_bytes(self.view())
         self.check()
         return data
 
@@ -301,10 +296,7 @@ class Block:
         dst = memoryview(out).cast("B")
         if len(dst) < self.size:
             raise ValueError(f"buffer of {len(dst)} bytes is too small for {self.size}")
-        if self.size >= STREAM_WARM_MIN:
-            stream_copy(dst, self.view())
-        else:
-            dst[:self.size] = self.view()
+        copy_bytes(dst, self.view())
         self.check()
         return self.size
 

@@ -70,3 +70,24 @@ def test_native_copies_refuse_non_contiguous_buffers():
         memory.stream_copy(strided, b"x")
     with pytest.raises((BufferError, TypeError)):
         memory.stream_bytes(strided)
+
+
+def test_copies_stream_from_the_size_where_streaming_wins(monkeypatch):
+    """copy_bytes and to_bytes stream from STREAM_COLD_MIN into a destination just handed out,
+    from STREAM_WARM_MIN into any other, and copy plainly below; the bytes are right either way."""
+    streamed: list[int] = []
+    real_copy, real_bytes = memory.stream_copy, memory.stream_bytes
+    monkeypatch.setattr(memory, "stream_copy", lambda dst, src: (streamed.append(len(src)), real_copy(dst, src)))
+    monkeypatch.setattr(memory, "stream_bytes", lambda src: (streamed.append(len(src)), real_bytes(src))[1])
+    cold, warm = memory.STREAM_COLD_MIN, memory.STREAM_WARM_MIN
+    dst = memoryview(bytearray(warm + 1))
+    for size, is_cold, streams in ((cold - 1, True, False), (cold, True, True), (cold, False, False),
+                                   (warm - 1, False, False), (warm, False, True)):
+        src = os.urandom(size)
+        streamed.clear()
+        memory.copy_bytes(dst, src, cold=is_cold)
+        assert dst[:size] == src and streamed == ([size] if streams else []), (size, is_cold)
+    for size, streams in ((warm - 1, False), (warm, True)):
+        src = os.urandom(size)
+        streamed.clear()
+        assert memory.to_bytes(memoryview(src)) == src and streamed == ([size] if streams else [])

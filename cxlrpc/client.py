@@ -723,7 +723,7 @@ class Client(_Base):
         fut = loop.create_future()
         self._pending[call_id] = (fut, response_type)
         timer = None
-        pushed = False
+        pushed = gave_up = False
         try:
             chan = self._chan
             if self._frees:
@@ -733,20 +733,26 @@ class Client(_Base):
             else:
                 await self._push_slow(parts, deadline)
             pushed = True
+            if late is not None:  # from here its reply has a taker even if we give up first
+                late.response_type, late.waiting = response_type, True
+                self._late[call_id] = late
             if deadline is not None:
                 timer = loop.call_at(deadline, _expire, fut)
             if not self._direct and len(self._pending) == 1:
                 await self._poll_directly(fut)
             return await fut
         except (asyncio.CancelledError, DeadlineExceeded):
-            if late is not None and pushed:
-                late.response_type, late.waiting = response_type, True
-                self._late[call_id] = late
-            else:
+            gave_up = True
+            if late is None or not pushed:
                 self._send_cancel(call_id)
+            elif call_id not in self._pending and self._late.pop(call_id, None) is not None:
+                # the reply reached ``fut`` just before we gave up: it goes to the callback
+                self._loop.call_soon(late.callback, fut.exception() or fut.result())
             raise
         finally:
             self._pending.pop(call_id, None)
+            if late is not None and not gave_up:
+                self._late.pop(call_id, None)
             if timer is not None:
                 timer.cancel()
             if unsent is not None and not pushed:

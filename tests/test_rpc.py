@@ -169,6 +169,31 @@ async def test_a_caller_that_gives_up_hands_the_late_reply_to_on_late_reply(url)
         assert await client.call("echo", 5, timeout=5) == 5 and len(outcomes) == 4
 
 
+async def test_a_reply_that_beats_the_cancel_still_reaches_on_late_reply(url):
+    """The reply reaches the caller's future, and the caller is cancelled before it resumes
+    (the reply is then the future's, not the caller's): it goes to on_late_reply all the same,
+    and so does one that arrives after the cancel, before the caller saw it."""
+    server = make_server(url)
+    async with server, cxlrpc.connect(url) as client:
+        outcomes: list = []
+        on_reply = client._on_reply
+        for n, (delay, cancel_first) in enumerate(((0.05, False), (0.06, True)), 1):
+            task = asyncio.create_task(client.call("slow", delay, on_late_reply=outcomes.append))
+
+            def deliver_then_cancel(view, task=task, cancel_first=cancel_first):
+                if cancel_first:
+                    task.cancel()  # the reply then finds the future cancelled
+                on_reply(view)
+                task.cancel()  # the reply first: the caller has not resumed yet
+
+            client._on_reply = deliver_then_cancel  # the reader calls it (the call is slow)
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            del client._on_reply
+            await asyncio.wait_for(_until(lambda: len(outcomes) == n), 5)
+        assert outcomes == [0.05, 0.06]
+
+
 async def test_late_replies_still_owed_fail_with_unavailable_when_the_client_closes(url):
     server = make_server(url)
     async with server:

@@ -751,8 +751,9 @@ class Client(_Base):
             raise
         finally:
             self._pending.pop(call_id, None)
-            if late is not None and not gave_up:
+            if late is not None and not gave_up:  # answered (an interceptor may call again)
                 self._late.pop(call_id, None)
+                late.waiting = False
             if timer is not None:
                 timer.cancel()
             if unsent is not None and not pushed:

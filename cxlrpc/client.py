@@ -54,9 +54,9 @@ class _LateReply:
 
     __slots__ = ("callback", "response_type", "waiting")
 
-    def __init__(self, callback: Callable[[Any], None]) -> None:
+    def __init__(self, callback: Callable[[Any], None], response_type: Any) -> None:
         self.callback = callback
-        self.response_type: Any = None
+        self.response_type = response_type
         self.waiting = False  # the request left: its reply will come to the callback
 
 
@@ -665,7 +665,7 @@ class Client(_Base):
         caller's CancelledError or DeadlineExceeded if the request never left: what the call
         did can then be undone. No task is made for it.
         """
-        late = None if on_late_reply is None else _LateReply(on_late_reply)
+        late = None if on_late_reply is None else _LateReply(on_late_reply, response_type)
         try:
             if self._interceptors:
                 return await _chained(self._interceptors, lambda method, arg, metadata: self._start(
@@ -734,7 +734,7 @@ class Client(_Base):
                 await self._push_slow(parts, deadline)
             pushed = True
             if late is not None:  # from here its reply has a taker even if we give up first
-                late.response_type, late.waiting = response_type, True
+                late.waiting = True
                 self._late[call_id] = late
             if deadline is not None:
                 timer = loop.call_at(deadline, _expire, fut)

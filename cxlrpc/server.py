@@ -42,6 +42,10 @@ _UNDECODED = object()  # an intercepted call's request is decoded inside the cha
 _SUSPENDED, _FAILED = object(), object()  # what _run_eagerly returns instead of a result
 _RETURNED = object()  # what _first_step returns when the handler returned
 _STREAMED = object()  # what a stream's task returns: its items and END are already sent
+#: How long a server with no call in a task polls its empty request ring before it gives the
+#: loop a turn between looks (within the strategy's spin phase); other callbacks wait at most
+#: this long.
+_HOT_SPIN_S = 10e-6
 logger = logging.getLogger("cxlrpc.server")
 
 
@@ -476,7 +480,10 @@ class Server:
             else:
                 # replies waiting for a full response ring: come back soon to retry them
                 wait = 0.0005 if self._backlog else housekeeping_every
-                idle = not await chan.bell.wait_async(ring.readable, self.strategy, wait, idle)
+                # nothing else of ours to run (no call in a task, no reply held back): the first
+                # look of the wait goes without loop turns
+                hot = 0.0 if self._tasks or self._backlog else _HOT_SPIN_S
+                idle = not await chan.bell.wait_async(ring.readable, self.strategy, wait, idle, hot)
 
     def _housekeeping(self, now: float) -> int | None:
         """Reclaim dead clients' slots and unblock records their producers never committed.

@@ -128,26 +128,40 @@ class _Namespace:
         self.quota: int | None = None
 
 
+class _Soonest:
+    """The earliest deadline pushed on any of an index's timer heaps since its last expiry
+    pass (or earlier: never later), so that an operation with nothing due skips the pass with
+    one comparison."""
+
+    __slots__ = ("at",)
+
+    def __init__(self) -> None:
+        self.at = math.inf
+
+
 class _Timers:
     """Deadlines in a min-heap with lazy deletion; rebuilt when dead entries outnumber live ones."""
 
-    __slots__ = ("_heap", "_seq", "_alive")
+    __slots__ = ("_heap", "_seq", "_alive", "_soonest")
 
-    def __init__(self, alive: Callable[[object], bool]) -> None:
+    def __init__(self, alive: Callable[[object], bool], soonest: _Soonest) -> None:
         self._heap: list[tuple[float, int, object]] = []
         self._seq = itertools.count()
         self._alive = alive
+        self._soonest = soonest
 
     def push(self, deadline: float, record: object, live: int) -> None:
         heapq.heappush(self._heap, (deadline, next(self._seq), record))
+        if deadline < self._soonest.at:
+            self._soonest.at = deadline
         if len(self._heap) > 2 * live + 64:
             self._heap = [e for e in self._heap if self._alive(e[2])]
             heapq.heapify(self._heap)
 
-    def due(self, now: float) -> bool:
-        """Is a deadline (live or dead) at or before ``now``?"""
+    def head(self) -> float:
+        """The earliest deadline held (live or dead), inf when none."""
         heap = self._heap
-        return bool(heap) and heap[0][0] <= now
+        return heap[0][0] if heap else math.inf
 
     def pop_due(self, now: float) -> list[object]:
         due = []
@@ -215,9 +229,10 @@ class KVIndex:
         self._owners: dict[Hashable, set[int]] = {}
         self._ids = itertools.count(first_id)  # lease and ticket ids share one sequence
         self._versions = itertools.count(1)
-        self._lease_timers = _Timers(lambda rec: rec.id in self._leases)
-        self._ticket_timers = _Timers(lambda rec: rec.id in self._tickets)
-        self._ttl_timers = _Timers(lambda block: block.state == _LIVE)
+        self._soonest = _Soonest()
+        self._lease_timers = _Timers(lambda rec: rec.id in self._leases, self._soonest)
+        self._ticket_timers = _Timers(lambda rec: rec.id in self._tickets, self._soonest)
+        self._ttl_timers = _Timers(lambda block: block.state == _LIVE, self._soonest)
         self._entries = 0
         self._retired = 0
         self._counters = dict.fromkeys(
@@ -393,9 +408,11 @@ class KVIndex:
         self._expire(now)
         for lease_id in release:
             self._release(lease_id, owner, now)
-        _check_ns(ns)
-        _check_owner(owner)
-        duration = self._lease_s(lease_s)
+        if type(ns) is not str:
+            _check_ns(ns)
+        if owner is not None:
+            hash(owner)  # _check_owner, inline: a get is the hot path
+        duration = self._default_lease_s if lease_s is None else self._lease_s(lease_s)
         if hold_s:
             duration = max(duration, self._lease_s(hold_s))  # a hold is bounded like a lease
         wanted = list(map(normalize_key, keys))  # validate all before granting any lease
@@ -510,12 +527,16 @@ class KVIndex:
     # ---- internals --------------------------------------------------------------------------
 
     def _expire(self, now: float) -> int:
-        if not (self._lease_timers.due(now) or self._ticket_timers.due(now) or self._ttl_timers.due(now)):
+        soonest = self._soonest
+        if now < soonest.at:
             return 0
         n = 0
         for lease in self._lease_timers.pop_due(now):
-            if lease.expires_at > now:
-                continue  # renewed: a later timer entry holds its new expiry
+            if lease.expires_at > now or self._leases.get(lease.id) is not lease:
+                # renewed: a later timer entry holds its new expiry; or ended already, by an
+                # earlier entry of this same pass (a lease renewed, or released with a hold,
+                # has two entries, and both may be due by the time a pass runs)
+                continue
             self._end_lease(lease)
             self._counters["lease_expirations"] += 1
             n += 1
@@ -527,6 +548,7 @@ class KVIndex:
             self._unlink(block)
             self._counters["expirations"] += 1
             n += 1
+        soonest.at = min(self._lease_timers.head(), self._ticket_timers.head(), self._ttl_timers.head())
         return n
 
     def _lease_s(self, lease_s: float | None) -> float:
@@ -553,8 +575,12 @@ class KVIndex:
         record = _LeaseRec(lease_id, block, owner, expires_at, hold_until)
         leases = self._leases
         leases[lease_id] = record
-        if owner is not None:
-            self._own(owner, lease_id)
+        if owner is not None:  # _own, inline
+            ids = self._owners.get(owner)
+            if ids is None:
+                self._owners[owner] = {lease_id}
+            else:
+                ids.add(lease_id)
         self._lease_timers.push(expires_at, record, len(leases))
         return Lease(lease_id, block.offset, block.size, block.version, expires_at, duration)
 
@@ -618,7 +644,10 @@ class KVIndex:
 
     def _end_lease(self, lease: _LeaseRec) -> None:
         del self._leases[lease.id]
-        self._disown(lease.owner, lease.id)
+        if lease.owner is not None:  # _disown, inline
+            ids = self._owners.get(lease.owner)
+            if ids is not None:
+                ids.discard(lease.id)
         block = lease.block
         block.leases -= 1
         if block.leases == 0 and block.state == _RETIRED:

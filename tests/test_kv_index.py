@@ -144,6 +144,31 @@ def test_old_block_freed_when_its_last_lease_expires():
     assert stats["pool_used"] == U and stats["lease_expirations"] == 2 and stats["leases"] == 0
 
 
+@pytest.mark.parametrize("how", ["renewed", "released with a hold"])
+def test_lease_with_two_timer_entries_both_due_in_one_pass_ends_once(how):
+    """A renewal (or a release with a hold) leaves the lease two timer entries; when no pass
+    ran between their deadlines, one pass sees both: it ends the lease once, and goes on to
+    what else is due (it raised KeyError half-way and left the rest unexpired)."""
+    idx, clock = make(default_lease_s=10)
+    put(idx, "m", "k")
+    put(idx, "m", "old")
+    if how == "renewed":
+        lease = idx.get("m", "k", lease_s=1)
+        clock.now += 0.5
+        assert idx.renew(lease.lease_id, lease_s=1) == clock.now + 1
+    else:
+        (lease,) = idx.batch_get("m", ["k"], lease_s=1, hold_s=2)
+        assert idx.release(lease.lease_id) is True  # held on until its hold ends
+    other = idx.get("m", "old", lease_s=3)
+    put(idx, "m", "old")  # the leased old block is retired, freed when its lease ends
+    clock.now += 5  # past every deadline, with no pass since
+    assert idx.expire() == 2
+    stats = idx.stats()
+    assert stats["lease_expirations"] == 2 and stats["leases"] == 0
+    assert stats["pool_used"] == 2 * U  # the retired block was freed too
+    assert idx.release(lease.lease_id) is False and idx.release(other.lease_id) is False
+
+
 def test_lease_expiry_time_and_default():
     idx, clock = make(default_lease_s=10)
     put(idx, "m", "k")

@@ -51,6 +51,12 @@ NO_METADATA: Mapping[str, str] = MappingProxyType({})
 
 _encode = msgspec.msgpack.Encoder().encode
 _decoders: dict[Any, msgspec.msgpack.Decoder] = {}
+#: id(type) -> (type, its decoder), for the types callers pass again and again (a response_type
+#: such as ``list[Lease | None]`` is looked up by identity: hashing a generic alias cost as much
+#: as decoding with it). The entry keeps its type alive, so the id is not reused meanwhile;
+#: bounded, as aliases written inline are new objects at every call.
+_decoders_by_id: dict[int, tuple[Any, msgspec.msgpack.Decoder]] = {}
+_MAX_DECODERS_BY_ID = 1024
 _decode_metadata = msgspec.msgpack.Decoder(dict[str, str]).decode
 _method_names: dict[bytes, str] = {}
 
@@ -104,9 +110,14 @@ def decode_body(flags: int, body: bytes | memoryview, type_: Any = None) -> Any:
         return msgspec.convert(body, type_)
     if type_ is None:
         type_ = Any
+    entry = _decoders_by_id.get(id(type_))
+    if entry is not None and entry[0] is type_:
+        return entry[1].decode(body)
     dec = _decoders.get(type_)
     if dec is None:
         dec = _decoders[type_] = msgspec.msgpack.Decoder(type_)
+    if len(_decoders_by_id) < _MAX_DECODERS_BY_ID:
+        _decoders_by_id[id(type_)] = (type_, dec)
     return dec.decode(body)
 
 

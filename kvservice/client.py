@@ -542,8 +542,10 @@ class KVClient(_Ops):
         try:
             if threading.get_ident() != self._thread:  # released or collected in another
                 self._loop.call_soon_threadsafe(self._ended, lease_id, True)  # thread
-            elif collected:
-                self._ended(lease_id, True)
+            elif collected:  # _ended and _arm inline: this runs once per get nobody released
+                self._held.pop(lease_id, None)
+                if not self._flush_armed:
+                    self._arm()
             else:  # _ended and _queued inline: this runs once per get
                 self._held.pop(lease_id, None)
                 if len(self._released) >= _MAX_RELEASES:

@@ -8,6 +8,7 @@ the client's next get or put (ended before it is served), else come as one-way m
 import asyncio
 import contextlib
 import functools
+import logging
 import re
 import secrets
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from kvservice.pool import Pool, pool_url_for
 
 INLINE_LIMIT = 32 << 10  # measured: inline wins below ~32 KiB, two-phase from 64 KiB
 _EXISTS = PutTicket(0, 0, 0)  # begin's answer for an if_absent key that has a value
+logger = logging.getLogger("kvservice.server")
 
 
 def _first_id() -> int:
@@ -153,7 +155,10 @@ class KVServer:
     async def _expire_loop(self) -> None:
         while True:
             await asyncio.sleep(self.expire_interval)
-            self.index.expire()
+            try:
+                self.index.expire()
+            except Exception:  # a bug must not end expiry for good (nor surface at close)
+                logger.exception("lease/TTL expiry pass failed")
 
     # ---- handlers (plain functions: they run inline in cxlrpc's reader) -------------------
     def _hello(self) -> w.Hello:

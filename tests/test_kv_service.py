@@ -590,3 +590,25 @@ async def test_iter_get_streams_blocks_in_order_as_they_are_found(url):
             async for _ in kv.iter_get(keys, chunk=0):
                 pass
         assert server.stats()["pending_puts"] == 0
+
+
+async def test_a_failing_expiry_pass_is_logged_and_expiry_goes_on(caplog):
+    """The server's periodic expiry outlives a pass that raises (a bug there must not stop
+    leases and TTLs from ending for good, nor surface as an error at close)."""
+    url = f"shm://kvexp{os.getpid()}"
+    server = KVServer(url, 1 << 20, expire_interval=0.01)
+    passes = []
+
+    def expire() -> int:
+        passes.append(None)
+        if len(passes) == 1:
+            raise RuntimeError("broken pass")
+        return 0
+
+    server.index.expire = expire
+    async with server:
+        deadline = time.monotonic() + 5
+        while len(passes) < 3 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+    assert len(passes) >= 3
+    assert "lease/TTL expiry pass failed" in caplog.text

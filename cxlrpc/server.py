@@ -620,13 +620,12 @@ class Server:
         if m.is_async:
             if type(f.body) is memoryview and extent < 0:
                 arg = memoryview(bytes(arg))  # lent by the ring, which reuses it once we return
-            ctx = _handler_context(call)
             try:
                 coro = m.fn() if arg is _NO_ARG else m.fn(arg)
             except Exception as exc:
                 self._fail(f, exc)
                 return
-            result = self._run_eagerly(coro, f, slot, ctx, extent)
+            result = self._run_eagerly(coro, f, slot, call, extent)
             if result is _SUSPENDED:
                 return extent >= 0
         elif m.blocking:
@@ -649,8 +648,7 @@ class Server:
                 self._lent_reply(f, arg, result)
                 return
             if inspect.iscoroutine(result):  # a plain function that returned a coroutine
-                ctx = _handler_context(call)
-                result = self._run_eagerly(result, f, slot, ctx)
+                result = self._run_eagerly(result, f, slot, call)
                 if result is _SUSPENDED:
                     return
         if result is not _FAILED:
@@ -673,7 +671,7 @@ class Server:
     def _dispatch_intercepted(self, m: _Method | None, f: fr.Frame, call: HandlerContext) -> None:
         """Run a call through the interceptors, inline up to its first suspension as a
         coroutine handler is, and reply with what the chain returns."""
-        result = self._run_eagerly(self._intercepted(m, f, call), f, f.slot, _handler_context(call))
+        result = self._run_eagerly(self._intercepted(m, f, call), f, f.slot, call)
         if result is not _SUSPENDED and result is not _FAILED:
             self._reply(f, result)
 
@@ -719,16 +717,18 @@ class Server:
         if f.kind == fr.REQUEST and self._chan.slot_generation(f.slot) == f.gen:
             self._error(f, StatusCode.INVALID_ARGUMENT, f"bad request metadata: {message}")
 
-    def _run_eagerly(self, coro: Any, f: fr.Frame, slot: int, ctx: contextvars.Context,
-                     extent: int = -1) -> Any:
-        """Run a handler's coroutine inline up to its first suspension, in its own context and
-        with a stand-in as the current task (what 3.12's eager tasks do): one that never
-        suspends costs no task and no loop iteration. Its result, or _SUSPENDED (a task carries
-        it on, and the heap extent ``f.body`` is a lent view of, if any), or _FAILED (the error
-        was sent)."""
+    def _run_eagerly(self, coro: Any, f: fr.Frame, slot: int, call: HandlerContext,
+                     extent: int = -1, ctx: contextvars.Context | None = None) -> Any:
+        """Run a handler's coroutine inline up to its first suspension, in its own context
+        (``ctx``, else a copy of ours; ``context()`` is ``call`` there) and with a stand-in as
+        the current task (what 3.12's eager tasks do): one that never suspends costs no task
+        and no loop iteration. Its result, or _SUSPENDED (a task carries it on, and the heap
+        extent ``f.body`` is a lent view of, if any), or _FAILED (the error was sent)."""
         eager = _EagerTask()
+        if ctx is None:
+            ctx = contextvars.copy_context()
         try:
-            step = ctx.run(_first_step, coro, eager, self._event_loop)
+            step = ctx.run(_first_step, coro, eager, self._event_loop, call)
         except (Exception, asyncio.CancelledError) as exc:
             self._fail(f, exc)
             return _FAILED
@@ -818,7 +818,7 @@ class Server:
                                                        self._finish(self._stream(replies, f, key), f, key)))
             return
         coro = self._intercepted(m, f, call, arg) if intercepted else m.fn(arg)
-        result = self._run_eagerly(coro, f, f.slot, ctx)
+        result = self._run_eagerly(coro, f, f.slot, call, ctx=ctx)
         if result is _SUSPENDED:
             return
         self._inbound.pop(key, None)
@@ -1154,13 +1154,10 @@ class _Resumed:
 class _EagerTask:
     """The current task while a coroutine handler runs its first step inline: what it hands
     to ``asyncio.timeout`` or a TaskGroup there (cancel, cancelling, uncancel) goes to the
-    task that carries the handler on once it suspends."""
+    task that carries the handler on once it suspends. (No __init__: one is made per call.)"""
 
-    __slots__ = ("task", "value")
-
-    def __init__(self) -> None:
-        self.task: asyncio.Task | None = None
-        self.value: Any = None  # the handler's result, when its first step returned
+    task: asyncio.Task | None = None
+    value: Any = None  # the handler's result, when its first step returned
 
     def cancel(self, msg: Any = None) -> bool:
         return self.task.cancel(msg) if self.task is not None else False
@@ -1209,10 +1206,13 @@ def _handler_context(call: HandlerContext) -> contextvars.Context:
     return ctx
 
 
-def _first_step(coro: Any, eager: _EagerTask, loop: asyncio.AbstractEventLoop) -> Any:
-    """``coro.send(None)`` with ``eager`` as ``loop``'s current task (the reader's restored):
-    what it yields, or _RETURNED with its result in ``eager.value`` (caught here, the
-    StopIteration costs no traceback through the callers' frames)."""
+def _first_step(coro: Any, eager: _EagerTask, loop: asyncio.AbstractEventLoop,
+                call: HandlerContext) -> Any:
+    """In the handler's context, where ``context()`` becomes ``call``: ``coro.send(None)``
+    with ``eager`` as ``loop``'s current task (the reader's restored): what it yields, or
+    _RETURNED with its result in ``eager.value`` (caught here, the StopIteration costs no
+    traceback through the callers' frames)."""
+    _current_call.set(call)
     reader = _current_task(loop)
     _leave_task(loop, reader)
     _enter_task(loop, eager)

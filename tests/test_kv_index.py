@@ -529,20 +529,28 @@ def test_timer_heaps_stay_bounded_under_lease_churn():
 
 
 OPS = ["put"] * 4 + ["commit"] * 3 + ["get"] * 3 + ["release"] * 2 + ["abort", "remove", "tick",
-                                                                      "owner"]
+                                                                      "owner", "renew", "hold"]
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(OPS), st.integers(0, 11), st.integers(1, 3)),
                 min_size=10, max_size=100))
 def test_random_operations_keep_invariants(ops):
-    """A freed block is never reused while leased; reads see the latest commit; bytes add up."""
+    """A freed block is never reused while leased (renewed and held leases too); reads see the
+    latest commit; bytes add up; no operation fails on the index's own state."""
     idx, clock = make(8, high_watermark=0.9, low_watermark=0.6, default_lease_s=5,
                       put_timeout_s=7)
     idx.set_quota("q", 3 * U)
     tickets: dict[int, tuple[PutTicket, str, str, int, float]] = {}  # id -> (.., owner, deadline)
-    leases: dict[int, tuple[Lease, int]] = {}                         # id -> (lease, owner)
+    #: leases the index must still hold: id -> (lease, owner, until, end of its hold)
+    leases: dict[int, tuple[Lease, int, float, float]] = {}
     latest: dict[tuple[str, str], int] = {}
+
+    def released(lid: int) -> None:  # the model of a release the index accepted
+        lease, lowner, _, hold_until = leases.pop(lid)
+        if hold_until > clock.now:  # a held read lease lasts its hold
+            leases[lid] = (lease, lowner, hold_until, hold_until)
+
     for op, a, b in ops:
         ns, key, owner = "pqr"[a % 3], str(a % 4), a % 2
         if op == "put":
@@ -552,7 +560,7 @@ def test_random_operations_keep_invariants(ops):
                 continue
             start, end = ticket.offset, ticket.offset + b * U
             held = [(t.offset, t.size) for t, *_ in tickets.values()]
-            held += [(l.offset, l.size) for l, _ in leases.values()]
+            held += [(lease.offset, lease.size) for lease, *_ in leases.values()]
             assert all(end <= o or o + s <= start for o, s in held), "range reused while held"
             tickets[ticket.ticket_id] = (ticket, ns, key, owner, clock.now + 7)
         elif op in ("commit", "abort") and tickets:
@@ -562,22 +570,36 @@ def test_random_operations_keep_invariants(ops):
                 idx.abort_put(tid)
                 continue
             latest[tns, tkey] = idx.commit_put(tid)
-        elif op == "get":
-            try:
-                lease = idx.get(ns, key, lease_s=b, owner=owner)
-            except KeyError:
+        elif op in ("get", "hold"):
+            # hold: a read lease that outlives its release by up to b seconds, released at
+            # once; it carries the release of another lease, as a client's next get does
+            carried = sorted(leases)[a % len(leases)] if leases and op == "hold" else None
+            hold_s = b if op == "hold" else 0
+            (lease,) = idx.batch_get(ns, [key], lease_s=b, owner=owner, hold_s=hold_s,
+                                     release=[] if carried is None else [carried])
+            if carried is not None and leases[carried][1] == owner:
+                released(carried)  # only the owner's release counts
+            if lease is None:
                 continue
             assert lease.version == latest[ns, key]
-            leases[lease.lease_id] = (lease, owner)
+            leases[lease.lease_id] = (lease, owner, lease.expires_at, clock.now + hold_s)
+            if op == "hold":
+                assert idx.release(lease.lease_id, owner)
+                released(lease.lease_id)
         elif op == "release" and leases:
             lid = sorted(leases)[a % len(leases)]
-            idx.release(lid)
-            del leases[lid]
+            assert idx.release(lid)
+            released(lid)
+        elif op == "renew" and leases:
+            lid = sorted(leases)[a % len(leases)]
+            lease, lowner, _, hold_until = leases[lid]
+            assert idx.renew(lid, lowner, lease_s=b) == clock.now + b
+            leases[lid] = (lease, lowner, clock.now + b, hold_until)
         elif op == "remove":
             idx.remove(ns, key)
         elif op == "tick":
             clock.now += b
-            leases = {k: v for k, v in leases.items() if v[0].expires_at > clock.now}
+            leases = {k: v for k, v in leases.items() if v[2] > clock.now}
             tickets = {k: v for k, v in tickets.items() if v[4] > clock.now}
         elif op == "owner":
             idx.release_owner(owner)
@@ -587,6 +609,7 @@ def test_random_operations_keep_invariants(ops):
         assert stats["pool_used"] == sum(n["bytes"] for n in stats["namespaces"].values())
         assert stats["entries"] == sum(n["entries"] for n in stats["namespaces"].values())
         assert stats["namespaces"].get("q", {"bytes": 0})["bytes"] <= 3 * U
+        assert stats["leases"] >= len(leases)
     clock.now += 100
     for ns in "pqr":
         for key in "0123":

@@ -50,17 +50,19 @@ class QuotaExceeded(PoolFull):
     """A put would take its namespace over quota and its own evictable blocks cannot make room."""
 
 
-class PutTicket(msgspec.Struct, frozen=True):
-    """Where the writer copies a pending value; ``commit_put(ticket_id)`` publishes it."""
+class PutTicket(msgspec.Struct, frozen=True, array_like=True):
+    """Where the writer copies a pending value; ``commit_put(ticket_id)`` publishes it. (On
+    the wire, as every kvservice message, an array: no field names to encode and match.)"""
 
     ticket_id: int
     offset: int
     size: int
 
 
-class Lease(msgspec.Struct, frozen=True):
+class Lease(msgspec.Struct, frozen=True, array_like=True):
     """A reader's right to read ``size`` bytes at ``offset`` until ``expires_at`` (server clock),
-    that is for ``duration`` seconds unless renewed."""
+    that is for ``duration`` seconds unless renewed. (An array on the wire: a get's reply is
+    most of its bytes.)"""
 
     lease_id: int
     offset: int

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import struct
 from types import MappingProxyType
-from typing import AbstractSet, Any, Mapping
+from typing import AbstractSet, Any, Callable, Mapping
 
 import msgspec
 
@@ -50,12 +50,12 @@ _META_LEN = struct.Struct("<H")
 NO_METADATA: Mapping[str, str] = MappingProxyType({})
 
 _encode = msgspec.msgpack.Encoder().encode
-_decoders: dict[Any, msgspec.msgpack.Decoder] = {}
-#: id(type) -> (type, its decoder), for the types callers pass again and again (a response_type
-#: such as ``list[Lease | None]`` is looked up by identity: hashing a generic alias cost as much
-#: as decoding with it). The entry keeps its type alive, so the id is not reused meanwhile;
-#: bounded, as aliases written inline are new objects at every call.
-_decoders_by_id: dict[int, tuple[Any, msgspec.msgpack.Decoder]] = {}
+_decoders: dict[Any, Callable[[bytes | memoryview], Any]] = {}  # type -> its decode function
+#: id(type) -> (type, its decode function), for the types callers pass again and again (a
+#: response_type such as ``list[Lease | None]`` is looked up by identity: hashing a generic alias
+#: cost as much as decoding with it). The entry keeps its type alive, so the id is not reused
+#: meanwhile; bounded, as aliases written inline are new objects at every call.
+_decoders_by_id: dict[int, tuple[Any, Callable[[bytes | memoryview], Any]]] = {}
 _MAX_DECODERS_BY_ID = 1024
 _decode_metadata = msgspec.msgpack.Decoder(dict[str, str]).decode
 _method_names: dict[bytes, str] = {}
@@ -100,6 +100,22 @@ def encode_body(value: Any) -> tuple[int, bytes | memoryview]:
         raise InvalidArgument(f"cannot encode {type(value).__name__}: {exc}") from exc
 
 
+def decoder(type_: Any = None) -> Callable[[bytes | memoryview], Any]:
+    """The MessagePack decode function of ``type_`` (Any when None), made once per type
+    (TypeError for a type msgspec cannot decode into)."""
+    if type_ is None:
+        type_ = Any
+    entry = _decoders_by_id.get(id(type_))
+    if entry is not None and entry[0] is type_:
+        return entry[1]
+    decode = _decoders.get(type_)
+    if decode is None:
+        decode = _decoders[type_] = msgspec.msgpack.Decoder(type_).decode
+    if len(_decoders_by_id) < _MAX_DECODERS_BY_ID:
+        _decoders_by_id[id(type_)] = (type_, decode)
+    return decode
+
+
 def decode_body(flags: int, body: bytes | memoryview, type_: Any = None) -> Any:
     """Inverse of :func:`encode_body`, validating into ``type_`` when given."""
     if flags & RAW:
@@ -108,17 +124,7 @@ def decode_body(flags: int, body: bytes | memoryview, type_: Any = None) -> Any:
         if type_ is memoryview:
             return body if type(body) is memoryview else memoryview(body)
         return msgspec.convert(body, type_)
-    if type_ is None:
-        type_ = Any
-    entry = _decoders_by_id.get(id(type_))
-    if entry is not None and entry[0] is type_:
-        return entry[1].decode(body)
-    dec = _decoders.get(type_)
-    if dec is None:
-        dec = _decoders[type_] = msgspec.msgpack.Decoder(type_)
-    if len(_decoders_by_id) < _MAX_DECODERS_BY_ID:
-        _decoders_by_id[id(type_)] = (type_, dec)
-    return dec.decode(body)
+    return decoder(type_)(body)
 
 
 def encode_metadata(metadata: Mapping[str, str]) -> bytes:

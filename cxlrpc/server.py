@@ -20,6 +20,7 @@ import time
 from asyncio import current_task as _current_task
 from asyncio.tasks import _enter_task, _leave_task
 from contextvars import ContextVar
+from types import CoroutineType
 from typing import Any, Awaitable, Callable, Mapping, NamedTuple, NoReturn, Sequence
 
 import msgspec
@@ -129,7 +130,7 @@ class _Method:
     at registration (a handler that cannot be served is refused there, not on every call)."""
 
     __slots__ = ("fn", "is_async", "streaming", "requests", "streams", "blocking", "arg_type",
-                 "raw_arg", "takes_arg", "view_arg")
+                 "raw_arg", "takes_arg", "view_arg", "decode")
 
     def __init__(self, name: str, fn: Handler, blocking: bool = False,
                  requests: bool | None = None) -> None:
@@ -184,6 +185,8 @@ class _Method:
         #: A raw (bytes-like) body is the argument itself: no decoding to do.
         self.raw_arg = (self.arg_type is None or self.arg_type is bytes or self.arg_type is Any
                         or self.view_arg)
+        #: Decodes a MessagePack body into the argument (validated as its annotation says).
+        self.decode = fr.decoder(self.arg_type)
 
     @property
     def lends(self) -> bool:
@@ -613,7 +616,7 @@ class Server:
                 arg = memoryview(arg)
         else:
             try:
-                arg = fr.decode_body(f.flags, f.body, m.arg_type)
+                arg = fr.decode_body(f.flags, f.body, m.arg_type) if f.flags & fr.RAW else m.decode(f.body)
             except Exception as exc:  # DecodeError, ValidationError, RecursionError on deep nesting
                 self._error(f, StatusCode.INVALID_ARGUMENT, f"bad request for {f.method!r}: {exc}")
                 return
@@ -647,7 +650,7 @@ class Server:
             if type(arg) is memoryview and m.view_arg:  # the body was lent: answer, then take it back
                 self._lent_reply(f, arg, result)
                 return
-            if inspect.iscoroutine(result):  # a plain function that returned a coroutine
+            if type(result) is CoroutineType:  # a plain function that returned a coroutine
                 result = self._run_eagerly(result, f, slot, call)
                 if result is _SUSPENDED:
                     return

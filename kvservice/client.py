@@ -194,7 +194,7 @@ class _Ops:
         view = pool.fresh(offset, lease.size)  # a bad offset from the server raises
         release = self._release
         return Block(view, version, lambda collected: release(lease_id, collected),
-                     lambda: pool.holds(offset, version))
+                     pool.holder(offset, version))
 
     def _release(self, lease_id: int, collected: bool = False) -> None:
         """Queue the end of a lease: a block's release, or its collection (``collected``: the

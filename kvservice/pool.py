@@ -178,15 +178,22 @@ class Pool:
         self._mem.store(entry, 0, RELEASE)
         self._mem.writeback(entry, 8)
 
-    def holds(self, offset: int, version: int) -> bool:
-        """Client: does the block at ``offset`` still hold ``version``? Call it after reading:
-        the fence orders the reads before the check."""
-        fence()
+    def holder(self, offset: int, version: int) -> Callable[[], bool]:
+        """Client: the check that the block at ``offset`` still holds ``version`` (made once per
+        lease, the offset validated here). Call it after reading: its fence orders the reads
+        before the check."""
         entry = self._entry(offset)
         mem = self._mem
         if mem.flushing:
-            mem.invalidate(entry, 8)
-        return mem.load(entry, ACQUIRE) == version
+            def holds() -> bool:
+                fence()
+                mem.invalidate(entry, 8)
+                return mem.load(entry, ACQUIRE) == version
+        else:
+            def holds() -> bool:
+                fence()
+                return mem.load(entry, ACQUIRE) == version
+        return holds
 
     def fresh(self, offset: int, size: int) -> memoryview:
         """A block another host wrote, to read in place: :meth:`slice` after dropping any

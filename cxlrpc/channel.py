@@ -192,6 +192,9 @@ class ServerChannel:
         self.geo = geo
         mem = region.mem
         self.identity = host_identity()
+        #: A client of this very process holds a slot (set by reap): it shares our GIL, so
+        #: polling for its requests without giving the loop a turn cannot see them.
+        self.peers_in_process = False
         self.state = mem.counter(CONTROL + _STATE)
         self.dropped = mem.counter(CONTROL + _DROPPED)
         _write_geometry(mem, geo)
@@ -252,7 +255,7 @@ class ServerChannel:
         """
         departed = []
         mem = self.region.mem
-        remote = False
+        remote = in_process = False
         for i in range(self.geo.slots):
             word = self.slot_state[i].load(ACQUIRE)
             gen = (word >> 1) & 0xFFFFFFFF
@@ -278,9 +281,11 @@ class ServerChannel:
                 continue
             self.seen[i] = gen
             remote = remote or not local
+            in_process = in_process or (local and mem.load(base + _SLOT_PID, ACQUIRE) == os.getpid())
             if self.slot_ack[i].load(RELAXED) != gen:
                 self.slot_ack[i].store(gen, RELEASE)
         self.bell.remote_peers = remote
+        self.peers_in_process = in_process
         return departed
 
     def producer_dead(self, slot: int, tag: int) -> bool:
@@ -329,6 +334,13 @@ class _ServerWatch:
     #: The server's (epoch, heartbeat) when its heartbeat was judged stopped: a reconnection
     #: that finds them unchanged knows at once there is still no server.
     stopped_beat: tuple[int, int] | None = None
+    #: The server runs in this very process (it shares our GIL and, likely, our event loop:
+    #: polling for its reply without letting it run cannot see one).
+    server_in_process: bool = False
+
+    def _note_server(self, region: Region) -> None:
+        info = region.info()
+        self.server_in_process = info.owner_identity == host_identity() and info.owner_pid == os.getpid()
 
     def server_gone(self, timeout: float) -> str | None:
         """Why the server should be considered gone, or None while it looks alive."""
@@ -359,6 +371,7 @@ class ClientChannel(_ServerWatch):
         if self.state.load(ACQUIRE) != STATE_RUNNING:
             raise ConnectionRefusedError(f"server at {region.url} is not running")
         self.server_local = region.info().owner_identity == host_identity()
+        self._note_server(region)
         self.slot = -1
         busy = 0
         for i in range(geo.slots):
@@ -525,6 +538,9 @@ class FlushServerChannel:
         self.geo = geo
         mem = region.mem
         self.identity = host_identity()
+        #: A client of this very process holds a slot (set by reap): it shares our GIL, so
+        #: polling for its requests without giving the loop a turn cannot see them.
+        self.peers_in_process = False
         self.state = mem.counter(CONTROL + _STATE)
         self.dropped = mem.counter(CONTROL + _DROPPED)
         _write_geometry(mem, geo)
@@ -575,6 +591,7 @@ class FlushServerChannel:
         departed = []
         mem, geo = self.region.mem, self.geo
         load = mem.load
+        in_process = False
         for i in range(geo.slots):
             base = geo.slot(i)
             gen = self._held[i]
@@ -589,11 +606,15 @@ class FlushServerChannel:
             ours = load(base + _F_GEN, ACQUIRE) == gen
             live = self._liveness[i]
             live.timeout = timeout
+            local = ours and load(base + _F_IDENTITY, ACQUIRE) == self.identity
+            pid = load(base + _F_PID, ACQUIRE) if local else 0
             if (live.stale(beat, now) or (ours and load(base + _F_RELEASED, ACQUIRE) == gen)
-                    or (ours and load(base + _F_IDENTITY, ACQUIRE) == self.identity
-                        and self._pids[i].dead(load(base + _F_PID, ACQUIRE)))):
+                    or (local and self._pids[i].dead(pid))):
                 self._free(i, gen)
                 departed.append((i, gen))
+            else:
+                in_process = in_process or pid == os.getpid()
+        self.peers_in_process = in_process
         return departed
 
     def _grant(self, slot: int, nonce: int) -> None:
@@ -640,6 +661,7 @@ class FlushClientChannel(_ServerWatch):
         if self._server_state() != STATE_RUNNING:
             raise ConnectionRefusedError(f"server at {region.url} is not running")
         self.server_local = False  # without coherence every peer is treated as remote
+        self._note_server(region)
         self._poll_interval = poll_interval
         self.slot, self.gen, self.tag = -1, 0, 0
         self._word = 0  # the grant word while we hold the slot

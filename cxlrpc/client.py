@@ -738,7 +738,7 @@ class Client(_Base):
                 self._late[call_id] = late
             if deadline is not None:
                 timer = loop.call_at(deadline, _expire, fut)
-            if not self._direct and len(self._pending) == 1:
+            if not self._direct and len(self._pending) == 1 and not chan.server_in_process:
                 await self._poll_directly(fut)
             return await fut
         except (asyncio.CancelledError, DeadlineExceeded):
@@ -887,7 +887,8 @@ class Client(_Base):
 
     async def _poll_directly(self, fut: asyncio.Future) -> None:
         """The only caller in flight polls the reply ring itself through the spin and yield
-        phases of the wait strategy; the reader task parks meanwhile.
+        phases of the wait strategy; the reader task parks meanwhile. (Not when the server runs
+        in this process: it could not answer while we poll.)
 
         This saves the hop through the reader task (one loop iteration and a task switch per
         call). For the first ``_HOT_SPIN_S`` of the spin phase it polls without giving the

@@ -483,9 +483,10 @@ class Server:
             else:
                 # replies waiting for a full response ring: come back soon to retry them
                 wait = 0.0005 if self._backlog else housekeeping_every
-                # nothing else of ours to run (no call in a task, no reply held back): the first
-                # look of the wait goes without loop turns
-                hot = 0.0 if self._tasks or self._backlog else _HOT_SPIN_S
+                # nothing else of ours to run (no call in a task, no reply held back, no client
+                # in this process, which needs the loop to run): the first look of the wait
+                # goes without loop turns
+                hot = 0.0 if self._tasks or self._backlog or chan.peers_in_process else _HOT_SPIN_S
                 idle = not await chan.bell.wait_async(ring.readable, self.strategy, wait, idle, hot)
 
     def _housekeeping(self, now: float) -> int | None:

@@ -122,3 +122,53 @@ async def test_file_region(tmp_path):
     async with server, cxlrpc.connect(url) as client:
         assert await client.call("echo", b"on a file", timeout=5) == b"on a file"
     assert os.stat(tmp_path / "region").st_mode & 0o777 == 0o600
+
+
+@pytest.mark.parametrize("coherence", ["hardware", "flush"])
+async def test_peers_know_whether_they_share_this_process(url, coherence):
+    """A client and server of one process share its GIL and loop, so neither may poll for the
+    other without giving the loop a turn: both sides must know, and only then."""
+    server = cxlrpc.Server(url, slots=4, coherence=coherence, client_timeout=0.4)
+
+    @server.method("echo")
+    async def echo(payload: bytes) -> bytes:
+        return payload
+
+    async with server:
+        chan = server._chan
+        reaps = 0
+        reap = chan.reap
+
+        def counting_reap(*args):
+            nonlocal reaps
+            reaps += 1
+            return reap(*args)
+
+        chan.reap = counting_reap
+
+        async def reaped_twice() -> None:  # a reap began and ended after now
+            start = reaps
+            deadline = time.monotonic() + 5
+            while reaps < start + 2:
+                assert time.monotonic() < deadline, "the server stopped reaping"
+                await asyncio.sleep(0.01)
+
+        # a client in another process only (started off the loop, which serves it)
+        child = await asyncio.to_thread(client_holding_slot, url)
+        try:
+            await reaped_twice()
+            assert not chan.peers_in_process
+            async with cxlrpc.connect(url) as client:  # and one in this process
+                assert client._chan.server_in_process
+                assert await client.call("echo", b"x" * 64, timeout=5) == b"x" * 64
+                await reaped_twice()
+                assert chan.peers_in_process
+        finally:
+            stop(child)
+        await reaped_twice()
+        assert not chan.peers_in_process
+    # a client in another process sees a server that is not in it
+    with echo_server(url, coherence=coherence):
+        async with cxlrpc.connect(url) as client:
+            assert not client._chan.server_in_process
+            assert await client.call("echo", b"y", timeout=5) == b"y"

@@ -43,6 +43,8 @@ FIRST_SLOT = 0x10
 GUEST_TMPFS = (Path("/tmp"), Path("/run"), Path("/dev/shm"))
 #: This project's checkout (CI may clone it under /tmp).
 PROJECT = Path(__file__).resolve().parents[1]
+#: The interpreter's environment (a virtualenv may live under /tmp, hidden by the guest's tmpfs).
+ENVIRONMENT = Path(sys.prefix)
 _9P = "trans=virtio,version=9p2000.L,msize=512000"
 
 INIT = f"""#!/bin/busybox sh
@@ -233,7 +235,8 @@ class Guest:
 
     ``shm_files`` are the caller's backing files, one ivshmem-plain device each, in order.
     ``host_paths`` that lie under the guest's own tmpfs mounts (/tmp, /run, /dev/shm) are
-    bind-mounted back, read-only, at the same paths, so a checkout under /tmp stays importable.
+    bind-mounted back, read-only, at the same paths, so a checkout or a virtualenv under /tmp
+    stays usable.
     ``smp`` vCPUs are started, but ``maxcpus`` is at least 2: QEMU's TCG emits real host
     atomics for guest ``lock``-prefixed instructions only when the machine may have more than
     one vCPU, and cross-process atomics on the shared memory need them.
@@ -246,7 +249,7 @@ class Guest:
         shm_files: list[Path],
         mem_mb: int = 512,
         smp: int = 1,
-        host_paths: tuple[Path, ...] = (PROJECT,),
+        host_paths: tuple[Path, ...] = (PROJECT, ENVIRONMENT),
     ) -> None:
         for f in shm_files:
             size = f.stat().st_size

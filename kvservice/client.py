@@ -298,7 +298,9 @@ class KVClient(_Ops):
 
     async def begin_put(self, key: Key, size: int, namespace: str = "",
                         ttl: float | None = None) -> PendingPut:
-        """Reserve ``size`` bytes to fill in place; ``await pending.commit()`` publishes them."""
+        """Reserve ``size`` bytes to fill in place; ``await pending.commit()`` publishes them.
+        A commit later than the server's ``put_timeout_s`` fails (NotFound); the block stays
+        reserved for this connection until it commits, aborts or closes, never reused under it."""
         return await self._drive(self._begin_put(key, size, namespace, ttl, self._drive))
 
     async def get(self, key: Key, namespace: str = "", lease_s: float | None = None) -> Block:
@@ -659,7 +661,8 @@ class SyncKVClient(_Ops):
 
     def begin_put(self, key: Key, size: int, namespace: str = "",
                   ttl: float | None = None) -> PendingPut:
-        """Reserve ``size`` bytes to fill in place; ``pending.commit()`` publishes them."""
+        """Reserve ``size`` bytes to fill in place; ``pending.commit()`` publishes them (see
+        KVClient.begin_put for a commit later than the server's ``put_timeout_s``)."""
         return self._drive(self._begin_put(key, size, namespace, ttl, self._drive))
 
     def get(self, key: Key, namespace: str = "", lease_s: float | None = None) -> Block:

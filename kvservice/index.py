@@ -116,6 +116,9 @@ class _LeaseRec(msgspec.Struct, gc=False):
     owner: Hashable | None
     expires_at: float
     hold_until: float = 0.0
+    #: the deadline of its one live timer entry (at or before ``expires_at``: a renewal that
+    #: moves the expiry later adds no entry; the entry re-arms itself when it comes due)
+    timer_at: float = math.inf
 
 
 class _Namespace:
@@ -142,11 +145,12 @@ class _Soonest:
 
 
 class _Timers:
-    """Deadlines in a min-heap with lazy deletion; rebuilt when dead entries outnumber live ones."""
+    """Deadlines in a min-heap with lazy deletion; rebuilt when dead entries outnumber live ones.
+    ``alive(record, deadline)`` tells a live entry from a superseded or ended one."""
 
     __slots__ = ("_heap", "_seq", "_alive", "_soonest")
 
-    def __init__(self, alive: Callable[[object], bool], soonest: _Soonest) -> None:
+    def __init__(self, alive: Callable[[object, float], bool], soonest: _Soonest) -> None:
         self._heap: list[tuple[float, int, object]] = []
         self._seq = itertools.count()
         self._alive = alive
@@ -157,7 +161,7 @@ class _Timers:
         if deadline < self._soonest.at:
             self._soonest.at = deadline
         if len(self._heap) > 2 * live + 64:
-            self._heap = [e for e in self._heap if self._alive(e[2])]
+            self._heap = [e for e in self._heap if self._alive(e[2], e[0])]
             heapq.heapify(self._heap)
 
     def head(self) -> float:
@@ -169,8 +173,8 @@ class _Timers:
         due = []
         heap = self._heap
         while heap and heap[0][0] <= now:
-            record = heapq.heappop(heap)[2]
-            if self._alive(record):
+            deadline, _, record = heapq.heappop(heap)
+            if self._alive(record, deadline):
                 due.append(record)
         return due
 
@@ -205,10 +209,15 @@ class KVIndex:
                  max_lease_s: float = 60.0, put_timeout_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic,
                  on_publish: Callable[[int, int], None] | None = None,
-                 on_free: Callable[[int], None] | None = None, first_id: int = 1) -> None:
+                 on_free: Callable[[int], None] | None = None, first_id: int = 1,
+                 first_version: int = 1) -> None:
         """``on_publish(offset, version)`` runs when a value becomes live, ``on_free(offset)``
         before its block can be handed out again (the server marks the pool with them, so
-        readers can tell reused bytes). Lease and ticket ids count up from ``first_id``."""
+        readers can tell reused bytes). Lease and ticket ids count up from ``first_id``, value
+        versions from ``first_version`` (a server taking over a pool's memory starts both where
+        its predecessor's cannot be: a reader still holding an old block must not match)."""
+        if not 0 < first_version < 1 << 63:
+            raise ValueError("first_version must be in [1, 2**63)")
         if not 0 < low_watermark <= high_watermark <= 1:
             raise ValueError("need 0 < low_watermark <= high_watermark <= 1")
         self._alloc = allocator
@@ -224,17 +233,22 @@ class KVIndex:
         self._clock = clock
         self._ns: dict[str, _Namespace] = {}
         self._tickets: dict[int, _Ticket] = {}
+        #: expired tickets whose owner is still connected: it holds a writable view of the
+        #: block and may still be writing, so the block is freed only when it commits, aborts
+        #: or departs (handing it to another put meanwhile would let it overwrite that value)
+        self._expired_tickets: dict[int, _Ticket] = {}
         self._leases: dict[int, _LeaseRec] = {}
         #: owner -> ids of its leases and tickets; an owner's entry lasts until release_owner
         #: (a server's connections all end so): one set per get and release to make and drop
         #: was a tenth of a get's cost
         self._owners: dict[Hashable, set[int]] = {}
         self._ids = itertools.count(first_id)  # lease and ticket ids share one sequence
-        self._versions = itertools.count(1)
+        self._versions = itertools.count(first_version)
         self._soonest = _Soonest()
-        self._lease_timers = _Timers(lambda rec: rec.id in self._leases, self._soonest)
-        self._ticket_timers = _Timers(lambda rec: rec.id in self._tickets, self._soonest)
-        self._ttl_timers = _Timers(lambda block: block.state == _LIVE, self._soonest)
+        self._lease_timers = _Timers(lambda rec, at: rec.timer_at == at and self._leases.get(rec.id) is rec,
+                                     self._soonest)
+        self._ticket_timers = _Timers(lambda rec, at: rec.id in self._tickets, self._soonest)
+        self._ttl_timers = _Timers(lambda block, at: block.state == _LIVE, self._soonest)
         self._entries = 0
         self._retired = 0
         self._counters = dict.fromkeys(
@@ -247,8 +261,9 @@ class KVIndex:
                   owner: Hashable | None = None, if_absent: bool = False) -> PutTicket | None:
         """Reserve ``size`` bytes for a value of ``key``, evicting as the fairness rule allows.
 
-        The value stays invisible until ``commit_put``; an uncommitted ticket is freed after
-        ``put_timeout_s``. Raises PoolFull (or its subclass QuotaExceeded) when there is no room.
+        The value stays invisible until ``commit_put``; an uncommitted ticket expires after
+        ``put_timeout_s`` (its commit fails). Its block is freed then, or, for an ``owner``
+        (who may still be writing into it), when that owner commits, aborts or is released. Raises PoolFull (or its subclass QuotaExceeded) when there is no room.
         ``if_absent``: None (nothing reserved) when the key has a live value; the commit also
         keeps an existing value should one appear meanwhile.
         """
@@ -301,6 +316,7 @@ class KVIndex:
         self._expire(now)
         ticket = self._tickets.get(ticket_id)
         if ticket is None or (owner is not None and ticket.owner != owner):
+            self._end_expired(ticket_id, owner)
             raise KeyError(f"unknown or expired put ticket {ticket_id!r}")
         block = ticket.block
         space = self._ns[block.ns]
@@ -330,9 +346,17 @@ class KVIndex:
         self._expire(self._clock())
         ticket = self._tickets.get(ticket_id)
         if ticket is None or (owner is not None and ticket.owner != owner):
+            self._end_expired(ticket_id, owner)
             return False
         self._drop_ticket(ticket)
         return True
+
+    def _end_expired(self, ticket_id: int, owner: Hashable | None) -> None:
+        """The owner of an expired ticket is done with its block (it committed or aborted too
+        late): free it now."""
+        ticket = self._expired_tickets.get(ticket_id)
+        if ticket is not None and (owner is None or ticket.owner == owner):
+            self._drop_ticket(ticket)
 
     def remove_keys(self, ns: str, keys: list[str | bytes], force: bool = True) -> list[int]:
         """Hide each key (as ``remove``): REMOVED, ABSENT, or LEASED when a lease holds its
@@ -438,7 +462,7 @@ class KVIndex:
             return False
         if lease.hold_until > now:  # a held read lease lasts its hold, then expires
             lease.expires_at = lease.hold_until
-            self._lease_timers.push(lease.expires_at, lease, len(self._leases))
+            self._arm(lease)
             return True
         self._end_lease(lease)
         return True
@@ -454,7 +478,7 @@ class KVIndex:
             self._counters["stale_releases"] += 1
             return None
         lease.expires_at = now + self._lease_s(lease_s)
-        self._lease_timers.push(lease.expires_at, lease, len(self._leases))
+        self._arm(lease)
         return lease.expires_at
 
     def exists(self, ns: str, key: str | bytes) -> bool:
@@ -504,7 +528,7 @@ class KVIndex:
             if lease is not None:
                 self._end_lease(lease)
             else:
-                self._drop_ticket(self._tickets[record_id])
+                self._drop_ticket(self._tickets.get(record_id) or self._expired_tickets[record_id])
         return len(ids)
 
     def expire(self) -> int:
@@ -519,6 +543,7 @@ class KVIndex:
             "entries": self._entries,
             "leases": len(self._leases),
             "pending_puts": len(self._tickets),
+            "expired_puts_held": len(self._expired_tickets),
             "retired_blocks": self._retired,
             "pool_used": self._alloc.used,
             "pool_capacity": self._alloc.capacity,
@@ -533,17 +558,23 @@ class KVIndex:
         if now < soonest.at:
             return 0
         n = 0
-        for lease in self._lease_timers.pop_due(now):
-            if lease.expires_at > now or self._leases.get(lease.id) is not lease:
-                # renewed: a later timer entry holds its new expiry; or ended already, by an
-                # earlier entry of this same pass (a lease renewed, or released with a hold,
-                # has two entries, and both may be due by the time a pass runs)
+        for lease in self._lease_timers.pop_due(now):  # entries at their lease's timer_at
+            if self._leases.get(lease.id) is not lease:
+                continue  # ended by a twin entry of this pass (two pushed at one deadline)
+            if lease.expires_at > now:  # renewed: its entry moves to the new expiry, once
+                if lease.timer_at != lease.expires_at:
+                    lease.timer_at = lease.expires_at
+                    self._lease_timers.push(lease.expires_at, lease, len(self._leases))
                 continue
             self._end_lease(lease)
             self._counters["lease_expirations"] += 1
             n += 1
         for ticket in self._ticket_timers.pop_due(now):
-            self._drop_ticket(ticket)
+            if ticket.owner is None:
+                self._drop_ticket(ticket)
+            else:  # its writer may still be writing: the block waits for it (see __init__)
+                del self._tickets[ticket.id]
+                self._expired_tickets[ticket.id] = ticket
             self._counters["put_expirations"] += 1
             n += 1
         for block in self._ttl_timers.pop_due(now):
@@ -574,7 +605,7 @@ class KVIndex:
         block.leases += 1
         expires_at = now + duration
         lease_id = next(self._ids)
-        record = _LeaseRec(lease_id, block, owner, expires_at, hold_until)
+        record = _LeaseRec(lease_id, block, owner, expires_at, hold_until, expires_at)
         leases = self._leases
         leases[lease_id] = record
         if owner is not None:  # _own, inline
@@ -644,6 +675,13 @@ class KVIndex:
         space.used -= block.nbytes
         self._maybe_drop(space)
 
+    def _arm(self, lease: _LeaseRec) -> None:
+        """The lease's expiry moved: a new timer entry only if it moved earlier than its live
+        one (so renewing a lease any number of times keeps one live entry)."""
+        if lease.expires_at < lease.timer_at:
+            lease.timer_at = lease.expires_at
+            self._lease_timers.push(lease.expires_at, lease, len(self._leases))
+
     def _end_lease(self, lease: _LeaseRec) -> None:
         del self._leases[lease.id]
         if lease.owner is not None:  # _disown, inline
@@ -656,7 +694,8 @@ class KVIndex:
             self._free(block)
 
     def _drop_ticket(self, ticket: _Ticket) -> None:
-        del self._tickets[ticket.id]
+        if self._tickets.pop(ticket.id, None) is None:
+            del self._expired_tickets[ticket.id]
         self._disown(ticket.owner, ticket.id)
         self._free(ticket.block)
 

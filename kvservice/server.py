@@ -27,9 +27,11 @@ logger = logging.getLogger("kvservice.server")
 
 
 def _first_id() -> int:
-    """Where a server's lease and ticket ids start: at random in [1, 2**62], so ids an earlier
-    server on this name handed out (a client that reconnected may still send them) name none
-    of this one's, save with odds of about the ids issued over 2**62."""
+    """Where a server's lease and ticket ids, and its value versions, start: at random in
+    [1, 2**62], so ids an earlier server on this name handed out (a client that reconnected
+    may still send them) name none of this one's, and a block an earlier server leased on the
+    same pool memory (a file or device pool outlives its server) never matches a version of
+    this one's, save with odds of about the numbers issued over 2**62."""
     return secrets.randbits(62) + 1
 
 
@@ -60,7 +62,9 @@ class KVServer:
     request. Blocks are whole units of ``alignment`` bytes (a 100-byte value takes 4 KiB with
     the default; KV-cache chunks are 64 KiB and up): lower it for small values. One device
     serves both regions when each is a range of it: ``KVServer("file:///dev/dax0.0?size=64M",
-    pool_size, pool_url="file:///dev/dax0.0?offset=64M")``.
+    pool_size, pool_url="file:///dev/dax0.0?offset=64M")``. A put not committed within
+    ``put_timeout_s`` fails; its block is freed when its connection is done with it (commits,
+    aborts or departs), as that connection may still be writing into it.
     """
 
     def __init__(self, url: str, pool_size: int, *, pool_url: str | None = None,
@@ -85,7 +89,7 @@ class KVServer:
                              put_timeout_s=put_timeout_s,
                              on_publish=lambda offset, version: self._pool.publish(offset, version),
                              on_free=lambda offset: self._pool.clear(offset),
-                             first_id=_first_id())
+                             first_id=_first_id(), first_version=_first_id())
         rpc_options.setdefault("slots", 64)  # two TP-8 pods and their helpers
         rpc_options.setdefault("response_capacity", 256 << 10)
         self.rpc = cxlrpc.Server(url, **rpc_options)

@@ -528,6 +528,20 @@ def test_timer_heaps_stay_bounded_under_lease_churn():
     assert len(idx._lease_timers._heap) <= 2 * len(idx._leases) + 65
 
 
+def test_lease_timer_heap_stays_bounded_under_renewals():
+    """Every renew pushes a timer entry, and the heap's rebuild keeps every entry whose lease
+    still exists (dead = "lease gone", not "superseded"), so a lease renewed N times (one
+    Renew message naming it N times will do) leaves N live-looking entries; once past
+    2*live+64 every push rebuilds the whole heap and drops nothing: O(N**2) work in the
+    server's loop (20k renews of one lease: ~60 s measured)."""
+    idx, _ = make(default_lease_s=10)
+    put(idx, "m", "k")
+    lease = idx.get("m", "k")
+    for _ in range(2000):
+        idx.renew(lease.lease_id, lease_s=10)
+    assert len(idx._lease_timers._heap) <= 2 * len(idx._leases) + 65, len(idx._lease_timers._heap)
+
+
 OPS = ["put"] * 4 + ["commit"] * 3 + ["get"] * 3 + ["release"] * 2 + ["abort", "remove", "tick",
                                                                       "owner", "renew", "hold"]
 
@@ -542,6 +556,8 @@ def test_random_operations_keep_invariants(ops):
                       put_timeout_s=7)
     idx.set_quota("q", 3 * U)
     tickets: dict[int, tuple[PutTicket, str, str, int, float]] = {}  # id -> (.., owner, deadline)
+    #: tickets past their deadline: refused, their blocks held until their owner is done
+    expired: dict[int, tuple[PutTicket, str, str, int, float]] = {}
     #: leases the index must still hold: id -> (lease, owner, until, end of its hold)
     leases: dict[int, tuple[Lease, int, float, float]] = {}
     latest: dict[tuple[str, str], int] = {}
@@ -559,10 +575,19 @@ def test_random_operations_keep_invariants(ops):
             except PoolFull:
                 continue
             start, end = ticket.offset, ticket.offset + b * U
-            held = [(t.offset, t.size) for t, *_ in tickets.values()]
+            held = [(t.offset, t.size) for t, *_ in (*tickets.values(), *expired.values())]
             held += [(lease.offset, lease.size) for lease, *_ in leases.values()]
             assert all(end <= o or o + s <= start for o, s in held), "range reused while held"
             tickets[ticket.ticket_id] = (ticket, ns, key, owner, clock.now + 7)
+        elif op in ("commit", "abort") and expired and a % 3 == 0:
+            # too late: refused, and the block its writer held is freed now
+            tid = sorted(expired)[a % len(expired)]
+            expired.pop(tid)
+            if op == "abort":
+                assert not idx.abort_put(tid)
+            else:
+                with pytest.raises(KeyError):
+                    idx.commit_put(tid)
         elif op in ("commit", "abort") and tickets:
             tid = sorted(tickets)[a % len(tickets)]
             _, tns, tkey, *_ = tickets.pop(tid)
@@ -600,22 +625,28 @@ def test_random_operations_keep_invariants(ops):
         elif op == "tick":
             clock.now += b
             leases = {k: v for k, v in leases.items() if v[2] > clock.now}
+            expired.update((k, v) for k, v in tickets.items() if v[4] <= clock.now)
             tickets = {k: v for k, v in tickets.items() if v[4] > clock.now}
         elif op == "owner":
             idx.release_owner(owner)
             tickets = {k: v for k, v in tickets.items() if v[3] != owner}
+            expired = {k: v for k, v in expired.items() if v[3] != owner}
             leases = {k: v for k, v in leases.items() if v[1] != owner}
         stats = idx.stats()
         assert stats["pool_used"] == sum(n["bytes"] for n in stats["namespaces"].values())
         assert stats["entries"] == sum(n["entries"] for n in stats["namespaces"].values())
         assert stats["namespaces"].get("q", {"bytes": 0})["bytes"] <= 3 * U
         assert stats["leases"] >= len(leases)
+        assert stats["expired_puts_held"] == len(expired)
     clock.now += 100
+    for owner in (0, 1):  # the owners depart, as a server's connections all end
+        idx.release_owner(owner)
     for ns in "pqr":
         for key in "0123":
             idx.remove(ns, key)
     stats = idx.stats()
     assert stats["pool_used"] == 0 and stats["leases"] == stats["pending_puts"] == 0
+    assert stats["expired_puts_held"] == 0
     assert stats["namespaces"] == {"q": {"bytes": 0, "entries": 0, "quota": 3 * U}}
 
 

@@ -351,3 +351,61 @@ def test_a_collected_blocks_release_is_never_pushed_by_the_collector(url):
             assert server.stats()["leases"] == 0
 
     asyncio.run(run())
+
+
+async def test_block_held_across_restart_on_a_file_pool_never_reads_the_new_servers_bytes(url, tmp_path):
+    """A pool on a file (or DAX device) is the same memory for the next server. A client's
+    Block from the first server keeps checking the version word of that memory; the second
+    server numbers versions from 1 again, so its first value at the same offset gets the
+    very version the old Block holds: the check passes and the old Block returns the new
+    server's bytes (another value) instead of raising LeaseExpired."""
+    pool_url = f"file://{tmp_path}/pool"
+    async with KVServer(url, pool_size=8 * MiB, pool_url=pool_url):
+        async with KVClient.connect(url) as writer:
+            await writer.put(b"k", b"1" * 5000)
+        kv = await KVClient.connect(url)
+        held = await kv.get(b"k")
+    try:
+        async with KVServer(url, pool_size=8 * MiB, pool_url=pool_url):
+            async with KVClient.connect(url) as writer:
+                await writer.put(b"other-key", b"2" * 5000)  # same offset, version 1 again
+            try:
+                data = held.tobytes()
+            except LeaseExpired:
+                data = None
+            assert data is None or data == b"1" * 5000, (
+                f"a Block of the old server returned another value's bytes: {data[:8]!r}...")
+            held.release()
+    finally:
+        await kv.close()
+
+
+async def test_a_writer_past_its_put_timeout_cannot_overwrite_another_keys_live_value(url):
+    """begin_put hands the writer a writable view of the block; when put_timeout_s passes the
+    server frees that block and hands it to the next put, which commits it. The first
+    writer's view still writes into it (nothing revokes or checks it), so the other key's
+    committed value changes under its readers, whose version check passes."""
+    async with KVServer(url, pool_size=8 * MiB, put_timeout_s=0.2, expire_interval=0.02) as server:
+        async with KVClient.connect(url) as slow, KVClient.connect(url) as other:
+            pending = await slow.begin_put("slow", 5000)
+            assert await until(lambda: server.stats()["pending_puts"] == 0)  # ticket expired
+            await other.put("victim", b"v" * 5000)  # takes the freed block
+            try:
+                pending.view()[:] = b"x" * 5000  # the slow writer goes on filling its block
+            except (ValueError, TypeError, LeaseExpired):
+                pass  # refused: fine
+            try:
+                data = await other.get_bytes("victim")
+            except LeaseExpired:
+                data = None
+            assert data == b"v" * 5000, f"victim's value now reads {data[:8]!r}..."
+            assert server.stats()["expired_puts_held"] == 1  # the slow writer's block, kept
+            with pytest.raises(cxlrpc.NotFound):
+                await pending.commit()
+            assert server.stats()["expired_puts_held"] == 0  # freed by the refused commit
+            await other.remove("victim")
+            assert await until(lambda: server.stats()["pool_used"] == 0)
+            # a writer that departs instead frees its expired block too
+            await slow.begin_put("slow2", 5000)
+            assert await until(lambda: server.stats()["expired_puts_held"] == 1)
+        assert await until(lambda: server.stats()["pool_used"] == 0)

@@ -21,7 +21,7 @@ import os
 import sys
 
 import pytest
-from hypothesis import HealthCheck, assume, given, note, settings, strategies as st
+from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 from cxlrpc.memory import AtomicMemory
 from cxlrpc.ring import MpscRing, SpscRing, base, ring_size

@@ -705,14 +705,24 @@ class Client(_Base):
         """A request through the heap: ALLOC an extent, write the body there, then call."""
         chan = self._chan
         alloc_id, alloc = self._alloc_request(len(large.body), timeout)
-        try:
-            reply = await self._roundtrip(alloc_id, alloc, deadline, None)
-        finally:
-            self._allocs.discard(alloc_id)
+        reply = await self._granted(alloc_id, alloc, deadline)
         if self._gone is not None or self._chan is not chan:  # the extent is another server's
             raise Unavailable(self._gone or "the connection was lost while the call waited for heap space")
         parts, offset = self._staged(large, reply, call_id, timeout)
         return await self._roundtrip(call_id, parts, deadline, response_type, unsent=offset, late=late)
+
+    async def _granted(self, alloc_id: int, alloc: tuple, deadline: float | None) -> fr.Frame:
+        """The ALLOC round trip. A caller that gives up first leaves the ALLOC known, so a
+        grant the server sent meanwhile is given back when it comes (``_granted_late``)."""
+        try:
+            reply = await self._roundtrip(alloc_id, alloc, deadline, None)
+        except (asyncio.CancelledError, DeadlineExceeded):
+            raise
+        except BaseException:
+            self._allocs.discard(alloc_id)
+            raise
+        self._allocs.discard(alloc_id)
+        return reply
 
     async def _roundtrip(self, call_id: int, parts: tuple, deadline: float | None,
                          response_type: Any, unsent: int | None = None,
@@ -846,10 +856,7 @@ class Client(_Base):
         large = self._out_of_line(flags, 0, b"", body, "stream item")
         left = 0.0 if call._deadline is None else max(1e-6, call._deadline - self._loop.time())
         alloc_id, alloc = self._alloc_request(len(body), left)
-        try:
-            reply = await self._roundtrip(alloc_id, alloc, call._deadline, None)
-        finally:
-            self._allocs.discard(alloc_id)
+        reply = await self._granted(alloc_id, alloc, call._deadline)
         self._stream_chan(call)  # the extent is another server's if the connection changed
         parts, offset = self._staged(large, reply, call._call_id, 0.0, fr.ITEM)
         pushed = False
@@ -1194,8 +1201,12 @@ class SyncClient(_Base):
                 alloc_id, alloc = self._alloc_request(len(parts.body), timeout or 0.0)
                 try:
                     reply = self._decode_reply(self._roundtrip(alloc_id, alloc, deadline), None)
-                finally:
+                except DeadlineExceeded:
+                    raise  # a grant that comes later is given back (_granted_late)
+                except BaseException:
                     self._allocs.discard(alloc_id)
+                    raise
+                self._allocs.discard(alloc_id)
                 parts, unsent = self._staged(parts, reply, call_id, timeout or 0.0)
             return self._decode_reply(self._roundtrip(call_id, parts, deadline, unsent), response_type)
 

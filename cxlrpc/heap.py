@@ -77,14 +77,17 @@ class ServerHeap:
         return offset
 
     def owned(self, offset: int, length: int, slot: int, gen: int) -> bool:
-        """Was this extent (at least ``length`` bytes) handed to that connection?"""
+        """Was this extent (at least ``length`` bytes) handed to that connection, and is no
+        handler reading it (a lent extent is named by its one request only)?"""
         owner = self._owners.get(offset)
-        return owner is not None and owner[:2] == (slot, gen) and length <= owner[2]
+        return (owner is not None and owner[:2] == (slot, gen) and length <= owner[2]
+                and offset not in self._lent)
 
     def free(self, offset: int, slot: int, gen: int) -> bool:
-        """Free the connection's extent at ``offset``; False if it is not one of its own."""
+        """Free the connection's extent at ``offset``; False if it is not one of its own, or
+        a handler still reads it (it is freed by :meth:`give_back`, never under the handler)."""
         owner = self._owners.get(offset)
-        if owner is None or owner[:2] != (slot, gen):
+        if owner is None or owner[:2] != (slot, gen) or offset in self._lent:
             return False
         del self._owners[offset]
         self._alloc.free(offset)

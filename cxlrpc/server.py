@@ -243,6 +243,8 @@ class Server:
         #: Largest request or response body; bodies too big for a ring go through the heap
         #: (``heap_size`` bytes, by default ``max_message_size``: one such body at a time).
         self.max_message_size = max_message_size
+        #: the largest body through the heap: max_message_size, or a smaller heap's size
+        self._body_limit = max_message_size
         self.geometry = layout(slots, request_capacity, response_capacity, self.coherence,
                                max_message_size if heap_size is None else heap_size,
                                max_message_size)
@@ -356,6 +358,7 @@ class Server:
             if geo.heap_size:
                 self._heap = ServerHeap(HeapAccess(self._region.buf, self._region.mem, geo.heap,
                                                    geo.heap_size))
+                self._body_limit = min(self.max_message_size, geo.heap_size)
         except BaseException:
             self._stop_beating()
             self._region.mark_closed()
@@ -893,9 +896,9 @@ class Server:
                     raise Internal(f"cannot encode a stream item: {exc.message}") from None
                 head = fr.header(fr.ITEM, flags, 0, slot, gen, call_id, 0.0, b"")
                 if len(head) + len(body) > chan.responses[slot].max_payload and (
-                        self._heap is None or len(body) > self.max_message_size):
+                        self._heap is None or len(body) > self._body_limit):
                     raise ResourceExhausted(f"stream item of {len(body)} bytes exceeds "
-                                            f"max_message_size={self.max_message_size}")
+                                            f"{self._limit_setting()}")
                 pause = 0.0
                 while not self._push_reply(slot, gen, chan.responses[slot], head, body):
                     if chan.slot_generation(slot) != gen:
@@ -993,9 +996,9 @@ class Server:
             return  # the client left or died: nobody to answer
         ring = chan.responses[slot]
         if len(head) + len(body) > ring.max_payload and (self._heap is None
-                                                         or len(body) > self.max_message_size):
+                                                         or len(body) > self._body_limit):
             code = int(StatusCode.RESOURCE_EXHAUSTED)
-            limit = (f"max_message_size={self.max_message_size}" if self._heap is not None
+            limit = (self._limit_setting() if self._heap is not None
                      else f"the ring's limit {ring.max_payload} (this server has no heap)")
             msg = f"response of {len(body)} bytes exceeds {limit}".encode()
             call_id = fr.HEADER.unpack_from(head)[5]
@@ -1012,6 +1015,8 @@ class Server:
         ring (or the heap) is full."""
         if len(head) + len(body) <= ring.max_payload:
             return ring.try_push_parts((head, body))
+        if self._chan.slot_generation(slot) != gen:
+            return True  # the caller left (its extents were freed): nobody would free this one
         heap = self._heap
         offset = heap.alloc(slot, gen, len(body))
         if offset is None:
@@ -1032,13 +1037,19 @@ class Server:
                         else "bad ALLOC frame")
             return
         (size,) = OFFSET.unpack(f.body)
-        if not 0 < size <= self.max_message_size:
+        if not 0 < size <= self._body_limit:
             self._error(f, StatusCode.RESOURCE_EXHAUSTED, f"request of {size} bytes exceeds the "
-                        f"server's max_message_size={self.max_message_size}")
+                        f"server's {self._limit_setting()}")
             return
         deadline = time.monotonic() + f.timeout if f.timeout > 0 else None
         self._heap_waiting.append((deadline, f.slot, f.gen, f.call_id, size))
         self._heap_freed()
+
+    def _limit_setting(self) -> str:
+        """The setting that bounds a body through the heap, to name in errors."""
+        if self._body_limit < self.max_message_size:
+            return f"heap_size={self._body_limit} (below max_message_size={self.max_message_size})"
+        return f"max_message_size={self.max_message_size}"
 
     def _free(self, f: fr.Frame) -> None:
         """A client is done with a response body we put in the heap."""

@@ -1,0 +1,182 @@
+"""The heap path against misuse and bad timing: a lent extent is never freed or reused under
+its handler, a grant that comes after its caller gave up is given back, bodies over a heap
+smaller than max_message_size are refused (not wedged or lost), and a stream item for a
+departed caller leaks no extent."""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+
+import pytest
+
+import cxlrpc
+from cxlrpc import frame as fr
+from cxlrpc.heap import EXTENT, OFFSET
+from procs import until
+
+pytestmark = pytest.mark.timeout(60)
+KiB, MiB = 1 << 10, 1 << 20
+SMALL = dict(request_capacity=64 * KiB, response_capacity=64 * KiB)
+
+
+async def _outcome(aw):
+    """What ``aw`` returns, or the exception it raises (plain asserts keep reports short)."""
+    try:
+        return await aw
+    except (Exception, asyncio.TimeoutError) as exc:
+        return exc
+
+
+def _holding_server(url: str, **opts) -> tuple[cxlrpc.Server, asyncio.Event, asyncio.Event, list]:
+    """A server whose ``hold`` handler reads its lent heap body only after ``go`` is set."""
+    server = cxlrpc.Server(url, **{**SMALL, "max_message_size": MiB, **opts})
+    entered, go, seen = asyncio.Event(), asyncio.Event(), []
+
+    @server.method("hold")
+    async def hold(data: memoryview) -> bytes:
+        entered.set()
+        await go.wait()
+        seen.append(bytes(data))
+        return hashlib.sha256(data).digest()
+
+    @server.method("digest")
+    def digest(data: bytes) -> bytes:
+        return hashlib.sha256(data).digest()
+
+    @server.method("echo")
+    async def echo(data: bytes) -> bytes:
+        return data
+
+    @server.method("make")
+    def make(size: int) -> bytes:
+        return b"m" * size
+
+    return server, entered, go, seen
+
+
+async def test_a_free_of_a_lent_extent_does_not_hand_it_to_another_connection(url):
+    """A (buggy or hostile) client FREEs the extent its own suspended handler still reads: the
+    server must refuse (the extent is lent), not hand it to the next ALLOC of another client,
+    whose body the handler would then read (and whose extent its give_back would free)."""
+    server, entered, go, seen = _holding_server(url)
+    size = 600 * KiB  # two do not fit the 1 MiB heap
+    mine, theirs = b"A" * size, b"B" * size
+    async with server, cxlrpc.connect(url) as a, cxlrpc.connect(url) as b:
+        held = asyncio.ensure_future(a.call("hold", mine, timeout=30))
+        await asyncio.wait_for(entered.wait(), 10)
+        (offset,) = server._heap._lent
+        dropped, used = server.dropped_frames, server._heap.used
+        chan = a._chan
+        free = fr.header(fr.FREE, fr.RAW, 0, chan.slot, chan.gen, fr.NO_REPLY, 0.0, b"")
+        assert chan.push((free, OFFSET.pack(offset)))
+        chan.server_bell.ring()
+        assert await until(lambda: server.dropped_frames != dropped or server._heap.used != used, 5)
+        other = asyncio.ensure_future(b.call("digest", theirs, timeout=30))
+        await until(lambda: other.done(), 0.5)  # B must wait for room (or be done if the bug)
+        go.set()
+        assert await asyncio.wait_for(other, 30) == hashlib.sha256(theirs).digest()
+        await asyncio.wait((held,), timeout=30)
+        assert [s[:4] for s in seen] == [mine[:4]], "the lent handler read another connection's request bytes"
+        assert await until(lambda: server._heap.used == 0, 5), server._heap.used
+
+
+async def test_an_extent_named_by_two_requests_is_not_freed_while_lent(url):
+    """A client names its one granted extent in two requests: the first (a lent, suspended
+    handler) keeps reading it; the second must not free it under the first."""
+    server, entered, go, seen = _holding_server(url)
+    size = 600 * KiB
+    mine, theirs = b"A" * size, b"B" * size
+    async with server, cxlrpc.connect(url) as a, cxlrpc.connect(url) as b:
+        loop = asyncio.get_running_loop()
+        alloc_id, alloc = a._alloc_request(size, 10.0)
+        (offset,) = OFFSET.unpack(await a._roundtrip(alloc_id, alloc, None, None))
+        a._heap.write(offset, (mine,))
+        chan = a._chan
+        futs = {}
+        for call_id, method in ((9001, b"hold"), (9002, b"digest")):
+            futs[call_id] = loop.create_future()
+            a._pending[call_id] = (futs[call_id], None)
+            head = fr.HEADER.pack(fr.REQUEST, fr.RAW | fr.HEAP, 0, chan.slot, chan.gen, call_id,
+                                  30.0, len(method))
+            assert chan.push((head, method, EXTENT.pack(offset, size)))
+            chan.server_bell.ring()
+            if method == b"hold":
+                await asyncio.wait_for(entered.wait(), 10)
+        # the second request is refused or served; either way the extent stays the handler's
+        await asyncio.wait((futs[9002],), timeout=10)
+        other = asyncio.ensure_future(b.call("digest", theirs, timeout=30))
+        await until(lambda: other.done(), 0.5)
+        go.set()
+        assert await asyncio.wait_for(other, 30) == hashlib.sha256(theirs).digest()
+        await asyncio.wait((futs[9001],), timeout=10)
+        assert [s[:4] for s in seen] == [mine[:4]], "the lent handler read another connection's request bytes"
+        assert await until(lambda: server._heap.used == 0, 5), server._heap.used
+
+
+async def test_an_alloc_granted_after_its_caller_gave_up_is_freed(url):
+    """The caller of a big request is cancelled while its ALLOC waits for heap space, and the
+    server grants the extent before it reads the CANCEL: the client must FREE the late grant
+    (``_allocs`` is for that), else the extent is lost for as long as the client is
+    connected (here: the whole heap, every later big call of every client waits)."""
+    server, entered, go, seen = _holding_server(url)
+    size = 600 * KiB
+    async with server, cxlrpc.connect(url) as a, cxlrpc.connect(url) as b:
+        held = asyncio.ensure_future(a.call("hold", b"A" * size, timeout=30))
+        await asyncio.wait_for(entered.wait(), 10)
+        waiting = asyncio.ensure_future(b.call("digest", b"B" * size))
+        assert await until(lambda: server._heap_waiting, 5)
+        go.set()          # the holder finishes: its extent comes back, B's ALLOC is granted
+        waiting.cancel()  # ... while B gives up (its CANCEL is read after the grant went out)
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        await asyncio.wait_for(held, 10)
+        assert await until(lambda: server._heap.used == 0, 3), \
+            f"{server._heap.used} bytes of heap leaked: {server._heap._owners}"
+        assert await b.call("digest", b"C" * size, timeout=5) == hashlib.sha256(b"C" * size).digest()
+
+
+async def test_a_request_bigger_than_the_heap_is_refused_not_wedged(url):
+    """heap_size below max_message_size is accepted: a request that can never fit the heap
+    must be refused (RESOURCE_EXHAUSTED), not wedge the queue of ALLOCs for everyone."""
+    server, *_ = _holding_server(url, heap_size=256 * KiB)
+    async with server, cxlrpc.connect(url) as a, cxlrpc.connect(url) as b:
+        big = asyncio.ensure_future(a.call("digest", b"x" * (512 * KiB)))
+        await asyncio.sleep(0)
+        small = b"y" * (100 * KiB)  # past the ring, fits the heap
+        got = await _outcome(b.call("digest", small, timeout=5))
+        assert got == hashlib.sha256(small).digest(), f"a small heap call behind it: {got!r}"
+        got = await _outcome(asyncio.wait_for(big, 5))
+        assert isinstance(got, cxlrpc.ResourceExhausted), f"the too-big request: {got!r}"
+
+
+async def test_a_reply_bigger_than_the_heap_is_refused_not_lost(url):
+    server, *_ = _holding_server(url, heap_size=256 * KiB)
+    async with server, cxlrpc.connect(url) as a:
+        got = await _outcome(a.call("make", 512 * KiB, timeout=5))
+        assert isinstance(got, cxlrpc.ResourceExhausted), f"the too-big reply: {got!r}"
+
+
+async def test_a_stream_item_sent_after_its_caller_left_does_not_leak_an_extent(url):
+    """A stream handler that yields a big item right after its caller departed (before the
+    cancel the departure scheduled reaches it): the extent must not outlive the departure."""
+    server = cxlrpc.Server(url, **SMALL, max_message_size=MiB)
+    started, left = asyncio.Event(), []
+    server.on_disconnect(lambda peer: left.append(peer))
+
+    @server.method("items")
+    async def items(n: int):
+        started.set()
+        while not left:
+            await asyncio.sleep(0)
+        yield b"s" * (200 * KiB)  # past the ring: through the heap
+
+    async with server:
+        client = await cxlrpc.connect(url)
+        stream = client.stream("items", 1, timeout=30)
+        reading = asyncio.ensure_future(stream.__anext__())
+        await asyncio.wait_for(started.wait(), 10)
+        await client.close()
+        await asyncio.wait((reading,), timeout=10)
+        assert await until(lambda: left, 5)
+        assert await until(lambda: server._heap.used == 0, 3), \
+            f"{server._heap.used} bytes of heap leaked: {server._heap._owners}"

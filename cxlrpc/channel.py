@@ -57,8 +57,11 @@ _DROPPED = 256
 # word (claimed by the client, reaped by the server) and the parked word (doorbell)
 _SLOT_STATE, _SLOT_HEARTBEAT, _SLOT_PARKED = 0, 128, 256
 _SLOT_PID, _SLOT_IDENTITY, _SLOT_CLAIM = 384, 392, 400  # the client's line
+#: the generation whose holder wrote the PID and identity words (written after them): until
+#: it matches, they may still be the previous holder's, whose PID proves nothing of this one
+_SLOT_WRITER = 408
 _SLOT_ACK = 512  # the server's line: the generation it has seen claimed
-_SLOT_WORDS = (_SLOT_STATE, _SLOT_HEARTBEAT, _SLOT_PARKED, _SLOT_PID, _SLOT_IDENTITY, _SLOT_CLAIM,
+_SLOT_WORDS = (_SLOT_HEARTBEAT, _SLOT_PARKED, _SLOT_PID, _SLOT_IDENTITY, _SLOT_CLAIM, _SLOT_WRITER,
                _SLOT_ACK)
 
 
@@ -210,6 +213,10 @@ class ServerChannel:
             base = geo.slot(i)
             for off in _SLOT_WORDS:
                 mem.store(base + off, 0, RELAXED)
+            # generations go on from the memory's previous server (a file or device region is
+            # the same memory for the next one): its clients' (slot, generation) never match
+            # a claim made of this server, so none of them mistakes its slot for still held
+            mem.store(base + _SLOT_STATE, mem.load(base + _SLOT_STATE, ACQUIRE) & 0x1FFFFFFFE, RELAXED)
             mem.store(base + _SLOT_CLAIM, NO_CLAIM, RELAXED)
             ring = SpscRing(region.buf, mem, geo.response_ring(i), geo.response_capacity)
             ring.reset()
@@ -240,10 +247,13 @@ class ServerChannel:
         if not word & 1:
             return None
         base, mem = self.geo.slot(slot), self.region.mem
+        gen = (word >> 1) & 0xFFFFFFFF
         pid, identity = mem.load(base + _SLOT_PID, ACQUIRE), mem.load(base + _SLOT_IDENTITY, ACQUIRE)
         if self.slot_state[slot].load(ACQUIRE) != word:
             return None
-        return (word >> 1) & 0xFFFFFFFF, pid, identity
+        if mem.load(base + _SLOT_WRITER, ACQUIRE) != gen:
+            return gen, 0, 0  # not written yet: what the words hold is the previous holder's
+        return gen, pid, identity
 
     def reap(self, timeout: float, now: float) -> list[tuple[int, int]]:
         """Free slots whose client stopped beating for ``timeout`` s (or whose PID died, when
@@ -271,8 +281,9 @@ class ServerChannel:
             live.timeout = timeout
             beat = self.slot_heartbeat[i].load(ACQUIRE)
             base = self.geo.slot(i)
-            identity = mem.load(base + _SLOT_IDENTITY, ACQUIRE)
-            local = identity == self.identity
+            # the PID and identity are this holder's only once it wrote its generation after them
+            written = mem.load(base + _SLOT_WRITER, ACQUIRE) == gen
+            local = written and mem.load(base + _SLOT_IDENTITY, ACQUIRE) == self.identity
             if live.stale(beat, now) or (local and self._pids[i].dead(mem.load(base + _SLOT_PID, ACQUIRE))):
                 if self.slot_state[i].cas(word, word & ~1, ACQ_REL) == word:
                     live.forget()
@@ -280,7 +291,7 @@ class ServerChannel:
                     self.seen[i] = None
                 continue
             self.seen[i] = gen
-            remote = remote or not local
+            remote = remote or not local  # (a holder not yet written counts as remote: polled)
             in_process = in_process or (local and mem.load(base + _SLOT_PID, ACQUIRE) == os.getpid())
             if self.slot_ack[i].load(RELAXED) != gen:
                 self.slot_ack[i].store(gen, RELEASE)
@@ -412,6 +423,7 @@ class ClientChannel(_ServerWatch):
         self.heartbeat.fetch_add(1, ACQ_REL)
         mem.store(base + _SLOT_IDENTITY, host_identity(), RELEASE)
         mem.store(base + _SLOT_PID, os.getpid(), RELEASE)
+        mem.store(base + _SLOT_WRITER, gen, RELEASE)
         self.ack = mem.counter(base + _SLOT_ACK)
         self.requests = MpscRing(self.region.buf, mem, geo.request_ring, geo.request_capacity)
         self.responses = SpscRing(self.region.buf, mem, geo.response_ring(slot), geo.response_capacity)

@@ -732,6 +732,11 @@ class FlushClientChannel(_ServerWatch):
             return False
         word = self._grant(self._knocked)
         if not word & 1:
+            if word >> 32 == self._nonce and (word >> 1) & _GEN_MASK:
+                # granted, then withdrawn before we looked (we seemed gone): that nonce is
+                # never granted again, so knock anew
+                self._scan()
+                self._knock_next()
             return False  # the server has not looked yet (it grants every ~0.1 s)
         if word >> 32 != self._nonce:
             self._knock_next()

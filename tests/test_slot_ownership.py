@@ -1,6 +1,7 @@
 """Slot ownership across a holder's death and a server's replacement: a new holder is never
 reaped for its predecessor's dead PID, and clients of a server that a file region's next
-server replaced never share a (slot, generation) with that server's clients."""
+server replaced never share a (slot, generation) with that server's clients; a flush-mode
+claimant whose grant was withdrawn before it looked knocks again."""
 from __future__ import annotations
 
 import os
@@ -167,3 +168,40 @@ async def test_restarted_file_region_server_does_not_cross_replies_between_clien
         if b is not None:
             await b.close()
         await a.close()
+
+
+
+def test_flush_claimant_whose_grant_was_withdrawn_gets_a_slot_again(name):
+    """Flush mode: the server grants a knock, then frees the slot because no heartbeat came
+    within client_timeout (the claimant was slow to look: a loaded host). The claimant then
+    reads its own nonce in a grant word that is not held, takes it for "not looked yet" and
+    waits for ever -- the server never grants the same knock twice -- although the server is
+    alive and the slot is free. It must knock again (and be granted) instead."""
+    url = f"sim://{name}"
+    region, server = _server(url, slots=1, coherence="flush")
+    try:
+        rc = Region.open(url)
+        client = client_channel(rc)
+        t = time.monotonic()
+        server.reap(1.0, t)  # grants the knock
+        assert server.slot_generation(0) > 0
+        server.reap(1.0, t + 0.5)
+        server.reap(1.0, t + 2.0)  # no beat for client_timeout: freed
+        assert server.slot_generation(0) < 0
+        deadline = time.monotonic() + 3
+        ok = False
+        while time.monotonic() < deadline:
+            server.reap(1.0, time.monotonic())
+            if client.acknowledged():
+                ok = True
+                break
+            time.sleep(0.01)
+        assert ok, (f"claimant never acknowledged; server holds slot gen "
+                    f"{server.slot_generation(0)} (free: -1)")
+        assert client.holds_slot()
+        client.detach()
+        rc.close()
+    finally:
+        server.close()
+        region.close()
+        region.unlink()

@@ -284,7 +284,8 @@ class ServerChannel:
             # the PID and identity are this holder's only once it wrote its generation after them
             written = mem.load(base + _SLOT_WRITER, ACQUIRE) == gen
             local = written and mem.load(base + _SLOT_IDENTITY, ACQUIRE) == self.identity
-            if live.stale(beat, now) or (local and self._pids[i].dead(mem.load(base + _SLOT_PID, ACQUIRE))):
+            pid = mem.load(base + _SLOT_PID, ACQUIRE) if local else 0
+            if live.stale(beat, now) or (local and self._pids[i].dead(pid)):
                 if self.slot_state[i].cas(word, word & ~1, ACQ_REL) == word:
                     live.forget()
                     departed.append((i, gen))
@@ -292,7 +293,7 @@ class ServerChannel:
                 continue
             self.seen[i] = gen
             remote = remote or not local  # (a holder not yet written counts as remote: polled)
-            in_process = in_process or (local and mem.load(base + _SLOT_PID, ACQUIRE) == os.getpid())
+            in_process = in_process or pid == os.getpid()
             if self.slot_ack[i].load(RELAXED) != gen:
                 self.slot_ack[i].store(gen, RELEASE)
         self.bell.remote_peers = remote
@@ -349,9 +350,12 @@ class _ServerWatch:
     #: polling for its reply without letting it run cannot see one).
     server_in_process: bool = False
 
-    def _note_server(self, region: Region) -> None:
+    def _note_server(self, region: Region) -> bool:
+        """Note whether the server runs in this process; whether it shares our identity."""
         info = region.info()
-        self.server_in_process = info.owner_identity == host_identity() and info.owner_pid == os.getpid()
+        local = info.owner_identity == host_identity()
+        self.server_in_process = local and info.owner_pid == os.getpid()
+        return local
 
     def server_gone(self, timeout: float) -> str | None:
         """Why the server should be considered gone, or None while it looks alive."""
@@ -381,8 +385,7 @@ class ClientChannel(_ServerWatch):
         self.state = mem.counter(CONTROL + _STATE)
         if self.state.load(ACQUIRE) != STATE_RUNNING:
             raise ConnectionRefusedError(f"server at {region.url} is not running")
-        self.server_local = region.info().owner_identity == host_identity()
-        self._note_server(region)
+        self.server_local = self._note_server(region)
         self.slot = -1
         busy = 0
         for i in range(geo.slots):

@@ -263,7 +263,8 @@ class KVIndex:
 
         The value stays invisible until ``commit_put``; an uncommitted ticket expires after
         ``put_timeout_s`` (its commit fails). Its block is freed then, or, for an ``owner``
-        (who may still be writing into it), when that owner commits, aborts or is released. Raises PoolFull (or its subclass QuotaExceeded) when there is no room.
+        (who may still be writing into it), when that owner commits, aborts or is released.
+        Raises PoolFull (or its subclass QuotaExceeded) when there is no room.
         ``if_absent``: None (nothing reserved) when the key has a live value; the commit also
         keeps an existing value should one appear meanwhile.
         """

@@ -1,8 +1,10 @@
 """Optional native pieces: cache-line write-back/invalidate for non-coherent memory, the rings'
-hot path over coherent memory, and frame decoding. Without a compiler the package installs: the
-rings and frames run their Python reference, and only coherence="flush" is unavailable."""
+hot path over coherent memory, frame decoding, and the common call's dispatch on both sides.
+Without a compiler the package installs: the rings, frames and calls run their Python reference,
+and only coherence="flush" is unavailable."""
 from setuptools import Extension, setup
 
 setup(ext_modules=[Extension("cxlrpc._flush", ["cxlrpc/_flush.c"], optional=True),
                    Extension("cxlrpc._ring", ["cxlrpc/_ring.c"], optional=True),
-                   Extension("cxlrpc._frame", ["cxlrpc/_frame.c"], optional=True)])
+                   Extension("cxlrpc._frame", ["cxlrpc/_frame.c"], optional=True),
+                   Extension("cxlrpc._dispatch", ["cxlrpc/_dispatch.c"], optional=True)])

@@ -205,6 +205,7 @@ class ServerChannel:
         self.requests.reset()
         self.responses: list[SpscRing] = []
         self.slot_state = []
+        self.slot_state_at: list[int] = []  # where each slot's state word lies in the region
         self.slot_heartbeat = []
         self.slot_claim = []
         self.slot_ack = []
@@ -222,6 +223,7 @@ class ServerChannel:
             ring.reset()
             self.responses.append(ring)
             self.slot_state.append(mem.counter(base + _SLOT_STATE))
+            self.slot_state_at.append(base + _SLOT_STATE)
             self.slot_heartbeat.append(mem.counter(base + _SLOT_HEARTBEAT))
             self.slot_claim.append(mem.counter(base + _SLOT_CLAIM))
             self.slot_ack.append(mem.counter(base + _SLOT_ACK))

@@ -33,6 +33,13 @@ from .streams import StreamCall
 from .region import Region, RegionError
 from .ring import ClaimRevoked
 
+try:  # calls of the common shape in C (CXLRPC_NO_NATIVE=1: the reference only)
+    from ._dispatch import Caller as _Caller
+except ImportError:
+    _Caller = None
+if os.environ.get("CXLRPC_NO_NATIVE"):
+    _Caller = None
+
 _BEAT_INTERVAL = 0.1
 #: How soon a credit that met a full request ring is offered again.
 _CREDIT_RETRY_S = 0.0005
@@ -260,6 +267,10 @@ class _Base:
         self._frees: list[int] = []  # heap extents of replies read, to give back
         self._allocs: set[int] = set()  # call ids of ALLOCs whose reply may still come
         self._stopped_beat: tuple[int, int] | None = None  # of the server last judged gone
+        #: The connection's native caller (None: the reference only), and how long a lone
+        #: caller polls for its reply without giving the loop a turn.
+        self._caller: Any = None
+        self._hot_s = 0.0
 
     def _open(self) -> _Link:
         """Attach (claim a slot) and start the monitor: a connection not yet acknowledged."""
@@ -271,6 +282,14 @@ class _Base:
             chan.region.close()
             raise
         self._link, self._chan = link, chan
+        # (no reply is polled for in place while the server shares this process: it could not
+        # answer before the loop turns)
+        self._hot_s = 0.0 if chan.server_in_process else min(_HOT_SPIN_S, self.strategy.spin_s)
+        if _Caller is not None and isinstance(chan, ClientChannel):
+            # through a proxy: the client stays collectable when dropped unclosed
+            self._caller = _Caller(weakref.proxy(self), self._methods, chan.push, chan.server_bell.ring,
+                                   chan.responses.poll, fr.encode_body, fr.decode, chan.slot, chan.gen,
+                                   chan.requests.max_payload)
         geo, region = chan.geo, chan.region
         self._heap = HeapAccess(region.buf, region.mem, geo.heap, geo.heap_size)
         self._finalizer = weakref.finalize(self, _collected, link, f"{type(self).__name__}({self.url!r})")
@@ -282,7 +301,7 @@ class _Base:
         link, self._link = self._link, None
         if link is not None:
             self._finalizer.detach()
-            self._chan = self._heap = None
+            self._chan = self._heap = self._caller = None
             self._frees.clear()  # extents of that server's heap
             self._allocs.clear()
         return link
@@ -459,6 +478,14 @@ class _Base:
                 chan.server_bell.ring()
         except Unavailable:
             pass
+
+    def _answer(self, f: fr.Frame, response_type: Any) -> Any:
+        """What a reply to a call carries: its result, or the RpcError it is (raised)."""
+        if f.flags & fr.HEAP and not self._heap_body(f, wanted=True):
+            raise InvalidArgument("the reply's heap extent is not inside the heap")
+        if f.kind == fr.RESPONSE and f.flags & fr.RAW and response_type is None:
+            return f.body  # raw bytes: nothing to decode
+        return self._decode_reply(f, response_type)
 
     def _decode_reply(self, f: fr.Frame, response_type: Any) -> Any:
         if f.kind == fr.ERROR:
@@ -665,6 +692,24 @@ class Client(_Base):
         caller's CancelledError or DeadlineExceeded if the request never left: what the call
         did can then be undone. No task is made for it.
         """
+        caller = self._caller
+        if (caller is not None and on_late_reply is None and not metadata and not self._interceptors
+                and self._gone is None and not self._pending and not self._frees
+                and (timeout is None or timeout > 0)):
+            # the common shape, natively: out and, while no other call waits, its reply polled
+            # for in place (no future, no loop turn) for the first microseconds
+            call_id = next(self._ids)
+            deadline = None if timeout is None else self._loop.time() + timeout
+            try:
+                got = caller.call(method, arg, timeout or 0.0, call_id, self._hot_s)
+            except ClaimRevoked as exc:
+                self._set_gone(f"the server reclaimed this client's slot ({exc})")
+                raise Unavailable(self._gone) from exc
+            if type(got) is fr.Frame:
+                return self._answer(got, response_type)
+            if got is None:  # out; its reply comes later
+                return await self._roundtrip(call_id, None, deadline, response_type)
+            # not out (a new method name, a body for the heap, a full ring): the reference
         late = None if on_late_reply is None else _LateReply(on_late_reply, response_type)
         try:
             if self._interceptors:
@@ -724,11 +769,12 @@ class Client(_Base):
         self._allocs.discard(alloc_id)
         return reply
 
-    async def _roundtrip(self, call_id: int, parts: tuple, deadline: float | None,
+    async def _roundtrip(self, call_id: int, parts: tuple | None, deadline: float | None,
                          response_type: Any, unsent: int | None = None,
                          late: _LateReply | None = None) -> Any:
-        """Push a request and await its reply. ``unsent``: a heap extent to give back if the
-        request never left; ``late``: where the reply goes if the caller gives up after."""
+        """Push a request (None: it is out already) and await its reply. ``unsent``: a heap
+        extent to give back if the request never left; ``late``: where the reply goes if the
+        caller gives up after."""
         loop = self._loop
         fut = loop.create_future()
         self._pending[call_id] = (fut, response_type)
@@ -736,12 +782,13 @@ class Client(_Base):
         pushed = gave_up = False
         try:
             chan = self._chan
-            if self._frees:
-                self._send_frees()
-            if self._push(parts):
-                chan.server_bell.ring()
-            else:
-                await self._push_slow(parts, deadline)
+            if parts is not None:
+                if self._frees:
+                    self._send_frees()
+                if self._push(parts):
+                    chan.server_bell.ring()
+                else:
+                    await self._push_slow(parts, deadline)
             pushed = True
             if late is not None:  # from here its reply has a taker even if we give up first
                 late.waiting = True
@@ -959,14 +1006,8 @@ class Client(_Base):
                 self._granted_late(f)  # the caller gave up (timeout, cancel)
             return
         fut, response_type = entry
-        if f.flags & fr.HEAP and not self._heap_body(f, wanted=True):
-            fut.set_exception(InvalidArgument("the reply's heap extent is not inside the heap"))
-            return
-        if f.kind == fr.RESPONSE and f.flags & fr.RAW and response_type is None:
-            fut.set_result(f.body)  # raw bytes: nothing to decode
-            return
         try:
-            fut.set_result(self._decode_reply(f, response_type))
+            fut.set_result(self._answer(f, response_type))
         except RpcError as exc:
             fut.set_exception(exc)
 

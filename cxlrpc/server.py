@@ -15,6 +15,7 @@ import functools
 import inspect
 import itertools
 import logging
+import os
 import threading
 import time
 from asyncio import current_task as _current_task
@@ -38,6 +39,15 @@ from .memory import HARDWARE
 from .region import Region, RegionError, coherence_for, parse_url
 
 Handler = Callable[..., Any]
+try:  # the common request shape dispatched in C (CXLRPC_NO_NATIVE=1: the reference only)
+    from ._dispatch import Dispatcher as _Dispatcher
+except ImportError:
+    _Dispatcher = None
+if os.environ.get("CXLRPC_NO_NATIVE"):
+    _Dispatcher = None
+#: Mode bits of a method's entry in the native dispatcher's table (see _dispatch.c).
+_TAKES_ARG, _IS_ASYNC, _RAW_ARG = 1, 2, 4
+
 _NO_ARG = object()
 _UNDECODED = object()  # an intercepted call's request is decoded inside the chain
 _SUSPENDED, _FAILED = object(), object()  # what _run_eagerly returns instead of a result
@@ -281,6 +291,9 @@ class Server:
         self._heap_waiting: list[tuple] = []  # ALLOCs the full heap could not serve yet
         self._oneway_ids = itertools.count(1)
         self._peers: dict[int, Peer] = {}  # per slot, so a request costs no Peer allocation
+        #: method name's bytes -> (fn, mode, decode, name) for the native dispatcher
+        self._fast_methods: dict[bytes, tuple] = {}
+        self._fast: Any = None  # the native dispatcher, once serving (None: the reference only)
         self._polled_at = 0.0  # when the reader began its current batch of requests
         self._draining = False  # close() began: new calls are refused, health is NOT_SERVING
         self._grace_over = asyncio.Event()
@@ -320,7 +333,10 @@ class Server:
                              f"reserved for the methods every server answers")
         if name in self._methods:
             raise ValueError(f"method {name!r} is already registered")
-        self._methods[name] = _Method(name, fn, blocking, requests)
+        m = self._methods[name] = _Method(name, fn, blocking, requests)
+        if not (m.blocking or m.streams or m.view_arg):  # the shapes the native dispatch takes
+            mode = (_TAKES_ARG * m.takes_arg) | (_IS_ASYNC * m.is_async) | (_RAW_ARG * m.raw_arg)
+            self._fast_methods[fr.method_bytes(name)] = (fn, mode, m.decode, name)
         lend = frozenset(n for n, m in self._methods.items() if m.lends)
         self._lend = lend if lend and not self._interceptors else None
 
@@ -368,6 +384,7 @@ class Server:
             raise
         self._region.publish()
         self._event_loop = asyncio.get_running_loop()
+        self._fast = self._dispatcher()
         self._reader = self._event_loop.create_task(self._serve())
 
     async def close(self, grace: float | None = None) -> None:
@@ -387,6 +404,8 @@ class Server:
             await self._closed.wait()
             return
         self._draining = True
+        if self._fast is not None:
+            self._fast.enabled = 0  # new calls are refused: the reference says so
         try:
             self._note_drained()
             await self._grace_over.wait()
@@ -460,7 +479,8 @@ class Server:
         chan = self._chan
         ring = chan.requests
         poll = ring.poll
-        on_request = self._on_request
+        fast = self._fast
+        on_request = self._on_request if fast is None else fast
         housekeeping_every = min(0.1, self.client_timeout / 4)
         next_housekeeping = time.monotonic() + housekeeping_every
         stuck_at: int | None = None  # head position housekeeping found blocked
@@ -468,6 +488,8 @@ class Server:
         while True:
             # one clock reading a batch: its requests' deadlines count from it
             self._polled_at = now = time.monotonic()
+            if fast is not None:
+                fast.polled_at = now
             n = poll(on_request, 256)
             if self._backlog:
                 self._flush_backlog()
@@ -527,6 +549,47 @@ class Server:
                 callback(peer)
             except Exception:
                 logger.exception("on_disconnect callback failed for %s", peer)
+
+    def _dispatcher(self) -> Any:
+        """The native dispatcher of this server's request ring, or None where it is not built
+        or cannot serve (memory without coherence: its channel is the reference's alone)."""
+        chan = self._chan
+        if _Dispatcher is None or not isinstance(chan, ServerChannel):
+            return None
+        fast = _Dispatcher(self, self._region.buf, list(chan.slot_state_at), chan.seen, self._peers,
+                           self._backlog, self._fast_methods, chan.responses, chan, HandlerContext,
+                           fr.NO_METADATA, _current_call, chan.ring_client, fr.encode_body,
+                           self._event_loop, _current_task, _enter_task, _leave_task, _EagerTask,
+                           asyncio.CancelledError, chan.responses[0].max_payload)
+        fast.enabled = 0 if self._interceptors or self._draining else 1
+        return fast
+
+    # The native dispatcher's slow paths, after it ran a handler: each decodes the record again
+    # (valid until the ring's poll returns) and finishes as the reference would.
+    def _fast_failed(self, view: memoryview, exc: BaseException) -> None:
+        self._fail(fr.decode(view), exc)
+
+    def _fast_bad_request(self, view: memoryview, exc: Exception) -> None:
+        f = fr.decode(view)
+        self._error(f, StatusCode.INVALID_ARGUMENT, f"bad request for {f.method!r}: {exc}")
+
+    def _fast_suspended(self, view: memoryview, coro: Any, step: Any, ctx: contextvars.Context,
+                        eager: "_EagerTask") -> None:
+        f = fr.decode(view)
+        self._suspended(coro, step, f, f.slot, ctx, eager)
+
+    def _fast_coroutine(self, view: memoryview, coro: Any, call: HandlerContext) -> None:
+        f = fr.decode(view)
+        result = self._run_eagerly(coro, f, f.slot, call)
+        if result is not _SUSPENDED and result is not _FAILED:
+            self._reply(f, result, held=True)
+
+    def _fast_reply(self, view: memoryview, result: Any) -> None:
+        self._reply(fr.decode(view), result, held=True)
+
+    def _fast_broken(self, exc: Exception) -> None:
+        logger.error("dropped a request that broke dispatch", exc_info=exc)
+        self._drop()
 
     def _on_request(self, view: memoryview) -> None:
         """One request record; nothing a peer sends may stop the reader."""

@@ -208,8 +208,27 @@ def _make_counting_client():
                 self.undecodable += 1
             super()._on_reply(view)
 
+        def _open(self):
+            link = super()._open()
+            if self._caller is not None:  # replies the native caller takes in place count too
+                self._caller = _CountingCaller(self._caller, self)
+            return link
+
         def duplicates(self) -> int:
             return sum(n - 1 for n in self.replies.values() if n > 1)
+
+    class _CountingCaller:
+        """Stands in for a connection's native caller: counts the replies it returns."""
+
+        def __init__(self, real, client) -> None:
+            self.real, self.client = real, client
+
+        def call(self, *args):
+            got = self.real.call(*args)
+            if type(got) is fr.Frame:
+                replies = self.client.replies
+                replies[got.call_id] = replies.get(got.call_id, 0) + 1
+            return got
 
     return CountingClient
 

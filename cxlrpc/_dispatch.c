@@ -1,0 +1,856 @@
+/* The server's dispatch of a request in C, for the common shape: a REQUEST frame without
+ * metadata, heap extent or stream, from its slot's known holder, for a plain or `async def`
+ * handler that takes bytes or a MessagePack-decoded argument (cxlrpc.server.Server._dispatch is
+ * the reference, and documents what each step means).
+ *
+ * A Dispatcher is the ring handler the server's reader passes to poll(). Every frame it cannot
+ * vouch for goes whole to the reference (Server._on_request) before anything is done for it:
+ * other kinds and flags, an unknown or reserved method, a slot whose generation, seen record or
+ * peer entry is not the sender's, a server that is draining, has interceptors or holds replies
+ * back. Once a handler has run, its rare outcomes go to small Server methods (_fast_*), which
+ * decode the frame again (the record stays valid until poll() returns) and finish as the
+ * reference would. The header is validated before use, as the reference decoder does: a peer
+ * may write garbage.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+#define HEADER_SIZE 28 /* <BBHHIQdH: kind flags status slot gen call_id timeout method_len */
+#define MAX_METHOD 255
+#define FLAG_RAW 1
+#define KIND_REQUEST 1
+#define KIND_RESPONSE 2
+#define NO_REPLY 0
+
+/* A method entry's mode bits (Server._fast_entry). */
+#define TAKES_ARG 1
+#define IS_ASYNC 2
+#define RAW_ARG 4
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *server;    /* the reference and the slow paths */
+    PyObject *buf;       /* the region's memoryview: the slots' state words are read in it */
+    Py_ssize_t *slot_at; /* offset of each slot's state word */
+    Py_ssize_t slots;
+    PyObject *seen, *peers, *backlog, *methods, *responses, *chan;
+    PyObject *context_type, *no_metadata, *current_call, *ring_client, *encode_body;
+    PyObject *loop, *current_task, *enter_task, *leave_task, *eager_type, *cancelled;
+    Py_ssize_t reply_limit;
+    double polled_at;
+    int enabled;
+} Dispatcher;
+
+static PyObject *s_on_request, *s_failed, *s_bad_request, *s_suspended, *s_coroutine, *s_reply,
+    *s_send, *s_broken, *s_push;
+
+static inline uint16_t le16(const unsigned char *p) { return (uint16_t)(p[0] | p[1] << 8); }
+static inline uint32_t le32(const unsigned char *p) { return (uint32_t)le16(p) | (uint32_t)le16(p + 2) << 16; }
+static inline uint64_t le64(const unsigned char *p) { return (uint64_t)le32(p) | (uint64_t)le32(p + 4) << 32; }
+
+/* ``obj`` is the int ``gen`` (a generation the reader recorded for a slot). */
+static inline int is_gen(PyObject *obj, uint32_t gen) {
+    if (!PyLong_CheckExact(obj))
+        return 0;
+    unsigned long long v = PyLong_AsUnsignedLongLong(obj);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    return v == gen;
+}
+
+static int region_open(Dispatcher *d) {
+    return d->buf != NULL && !(((PyMemoryViewObject *)d->buf)->flags & _Py_MEMORYVIEW_RELEASED);
+}
+
+/* server.<name>(*args): a slow path; its result is dropped. */
+static int call_server(Dispatcher *d, PyObject *name, PyObject **args, size_t n) {
+    PyObject *stack[6];
+    stack[0] = d->server;
+    for (size_t i = 0; i < n; i++)
+        stack[i + 1] = args[i];
+    PyObject *res = PyObject_VectorcallMethod(name, stack, n + 1, NULL);
+    if (res == NULL)
+        return -1;
+    Py_DECREF(res);
+    return 0;
+}
+
+/* The raised exception, taken, when ``kinds`` catches it (as the reference's ``except``);
+ * NULL with the error left set otherwise. */
+static PyObject *caught(PyObject *kinds) {
+    if (!PyErr_ExceptionMatches(kinds))
+        return NULL;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb != NULL && value != NULL)
+        PyException_SetTraceback(value, tb);
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+    return value;
+}
+
+/* A handler (or its coroutine's first step) raised: the reference's _fail, when its except
+ * clause catches it (``kinds``); anything else propagates. */
+static int handler_raised(Dispatcher *d, PyObject *view, PyObject *kinds) {
+    PyObject *exc = caught(kinds);
+    if (exc == NULL)
+        return -1;
+    PyObject *args[2] = {view, exc};
+    int rc = call_server(d, s_failed, args, 2);
+    Py_DECREF(exc);
+    return rc;
+}
+
+/* Send ``result`` as the reply (Server._reply with held=True). */
+static int reply(Dispatcher *d, PyObject *view, unsigned slot, uint32_t gen, uint64_t call_id,
+                 PyObject *slot_obj, PyObject *result) {
+    if (call_id == NO_REPLY)
+        return 0;
+    PyObject *body;
+    unsigned flags;
+    if (PyBytes_CheckExact(result)) {
+        flags = FLAG_RAW;
+        body = Py_NewRef(result);
+    } else {
+        PyObject *enc = PyObject_CallOneArg(d->encode_body, result);
+        if (enc == NULL || !PyTuple_CheckExact(enc) || PyTuple_GET_SIZE(enc) != 2 ||
+            !PyLong_CheckExact(PyTuple_GET_ITEM(enc, 0))) {
+            Py_XDECREF(enc);
+            if (enc != NULL || PyErr_ExceptionMatches(PyExc_Exception)) {
+                PyErr_Clear(); /* the reference encodes again and answers how it failed */
+                PyObject *args[2] = {view, result};
+                return call_server(d, s_reply, args, 2);
+            }
+            return -1;
+        }
+        flags = (unsigned)PyLong_AsLong(PyTuple_GET_ITEM(enc, 0));
+        body = Py_NewRef(PyTuple_GET_ITEM(enc, 1));
+        Py_DECREF(enc);
+    }
+    Py_ssize_t length = PyObject_Length(body);
+    if (length < 0) {
+        Py_DECREF(body);
+        return -1;
+    }
+    unsigned char h[HEADER_SIZE] = {0};
+    h[0] = KIND_RESPONSE;
+    h[1] = (unsigned char)flags;
+    h[4] = slot & 0xFF;
+    h[5] = slot >> 8;
+    for (int i = 0; i < 4; i++)
+        h[6 + i] = (gen >> (8 * i)) & 0xFF;
+    for (int i = 0; i < 8; i++)
+        h[10 + i] = (call_id >> (8 * i)) & 0xFF;
+    PyObject *head = PyBytes_FromStringAndSize((const char *)h, HEADER_SIZE);
+    if (head == NULL) {
+        Py_DECREF(body);
+        return -1;
+    }
+    int rc = -1, pushed = 0;
+    int held_back = PyDict_Contains(d->backlog, slot_obj);
+    if (held_back < 0)
+        goto done;
+    if (!held_back && HEADER_SIZE + length <= d->reply_limit) {
+        PyObject *parts = PyTuple_Pack(2, head, body);
+        if (parts == NULL)
+            goto done;
+        PyObject *stack[2] = {PyList_GET_ITEM(d->responses, slot), parts};
+        PyObject *ok = PyObject_VectorcallMethod(s_push, stack, 2, NULL);
+        Py_DECREF(parts);
+        if (ok == NULL)
+            goto done;
+        pushed = ok == Py_True;
+        Py_DECREF(ok);
+    }
+    PyObject *gen_obj = PyLong_FromUnsignedLong(gen);
+    if (gen_obj == NULL)
+        goto done;
+    if (pushed) {
+        PyObject *args[2] = {slot_obj, gen_obj};
+        PyObject *res = PyObject_Vectorcall(d->ring_client, args, 2, NULL);
+        rc = res == NULL ? -1 : 0;
+        Py_XDECREF(res);
+    } else { /* the heap, the backlog, or nobody left to answer */
+        PyObject *args[4] = {slot_obj, gen_obj, head, body};
+        rc = call_server(d, s_send, args, 4);
+    }
+    Py_DECREF(gen_obj);
+done:
+    Py_DECREF(head);
+    Py_DECREF(body);
+    return rc;
+}
+
+/* Swap ``loop``'s current task from ``from`` to ``to`` (asyncio's _leave_task/_enter_task). */
+static int swap_task(Dispatcher *d, PyObject *from, PyObject *to) {
+    PyObject *a[2] = {d->loop, from};
+    PyObject *res = PyObject_Vectorcall(d->leave_task, a, 2, NULL);
+    if (res == NULL)
+        return -1;
+    Py_DECREF(res);
+    PyObject *b[2] = {d->loop, to};
+    res = PyObject_Vectorcall(d->enter_task, b, 2, NULL);
+    if (res == NULL)
+        return -1;
+    Py_DECREF(res);
+    return 0;
+}
+
+/* A coroutine handler's first step, inline (Server._run_eagerly and _first_step): in a copy of
+ * the current context where ``context()`` is ``call``, with a stand-in as the loop's current
+ * task. Its result (a new reference), or NULL: with an error set to propagate, or without one
+ * when the call went on elsewhere (it suspended: a task carries it) or failed (answered). */
+static PyObject *first_step(Dispatcher *d, PyObject *view, PyObject *coro, PyObject *call) {
+    PyObject *ctx = PyContext_CopyCurrent(), *eager = NULL, *reader = NULL, *step = NULL;
+    PyObject *kinds = NULL;
+    if (ctx == NULL)
+        return NULL;
+    if (PyContext_Enter(ctx) < 0) {
+        Py_DECREF(ctx);
+        return NULL;
+    }
+    PySendResult status = PYGEN_ERROR;
+    PyObject *token = PyContextVar_Set(d->current_call, call);
+    if (token == NULL)
+        goto left;
+    Py_DECREF(token);
+    eager = PyObject_CallNoArgs(d->eager_type);
+    if (eager == NULL)
+        goto left;
+    reader = PyObject_CallOneArg(d->current_task, d->loop);
+    if (reader == NULL || swap_task(d, reader, eager) < 0)
+        goto left;
+    status = PyIter_Send(coro, Py_None, &step);
+    {
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb); /* the swap back must run whatever the step did */
+        if (swap_task(d, eager, reader) < 0) {
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(tb);
+            Py_CLEAR(step);
+            status = PYGEN_ERROR;
+        } else {
+            PyErr_Restore(type, value, tb);
+        }
+    }
+left:
+    {
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        if (PyContext_Exit(ctx) < 0) { /* not entered: cannot happen, but never leave it entered */
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(tb);
+            Py_CLEAR(step);
+            status = PYGEN_ERROR;
+        } else {
+            PyErr_Restore(type, value, tb);
+        }
+    }
+    PyObject *result = NULL;
+    if (status == PYGEN_RETURN) {
+        result = step;
+        step = NULL;
+    } else if (status == PYGEN_NEXT) { /* a task carries it on (and takes the stand-in's place) */
+        PyObject *args[5] = {view, coro, step, ctx, eager};
+        (void)call_server(d, s_suspended, args, 5);
+    } else {
+        kinds = PyTuple_Pack(2, PyExc_Exception, d->cancelled);
+        if (kinds != NULL)
+            (void)handler_raised(d, view, kinds);
+    }
+    Py_XDECREF(kinds);
+    Py_XDECREF(step);
+    Py_XDECREF(reader);
+    Py_XDECREF(eager);
+    Py_DECREF(ctx);
+    return result;
+}
+
+/* The handler's argument from the body (p, n), or NULL: with an error set, or without one when
+ * the request was answered INVALID_ARGUMENT (the reference's decode failure). ``*slow``: the
+ * reference must take the frame (nothing was done for it). */
+static PyObject *argument(Dispatcher *d, PyObject *view, PyObject *entry, long mode, unsigned flags,
+                          const unsigned char *p, Py_ssize_t n, int *slow) {
+    if (flags & FLAG_RAW) {
+        if (!(mode & RAW_ARG)) {
+            *slow = 1; /* a raw body validated into a typed argument: the reference's decode_body */
+            return NULL;
+        }
+        return PyBytes_FromStringAndSize((const char *)p, n);
+    }
+    /* a copy, as the reference's: a decoded value may keep views of what it was decoded from */
+    PyObject *body = PyBytes_FromStringAndSize((const char *)p, n);
+    if (body == NULL)
+        return NULL;
+    PyObject *arg = PyObject_CallOneArg(PyTuple_GET_ITEM(entry, 2), body);
+    Py_DECREF(body);
+    if (arg != NULL)
+        return arg;
+    PyObject *exc = caught(PyExc_Exception);
+    if (exc == NULL)
+        return NULL;
+    PyObject *args[2] = {view, exc};
+    (void)call_server(d, s_bad_request, args, 2);
+    Py_DECREF(exc);
+    return NULL;
+}
+
+/* Dispatch one request record; 1: the reference must take it (nothing was done for it). */
+static int dispatch(Dispatcher *d, PyObject *view) {
+    if (!d->enabled || PyDict_GET_SIZE(d->backlog) || !region_open(d))
+        return 1;
+    Py_buffer b;
+    if (PyObject_GetBuffer(view, &b, PyBUF_SIMPLE) < 0)
+        return -1;
+    const unsigned char *p = b.buf;
+    Py_ssize_t n = b.len;
+    int rc = 1, slow = 0;
+    PyObject *slot_obj = NULL, *key = NULL, *arg = NULL, *deadline = NULL, *call = NULL, *result = NULL;
+    PyObject *peer = NULL, *entry = NULL; /* held: a decoder or handler may change the tables */
+    if (n < HEADER_SIZE || p[0] != KIND_REQUEST || (p[1] & ~FLAG_RAW))
+        goto done;
+    unsigned flags = p[1];
+    unsigned slot = le16(p + 4), mlen = le16(p + 26);
+    uint32_t gen = le32(p + 6);
+    uint64_t call_id = le64(p + 10), tbits = le64(p + 18);
+    double timeout;
+    memcpy(&timeout, &tbits, sizeof timeout);
+    Py_ssize_t end = HEADER_SIZE + (Py_ssize_t)mlen;
+    if (mlen == 0 || mlen > MAX_METHOD || end > n || !(timeout >= 0) || !isfinite(timeout) ||
+        (Py_ssize_t)slot >= d->slots)
+        goto done;
+    uint64_t word = __atomic_load_n((uint64_t *)((char *)PyMemoryView_GET_BUFFER(d->buf)->buf + d->slot_at[slot]),
+                                    __ATOMIC_ACQUIRE);
+    if (!(word & 1) || ((word >> 1) & 0xFFFFFFFFULL) != gen)
+        goto done; /* garbage, or the slot's previous holder: the reference drops it */
+    PyObject *seen = PyList_GET_ITEM(d->seen, slot);
+    if (!is_gen(seen, gen))
+        goto done; /* a holder the reader has not seen yet */
+    if ((slot_obj = PyLong_FromUnsignedLong(slot)) == NULL)
+        goto fail;
+    peer = PyDict_GetItemWithError(d->peers, slot_obj);
+    if (peer == NULL) {
+        if (PyErr_Occurred())
+            goto fail;
+        goto done;
+    }
+    if (!PyTuple_Check(peer) || PyTuple_GET_SIZE(peer) < 2 || !is_gen(PyTuple_GET_ITEM(peer, 1), gen)) {
+        peer = NULL;
+        goto done;
+    }
+    Py_INCREF(peer);
+    if ((key = PyBytes_FromStringAndSize((const char *)p + HEADER_SIZE, mlen)) == NULL)
+        goto fail;
+    entry = PyDict_GetItemWithError(d->methods, key);
+    if (entry == NULL) {
+        if (PyErr_Occurred())
+            goto fail;
+        goto done; /* unknown, reserved or special: the reference */
+    }
+    if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 4 || !PyLong_CheckExact(PyTuple_GET_ITEM(entry, 1))) {
+        entry = NULL;
+        goto done;
+    }
+    Py_INCREF(entry);
+    long mode = PyLong_AsLong(PyTuple_GET_ITEM(entry, 1));
+    if (mode & TAKES_ARG) {
+        arg = argument(d, view, entry, mode, flags, p + end, n - end, &slow);
+        if (arg == NULL) {
+            if (slow)
+                goto done;
+            rc = PyErr_Occurred() ? -1 : 0;
+            goto out;
+        }
+    }
+    PyObject *fn = PyTuple_GET_ITEM(entry, 0);
+    if (timeout > 0) {
+        if ((deadline = PyFloat_FromDouble(d->polled_at + timeout)) == NULL)
+            goto fail;
+    } else {
+        deadline = Py_NewRef(Py_None);
+    }
+    PyObject *cargs[5] = {PyTuple_GET_ITEM(entry, 3), d->no_metadata, peer, deadline, d->chan};
+    if ((call = PyObject_Vectorcall(d->context_type, cargs, 5, NULL)) == NULL)
+        goto fail;
+    /* from here the call is this path's to finish */
+    rc = -1;
+    if (mode & IS_ASYNC) {
+        PyObject *coro = arg != NULL ? PyObject_CallOneArg(fn, arg) : PyObject_CallNoArgs(fn);
+        if (coro == NULL) {
+            rc = handler_raised(d, view, PyExc_Exception);
+            goto out;
+        }
+        result = first_step(d, view, coro, call);
+        Py_DECREF(coro);
+        if (result == NULL) {
+            rc = PyErr_Occurred() ? -1 : 0;
+            goto out;
+        }
+    } else {
+        PyObject *token = PyContextVar_Set(d->current_call, call);
+        if (token == NULL)
+            goto out;
+        result = arg != NULL ? PyObject_CallOneArg(fn, arg) : PyObject_CallNoArgs(fn);
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        int reset = PyContextVar_Reset(d->current_call, token);
+        Py_DECREF(token);
+        if (reset < 0) {
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(tb);
+            goto out;
+        }
+        PyErr_Restore(type, value, tb);
+        if (result == NULL) {
+            rc = handler_raised(d, view, PyExc_Exception);
+            goto out;
+        }
+        if (PyCoro_CheckExact(result)) { /* a plain function that returned a coroutine */
+            PyObject *args[3] = {view, result, call};
+            rc = call_server(d, s_coroutine, args, 3);
+            goto out;
+        }
+    }
+    rc = reply(d, view, slot, gen, call_id, slot_obj, result);
+    goto out;
+fail:
+    rc = -1;
+    goto out;
+done:
+    rc = 1;
+out:
+    Py_XDECREF(entry);
+    Py_XDECREF(peer);
+    Py_XDECREF(result);
+    Py_XDECREF(call);
+    Py_XDECREF(deadline);
+    Py_XDECREF(arg);
+    Py_XDECREF(key);
+    Py_XDECREF(slot_obj);
+    PyBuffer_Release(&b);
+    return rc;
+}
+
+/* Dispatcher(view): one request record, as Server._on_request takes it. */
+static PyObject *dispatcher_call(Dispatcher *self, PyObject *args, PyObject *kwargs) {
+    PyObject *view;
+    if (kwargs != NULL || !PyArg_UnpackTuple(args, "Dispatcher", 1, 1, &view))
+        return NULL;
+    int rc = dispatch(self, view);
+    if (rc > 0) {
+        PyObject *a[1] = {view};
+        rc = call_server(self, s_on_request, a, 1);
+    } else if (rc < 0) {
+        /* nothing a peer sends may stop the reader (the reference's _on_request) */
+        PyObject *exc = caught(PyExc_Exception);
+        if (exc == NULL)
+            return NULL;
+        PyObject *a[1] = {exc};
+        rc = call_server(self, s_broken, a, 1);
+        Py_DECREF(exc);
+    }
+    if (rc < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static int dispatcher_init(Dispatcher *self, PyObject *args, PyObject *kwds) {
+    PyObject *server, *buf, *slot_at, *seen, *peers, *backlog, *methods, *responses, *chan;
+    PyObject *context_type, *no_metadata, *current_call, *ring_client, *encode_body, *loop;
+    PyObject *current_task, *enter_task, *leave_task, *eager_type, *cancelled;
+    Py_ssize_t reply_limit;
+    if (kwds != NULL && PyDict_GET_SIZE(kwds)) {
+        PyErr_SetString(PyExc_TypeError, "Dispatcher takes positional arguments only");
+        return -1;
+    }
+    if (!PyArg_ParseTuple(args, "OO!O!O!O!O!O!O!OOOOOOOOOOOOn", &server, &PyMemoryView_Type, &buf,
+                          &PyList_Type, &slot_at, &PyList_Type, &seen, &PyDict_Type, &peers,
+                          &PyDict_Type, &backlog, &PyDict_Type, &methods, &PyList_Type, &responses,
+                          &chan, &context_type, &no_metadata, &current_call, &ring_client,
+                          &encode_body, &loop, &current_task, &enter_task, &leave_task,
+                          &eager_type, &cancelled, &reply_limit))
+        return -1;
+    if (!PyContextVar_CheckExact(current_call)) {
+        PyErr_SetString(PyExc_TypeError, "current_call must be a ContextVar");
+        return -1;
+    }
+    Py_buffer *view = PyMemoryView_GET_BUFFER(buf);
+    Py_ssize_t slots = PyList_GET_SIZE(slot_at);
+    if (view->readonly || !PyBuffer_IsContiguous(view, 'C') || PyList_GET_SIZE(seen) != slots ||
+        PyList_GET_SIZE(responses) != slots || slots > 65536 || reply_limit < 0) {
+        PyErr_SetString(PyExc_ValueError, "Dispatcher: inconsistent region, slots or limits");
+        return -1;
+    }
+    Py_ssize_t *at = PyMem_New(Py_ssize_t, slots ? slots : 1);
+    if (at == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < slots; i++) {
+        at[i] = PyLong_AsSsize_t(PyList_GET_ITEM(slot_at, i));
+        if (at[i] == -1 && PyErr_Occurred()) {
+            PyMem_Free(at);
+            return -1;
+        }
+        if (at[i] < 0 || at[i] % 8 || at[i] > view->len - 8 || ((uintptr_t)view->buf + (uintptr_t)at[i]) % 8) {
+            PyMem_Free(at);
+            PyErr_SetString(PyExc_ValueError, "Dispatcher: a slot's state word is outside the region");
+            return -1;
+        }
+    }
+    PyMem_Free(self->slot_at);
+    self->slot_at = at;
+    self->slots = slots;
+#define KEEP(field) Py_XSETREF(self->field, Py_NewRef(field))
+    KEEP(server); KEEP(buf); KEEP(seen); KEEP(peers); KEEP(backlog); KEEP(methods); KEEP(responses);
+    KEEP(chan); KEEP(context_type); KEEP(no_metadata); KEEP(current_call); KEEP(ring_client);
+    KEEP(encode_body); KEEP(loop); KEEP(current_task); KEEP(enter_task); KEEP(leave_task);
+    KEEP(eager_type); KEEP(cancelled);
+#undef KEEP
+    self->reply_limit = reply_limit;
+    return 0;
+}
+
+#define FIELDS(X) X(server) X(buf) X(seen) X(peers) X(backlog) X(methods) X(responses) X(chan) \
+    X(context_type) X(no_metadata) X(current_call) X(ring_client) X(encode_body) X(loop) \
+    X(current_task) X(enter_task) X(leave_task) X(eager_type) X(cancelled)
+
+static int dispatcher_traverse(Dispatcher *self, visitproc visit, void *arg) {
+#define VISIT(f) Py_VISIT(self->f);
+    FIELDS(VISIT)
+#undef VISIT
+    return 0;
+}
+
+static int dispatcher_clear(Dispatcher *self) {
+#define CLEAR(f) Py_CLEAR(self->f);
+    FIELDS(CLEAR)
+#undef CLEAR
+    return 0;
+}
+
+static void dispatcher_dealloc(Dispatcher *self) {
+    PyObject_GC_UnTrack(self);
+    dispatcher_clear(self);
+    PyMem_Free(self->slot_at);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMemberDef dispatcher_members[] = {
+    {"enabled", T_INT, offsetof(Dispatcher, enabled), 0,
+     "0 sends every frame to the reference (draining, interceptors); set by the server"},
+    {"polled_at", T_DOUBLE, offsetof(Dispatcher, polled_at), 0,
+     "when the reader began its batch: deadlines count from it"},
+    {NULL},
+};
+
+static PyTypeObject DispatcherType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "cxlrpc._dispatch.Dispatcher",
+    .tp_doc = "Dispatcher(server, buf, slot_at, seen, peers, backlog, methods, responses, chan, "
+              "context_type, no_metadata, current_call, ring_client, encode_body, loop, current_task, "
+              "enter_task, leave_task, eager_type, cancelled, reply_limit): the request ring's "
+              "handler, dispatching the common request shape in C (Server._dispatch is the reference).",
+    .tp_basicsize = sizeof(Dispatcher),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)dispatcher_init,
+    .tp_dealloc = (destructor)dispatcher_dealloc,
+    .tp_traverse = (traverseproc)dispatcher_traverse,
+    .tp_clear = (inquiry)dispatcher_clear,
+    .tp_call = (ternaryfunc)dispatcher_call,
+    .tp_members = dispatcher_members,
+};
+
+
+/* ---------------------------------------------------------------- the client's side */
+
+/* A client's call in C, for the common shape (cxlrpc.client.Client.call is the reference, and
+ * takes every call this does not): encode the request, push it, ring the server and, when the
+ * client is the only caller, poll its reply ring for the first ``hot`` seconds without giving
+ * the loop a turn. The reply to this call is decoded and returned; every other record polled
+ * meanwhile goes to the client's own handler (Client._on_reply). */
+typedef struct {
+    PyObject_HEAD
+    PyObject *client, *methods, *push, *ring_bell, *poll, *encode_body, *decode;
+    Py_ssize_t max_payload;
+    uint32_t gen;
+    unsigned slot;
+    uint64_t expected; /* the call id whose reply the handler keeps */
+    PyObject *reply;   /* that reply, once polled */
+} Caller;
+
+static PyObject *s_on_reply;
+
+static PyObject *caller_send(Caller *self, PyObject *mb, PyObject *const *args, double timeout, double hot);
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* Caller(view): a reply record polled during the hot wait. */
+static PyObject *caller_handle(Caller *self, PyObject *args, PyObject *kwargs) {
+    PyObject *view;
+    if (kwargs != NULL || !PyArg_UnpackTuple(args, "Caller", 1, 1, &view))
+        return NULL;
+    Py_buffer b;
+    if (PyObject_GetBuffer(view, &b, PyBUF_SIMPLE) < 0)
+        return NULL;
+    const unsigned char *p = b.buf;
+    int ours = self->reply == NULL && b.len >= HEADER_SIZE && (p[0] == KIND_RESPONSE || p[0] == 3) &&
+               le16(p + 4) == self->slot && le32(p + 6) == self->gen && le64(p + 10) == self->expected;
+    PyBuffer_Release(&b);
+    if (ours) {
+        PyObject *f = PyObject_CallOneArg(self->decode, view);
+        if (f != NULL) {
+            self->reply = f;
+            Py_RETURN_NONE;
+        }
+        if (!PyErr_ExceptionMatches(PyExc_Exception))
+            return NULL;
+        PyErr_Clear(); /* garbage: the client's handler counts it dropped */
+    }
+    PyObject *stack[2] = {self->client, view};
+    return PyObject_VectorcallMethod(s_on_reply, stack, 2, NULL);
+}
+
+/* call(method, arg, timeout, call_id, hot): the reply Frame; None once the request is out but
+ * its reply has not come within ``hot`` seconds; (flags, body) when the request did not go
+ * (too big for the ring, or the ring is full: the reference sends that body); NotImplemented
+ * for a method not yet in the client's cache (the reference encodes its name). */
+static PyObject *caller_call(Caller *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5 || !PyUnicode_CheckExact(args[0]) || !PyLong_CheckExact(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "call(method: str, arg, timeout: float, call_id: int, hot: float)");
+        return NULL;
+    }
+    double timeout = PyFloat_AsDouble(args[2]), hot = PyFloat_AsDouble(args[4]);
+    if ((timeout == -1.0 || hot == -1.0) && PyErr_Occurred())
+        return NULL;
+    PyObject *mb = PyDict_GetItemWithError(self->methods, args[0]);
+    if (mb == NULL) {
+        if (PyErr_Occurred())
+            return NULL;
+        Py_RETURN_NOTIMPLEMENTED;
+    }
+    if (!PyBytes_CheckExact(mb) || PyBytes_GET_SIZE(mb) == 0 || PyBytes_GET_SIZE(mb) > MAX_METHOD)
+        Py_RETURN_NOTIMPLEMENTED;
+    Py_INCREF(mb); /* held: encoding runs Python code */
+    PyObject *out = caller_send(self, mb, args, timeout, hot);
+    Py_DECREF(mb);
+    return out;
+}
+
+/* call()'s work once the method's name is known (``mb``, held by the caller). */
+static PyObject *caller_send(Caller *self, PyObject *mb, PyObject *const *args, double timeout, double hot) {
+    uint64_t call_id = PyLong_AsUnsignedLongLong(args[3]);
+    if (call_id == (uint64_t)-1 && PyErr_Occurred())
+        return NULL;
+    unsigned flags;
+    PyObject *body, *encoded = NULL;
+    if (PyBytes_CheckExact(args[1])) {
+        flags = FLAG_RAW;
+        body = args[1];
+    } else {
+        encoded = PyObject_CallOneArg(self->encode_body, args[1]);
+        if (encoded == NULL)
+            return NULL;
+        if (!PyTuple_CheckExact(encoded) || PyTuple_GET_SIZE(encoded) != 2 ||
+            !PyLong_CheckExact(PyTuple_GET_ITEM(encoded, 0))) {
+            Py_DECREF(encoded);
+            PyErr_SetString(PyExc_TypeError, "encode_body must return (flags, body)");
+            return NULL;
+        }
+        flags = (unsigned)PyLong_AsLong(PyTuple_GET_ITEM(encoded, 0));
+        body = PyTuple_GET_ITEM(encoded, 1);
+    }
+    Py_ssize_t blen = PyObject_Length(body);
+    if (blen < 0) {
+        Py_XDECREF(encoded);
+        return NULL;
+    }
+    Py_ssize_t mlen = PyBytes_GET_SIZE(mb);
+    if (HEADER_SIZE + mlen + blen > self->max_payload) /* out of line: the reference */
+        return encoded != NULL ? encoded : Py_BuildValue("(iO)", FLAG_RAW, body);
+    unsigned char h[HEADER_SIZE];
+    h[0] = KIND_REQUEST;
+    h[1] = (unsigned char)flags;
+    h[2] = h[3] = 0;
+    h[4] = self->slot & 0xFF;
+    h[5] = self->slot >> 8;
+    for (int i = 0; i < 4; i++)
+        h[6 + i] = (self->gen >> (8 * i)) & 0xFF;
+    for (int i = 0; i < 8; i++)
+        h[10 + i] = (call_id >> (8 * i)) & 0xFF;
+    uint64_t tbits;
+    memcpy(&tbits, &timeout, sizeof tbits);
+    for (int i = 0; i < 8; i++)
+        h[18 + i] = (tbits >> (8 * i)) & 0xFF;
+    h[26] = mlen & 0xFF;
+    h[27] = (unsigned char)(mlen >> 8);
+    PyObject *head = PyBytes_FromStringAndSize((const char *)h, HEADER_SIZE), *parts = NULL, *ok = NULL;
+    if (head == NULL || (parts = PyTuple_Pack(3, head, mb, body)) == NULL)
+        goto fail;
+    ok = PyObject_CallOneArg(self->push, parts);
+    if (ok == NULL)
+        goto fail;
+    if (ok != Py_True) { /* the ring is full: the reference waits for room */
+        Py_DECREF(ok);
+        Py_DECREF(parts);
+        Py_DECREF(head);
+        return encoded != NULL ? encoded : Py_BuildValue("(iO)", FLAG_RAW, body);
+    }
+    Py_CLEAR(ok);
+    Py_CLEAR(parts);
+    Py_CLEAR(head);
+    Py_CLEAR(encoded);
+    PyObject *rang = PyObject_CallNoArgs(self->ring_bell);
+    if (rang == NULL)
+        return NULL;
+    Py_DECREF(rang);
+    if (!(hot > 0))
+        Py_RETURN_NONE;
+    self->expected = call_id;
+    Py_CLEAR(self->reply);
+    double end = now_s() + hot;
+    PyObject *limit = PyLong_FromLong(1024);
+    if (limit == NULL)
+        return NULL;
+    PyObject *result = NULL;
+    do {
+        PyObject *pargs[2] = {(PyObject *)self, limit};
+        PyObject *n = PyObject_Vectorcall(self->poll, pargs, 2, NULL);
+        if (n == NULL)
+            break;
+        Py_DECREF(n);
+        if (self->reply != NULL) {
+            result = self->reply;
+            self->reply = NULL;
+            break;
+        }
+    } while (now_s() < end);
+    Py_DECREF(limit);
+    self->expected = 0; /* NO_REPLY: never a reply's id */
+    if (result == NULL && !PyErr_Occurred())
+        Py_RETURN_NONE;
+    return result;
+fail:
+    Py_XDECREF(ok);
+    Py_XDECREF(parts);
+    Py_XDECREF(head);
+    Py_XDECREF(encoded);
+    return NULL;
+}
+
+static int caller_init(Caller *self, PyObject *args, PyObject *kwds) {
+    PyObject *client, *methods, *push, *ring_bell, *poll, *encode_body, *decode;
+    unsigned int slot;
+    unsigned long gen;
+    Py_ssize_t max_payload;
+    if (kwds != NULL && PyDict_GET_SIZE(kwds)) {
+        PyErr_SetString(PyExc_TypeError, "Caller takes positional arguments only");
+        return -1;
+    }
+    if (!PyArg_ParseTuple(args, "OO!OOOOOIkn", &client, &PyDict_Type, &methods, &push, &ring_bell,
+                          &poll, &encode_body, &decode, &slot, &gen, &max_payload))
+        return -1;
+    if (slot > 0xFFFF || gen > 0xFFFFFFFFUL || max_payload < HEADER_SIZE) {
+        PyErr_SetString(PyExc_ValueError, "Caller: slot, generation or ring limit out of range");
+        return -1;
+    }
+#define KEEP(field) Py_XSETREF(self->field, Py_NewRef(field))
+    KEEP(client); KEEP(methods); KEEP(push); KEEP(ring_bell); KEEP(poll); KEEP(encode_body); KEEP(decode);
+#undef KEEP
+    self->slot = slot;
+    self->gen = (uint32_t)gen;
+    self->max_payload = max_payload;
+    return 0;
+}
+
+#define CALLER_FIELDS(X) X(client) X(methods) X(push) X(ring_bell) X(poll) X(encode_body) X(decode) X(reply)
+
+static int caller_traverse(Caller *self, visitproc visit, void *arg) {
+#define VISIT(f) Py_VISIT(self->f);
+    CALLER_FIELDS(VISIT)
+#undef VISIT
+    return 0;
+}
+
+static int caller_clear(Caller *self) {
+#define CLEAR(f) Py_CLEAR(self->f);
+    CALLER_FIELDS(CLEAR)
+#undef CLEAR
+    return 0;
+}
+
+static void caller_dealloc(Caller *self) {
+    PyObject_GC_UnTrack(self);
+    caller_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMethodDef caller_methods[] = {
+    {"call", (PyCFunction)(void (*)(void))caller_call, METH_FASTCALL,
+     "call(method, arg, timeout, call_id, hot): push a request and wait hot seconds for its reply "
+     "(the reply Frame; None: it is out, its reply not here yet; (flags, body): it did not go; "
+     "NotImplemented: a method name not yet encoded)."},
+    {NULL},
+};
+
+static PyTypeObject CallerType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "cxlrpc._dispatch.Caller",
+    .tp_doc = "Caller(client, methods, push, ring_bell, poll, encode_body, decode, slot, gen, "
+              "max_payload): a connection's calls of the common shape in C (Client.call is the "
+              "reference); called with a record, it is the reply ring's handler.",
+    .tp_basicsize = sizeof(Caller),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)caller_init,
+    .tp_dealloc = (destructor)caller_dealloc,
+    .tp_traverse = (traverseproc)caller_traverse,
+    .tp_clear = (inquiry)caller_clear,
+    .tp_call = (ternaryfunc)caller_handle,
+    .tp_methods = caller_methods,
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "cxlrpc._dispatch",
+                                    "The server's request dispatch and the client's call in C, for the common shape.", -1, NULL};
+
+PyMODINIT_FUNC PyInit__dispatch(void) {
+#define INTERN(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return NULL;
+    INTERN(s_on_request, "_on_request")
+    INTERN(s_failed, "_fast_failed")
+    INTERN(s_bad_request, "_fast_bad_request")
+    INTERN(s_suspended, "_fast_suspended")
+    INTERN(s_coroutine, "_fast_coroutine")
+    INTERN(s_reply, "_fast_reply")
+    INTERN(s_send, "_send")
+    INTERN(s_broken, "_fast_broken")
+    INTERN(s_push, "try_push_parts")
+    INTERN(s_on_reply, "_on_reply")
+#undef INTERN
+    if (PyType_Ready(&DispatcherType) < 0 || PyType_Ready(&CallerType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    if (PyModule_AddObjectRef(m, "Dispatcher", (PyObject *)&DispatcherType) < 0 ||
+        PyModule_AddObjectRef(m, "Caller", (PyObject *)&CallerType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,347 @@
+"""The server's native dispatch (cxlrpc/_dispatch.c) against its Python reference
+(``Server._on_request``): every call shape gives the same outcome on both, the common shapes
+never reach the reference, garbage frames are dropped by both, and the RPC suites run again
+with ``CXLRPC_NO_NATIVE=1`` so the reference stays tested on coherent memory too."""
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+import cxlrpc
+from cxlrpc import frame as fr
+from cxlrpc import server as server_mod
+
+pytestmark = pytest.mark.timeout(120)
+native = pytest.mark.skipif(server_mod._Dispatcher is None, reason="cxlrpc._dispatch is not built")
+TESTS = Path(__file__).parent
+
+
+class Point(msgspec.Struct):
+    x: int
+    y: int
+
+
+class Unencodable:
+    pass
+
+
+def make_server(url: str) -> cxlrpc.Server:
+    server = cxlrpc.Server(url)
+
+    @server.method("echo")
+    def echo(payload: bytes) -> bytes:
+        return payload
+
+    @server.method("aecho")
+    async def aecho(payload: bytes) -> bytes:
+        return payload
+
+    @server.method("asleep")
+    async def asleep(payload: bytes) -> bytes:
+        await asyncio.sleep(0)  # suspends: a task carries it on
+        return payload[::-1]
+
+    @server.method("norm")
+    def norm(p: Point) -> int:
+        return p.x * p.x + p.y * p.y
+
+    @server.method("swap")
+    async def swap(p: Point) -> Point:
+        return Point(p.y, p.x)
+
+    @server.method("nothing")
+    def nothing() -> None:
+        return None
+
+    @server.method("anothing")
+    async def anothing() -> str:
+        return "none taken"
+
+    @server.method("boom")
+    def boom(payload: bytes) -> bytes:
+        raise ValueError(f"bad payload {payload!r}")
+
+    @server.method("aboom")
+    async def aboom(payload: bytes) -> bytes:
+        raise KeyError("async")
+
+    @server.method("denied")
+    async def denied(payload: bytes) -> bytes:
+        raise cxlrpc.PermissionDenied("not yours")
+
+    @server.method("acancel")
+    async def acancel(payload: bytes) -> bytes:
+        raise asyncio.CancelledError()
+
+    @server.method("wrapped")
+    def wrapped(payload: bytes) -> Any:
+        return aecho(payload)  # a plain function returning a coroutine
+
+    @server.method("odd")
+    def odd(payload: bytes) -> Any:
+        return Unencodable()
+
+    @server.method("big")
+    def big(n: int) -> bytes:
+        return b"z" * n  # past the ring: through the heap
+
+    @server.method("ctx")
+    async def ctx(payload: bytes) -> list:
+        c = cxlrpc.context()
+        remaining = c.time_remaining()
+        return [c.method, c.peer.slot, remaining is not None and 0 < remaining <= 5.0,
+                type(asyncio.current_task()).__name__]
+
+    @server.method("pctx")
+    def pctx(payload: bytes) -> list:
+        c = cxlrpc.context()
+        return [c.method, c.peer.slot, c.time_remaining()]
+
+    @server.method("nap")
+    async def nap(seconds: float) -> float:
+        await asyncio.sleep(seconds)
+        return seconds
+
+    return server
+
+
+def _serve_main(url: str, ready: Any) -> None:
+    """A child process serving make_server's methods until SIGTERM."""
+    from procs import _serve_until_sigterm
+    asyncio.run(_serve_until_sigterm(make_server(url), ready))
+
+
+class CountingCaller:
+    """Stands in for a client's native caller and counts what its calls returned."""
+
+    def __init__(self, real: Any) -> None:
+        self.real, self.returned = real, []
+
+    def call(self, *args: Any) -> Any:
+        got = self.real.call(*args)
+        self.returned.append(type(got).__name__)
+        return got
+
+
+# (method, argument, timeout): every outcome branch of the native path and of its slow paths
+CALLS = [
+    ("echo", b"x" * 64, None), ("echo", b"", None), ("aecho", b"y" * 100, None),
+    ("asleep", b"abc", None), ("norm", Point(3, 4), None), ("swap", Point(1, 2), None),
+    ("norm", {"x": "not an int", "y": 1}, None), ("norm", b"raw bytes for a Struct", None),
+    ("nothing", None, None), ("anothing", None, None), ("boom", b"q", None), ("aboom", b"q", None),
+    ("denied", b"q", None), ("acancel", b"q", None), ("wrapped", b"w", None), ("odd", b"", None),
+    ("big", 3 << 20, None), ("ctx", b"", 5.0), ("pctx", b"", None), ("missing", b"", None),
+    ("echo", "a str", None), ("echo", {"k": [1, 2]}, None),
+]
+
+
+async def outcomes(client: cxlrpc.Client) -> list:
+    got = []
+    for method, arg, timeout in CALLS:
+        try:
+            got.append(("ok", method, await client.call(method, arg, timeout=timeout)))
+        except cxlrpc.RpcError as exc:
+            got.append(("error", method, type(exc).__name__, exc.code, exc.message))
+    return got
+
+
+@native
+async def test_every_call_shape_answers_as_the_reference_does(name: str) -> None:
+    """The same calls through the native dispatch and through the reference (the dispatcher
+    switched off) get identical results and errors."""
+    server = make_server(f"shm://{name}")
+    async with server:
+        assert server._fast is not None and server._fast.enabled
+        async with cxlrpc.connect(f"shm://{name}") as client:
+            native_run = await outcomes(client)
+            server._fast.enabled = 0
+            reference_run = await outcomes(client)
+    assert native_run == reference_run
+    by_method = {o[1]: o for o in native_run}
+    assert by_method["boom"][2:4] == ("Internal", cxlrpc.StatusCode.INTERNAL)
+    assert by_method["denied"][2] == "PermissionDenied"
+    assert by_method["acancel"][2] == "Cancelled"
+    assert by_method["norm"][2] == "InvalidArgument"  # the last norm call: raw bytes for a Struct
+    assert by_method["odd"][2] == "Internal" and "cannot encode" in by_method["odd"][4]
+    assert by_method["big"] == ("ok", "big", b"z" * (3 << 20))
+    assert by_method["ctx"][2] == ["ctx", by_method["pctx"][2][1], True, "_EagerTask"]
+    assert by_method["asleep"][2] == b"cba"
+    assert by_method["wrapped"][2] == b"w"
+
+
+@native
+async def test_common_shapes_never_reach_the_reference(name: str) -> None:
+    """After a holder's first request (the reference records it as seen), plain and async
+    handlers, typed or raw, one-way calls and deadlines all stay in the native path."""
+    server = make_server(f"shm://{name}")
+    reference = []
+    async with server:
+        original = server._on_request
+        server._on_request = lambda view: (reference.append(fr.decode(view).method), original(view))
+        async with cxlrpc.connect(f"shm://{name}") as client:
+            assert await client.call("echo", b"first") == b"first"
+            assert reference == ["echo"]  # a new holder: the reference records it
+            for i in range(50):
+                assert await client.call("echo", b"%d" % i) == b"%d" % i
+                assert await client.call("aecho", b"a", timeout=2.0) == b"a"
+                assert await client.call("swap", Point(i, 1), response_type=Point) == Point(1, i)
+                assert await client.call("anothing") == "none taken"
+                with pytest.raises(cxlrpc.Internal):
+                    await client.call("boom", b"")
+            client.send_nowait("echo", b"one way")
+            assert await client.call("echo", b"after") == b"after"
+    assert reference == ["echo"]
+
+
+@native
+async def test_unknown_methods_and_fresh_holders_go_to_the_reference(name: str) -> None:
+    """The reference takes what the native path cannot vouch for: an unknown method, a holder
+    it has not seen yet, and everything once the server is draining."""
+    server = make_server(f"shm://{name}")
+    reference = []
+    async with server:
+        original = server._on_request
+        server._on_request = lambda view: (reference.append(fr.decode(view).method), original(view))
+        async with cxlrpc.connect(f"shm://{name}") as a:
+            await a.call("echo", b"")
+            with pytest.raises(cxlrpc.Unimplemented):
+                await a.call("missing", b"")
+            async with cxlrpc.connect(f"shm://{name}") as b:
+                assert await b.call("echo", b"b") == b"b"
+                assert await b.call("echo", b"b") == b"b"
+            assert reference == ["echo", "missing", "echo"]
+    assert server._fast.enabled == 0  # closed: draining switched it off
+
+
+@native
+async def test_garbage_requests_are_dropped_and_the_server_goes_on(name: str) -> None:
+    """Records no correct client writes (a slot out of range, another holder's generation,
+    NaN or infinite timeouts, unknown flags, a method longer than the record) are dropped and
+    counted, as the reference drops them, and the next call is answered."""
+    server = make_server(f"shm://{name}")
+    async with server:
+        async with cxlrpc.connect(f"shm://{name}") as client:
+            await client.call("echo", b"")
+            chan = client._chan
+            good = fr.HEADER.pack(fr.REQUEST, fr.RAW, 0, chan.slot, chan.gen, 7, 0.0, 4) + b"echo"
+            bad = [
+                fr.HEADER.pack(fr.REQUEST, fr.RAW, 0, 999, chan.gen, 7, 0.0, 4) + b"echo",
+                fr.HEADER.pack(fr.REQUEST, fr.RAW, 0, chan.slot, chan.gen + 1, 7, 0.0, 4) + b"echo",
+                fr.HEADER.pack(fr.REQUEST, fr.RAW, 0, chan.slot, chan.gen, 7, float("nan"), 4) + b"echo",
+                fr.HEADER.pack(fr.REQUEST, 0x80 | fr.RAW, 0, chan.slot, chan.gen, 7, 0.0, 4) + b"echo",
+                fr.HEADER.pack(fr.REQUEST, fr.RAW, 0, chan.slot, chan.gen, 7, 0.0, 200) + b"echo",
+                good[:20],
+            ]
+            dropped = server._chan.dropped.load(0)
+            for record in bad:
+                assert client._push((record,))
+            chan.server_bell.ring()
+            assert await client.call("echo", b"still here", timeout=5.0) == b"still here"
+            assert server._chan.dropped.load(0) - dropped == len(bad)
+
+
+@native
+async def test_the_native_caller_answers_as_the_reference_across_processes(name: str) -> None:
+    """Against a server in another process (where a lone caller polls for its reply in
+    place): replies taken in the hot wait, replies taken after it, and the reference client
+    give identical results and errors for every call shape."""
+    from procs import CTX, stop
+    url = f"shm://{name}"
+    ready = CTX.Event()
+    proc = CTX.Process(target=_serve_main, args=(url, ready), daemon=True)
+    proc.start()
+    try:
+        assert ready.wait(30), "server did not start"
+        async with cxlrpc.connect(url) as client:
+            await outcomes(client)  # every method name encoded once (the reference does it)
+            counting = client._caller = CountingCaller(client._caller)
+            client._hot_s = 5.0  # every reply comes within the hot wait
+            hot = await outcomes(client)
+            in_place = counting.returned.count("Frame")
+            client._hot_s = 0.0  # none does: each is awaited as the reference awaits it
+            counting.returned.clear()
+            later = await outcomes(client)
+            assert counting.returned.count("NoneType") >= len(CALLS) - 2  # big and a str arg: heap
+            client._caller = None
+            reference = await outcomes(client)
+    finally:
+        stop(proc)
+    assert hot == later == reference
+    assert in_place >= len(CALLS) - 2
+    assert ("ok", "echo", b"x" * 64) in hot
+
+
+@native
+async def test_a_late_reply_polled_in_the_hot_wait_reaches_its_callback(name: str) -> None:
+    """A reply to an abandoned call (on_late_reply) that the native caller polls while it
+    waits for its own goes to that callback; the caller gets its own reply."""
+    from procs import CTX, stop, until
+    url = f"shm://{name}"
+    ready = CTX.Event()
+    proc = CTX.Process(target=_serve_main, args=(url, ready), daemon=True)
+    proc.start()
+    late: list = []
+    try:
+        assert ready.wait(30), "server did not start"
+        async with cxlrpc.connect(url) as client:
+            await client.call("nap", 0.0)
+            abandoned = asyncio.ensure_future(client.call("nap", 0.3, on_late_reply=late.append))
+            await asyncio.sleep(0.05)
+            abandoned.cancel()  # the server goes on with it: its reply is owed to the callback
+            with pytest.raises(asyncio.CancelledError):
+                await abandoned
+            client._hot_s = 5.0
+            counting = client._caller = CountingCaller(client._caller)
+            assert await client.call("nap", 0.6) == 0.6  # the late reply comes meanwhile
+            assert counting.returned == ["Frame"]
+            assert await until(lambda: late, 5.0)  # handed over by the loop (call_soon)
+            assert late == [0.3]
+    finally:
+        stop(proc)
+
+
+async def test_flush_mode_servers_use_the_reference(name: str) -> None:
+    """Memory without coherence (here its simulator) keeps the reference's dispatch."""
+    server = cxlrpc.Server(f"sim://{name}", request_capacity=256 << 10, response_capacity=256 << 10,
+                           max_message_size=1 << 20)
+
+    @server.method("echo")
+    def echo(payload: bytes) -> bytes:
+        return payload
+
+    async with server:
+        assert server._fast is None
+        async with cxlrpc.connect(f"sim://{name}") as client:
+            assert await client.call("echo", b"sim") == b"sim"
+
+
+@native
+def test_native_dispatch_is_built_where_a_compiler_is() -> None:
+    if shutil.which("gcc") is None and shutil.which("cc") is None:
+        pytest.skip("no C compiler here")
+    assert server_mod._Dispatcher is not None, "cxlrpc._dispatch did not build: run pip install -e ."
+
+
+@native
+@pytest.mark.timeout(600)
+def test_reference_dispatch_passes_the_rpc_suites() -> None:
+    """The RPC and handler-context suites on coherent memory, with the reference alone."""
+    import cxlrpc as package
+    root = str(Path(package.__file__).resolve().parents[1])
+    env = {**os.environ, "CXLRPC_NO_NATIVE": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    check = "import cxlrpc.server as s; assert s._Dispatcher is None"
+    assert subprocess.run([sys.executable, "-c", check], env=env, timeout=60).returncode == 0
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                           "-k", "shm", "test_rpc.py", "test_context.py"],
+                          cwd=TESTS, env=env, capture_output=True, text=True, timeout=580)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout

@@ -9,7 +9,9 @@ owner hints, the owner's host identity, heartbeat and open/closed state) validat
 The magic is stored last, with release ordering, so a half-initialised region is never
 mistaken for a live one.  Taking a region (new, zeroed, or left by a dead or closed owner)
 is decided by one CAS on the epoch word, so of several racing creators exactly one wins,
-on any host that maps the region.
+on any host that maps the region.  A shared-memory segment is not reused but replaced: its
+winner's CAS writes a tombstone (the segment is retired), then the winner unlinks the name and
+creates a new segment under it; a retired segment is never claimed or unlinked again.
 """
 from __future__ import annotations
 
@@ -44,6 +46,15 @@ HEARTBEAT_OFFSET = 128  # owner's heartbeat counter, its own cache lines
 _OWNER_STATE = 256      # OWNER_LIVE while the owner serves, OWNER_CLOSED after a clean close
 _COHERENCE = 264        # how openers must treat the memory: _CODES below
 OWNER_LIVE, OWNER_CLOSED = 1, 2
+# Epoch word values: 0 never claimed; 1 .. 2**63-1 a claim (live, dead or being created);
+# _RETIRED | PID the tombstone of a shm/sim segment the process PID won in order to replace
+# it (it unlinks the name next, then creates a new segment there). No claim has the top bit,
+# so a tombstone is never an owner's epoch. Files and devices are taken over in place and never
+# retired: there the top bit means nothing (a garbage word on a device that was never ours).
+_RETIRED = 1 << 63
+_EPOCH_MASK = _RETIRED - 1
+_TAKEOVER_TRIES = 50     # rounds of acquire while the name holds a retired or no segment
+_TAKEOVER_PAUSE = 0.02   # seconds between those rounds: a replacer unlinks within microseconds
 _CODES = {HARDWARE: 1, FLUSH: 2}
 _MODES = {code: mode for mode, code in _CODES.items()}
 
@@ -234,29 +245,59 @@ class Region:
         An existing file keeps its size (a device or BAR cannot be resized): it must hold
         ``size`` bytes.  So does a sub-region (``file:///PATH?offset=&size=``), which always
         exists: its range of the file is the region, its header at ``offset``.
+
+        A shared-memory segment is replaced, not reused: the winner retires the old one (a
+        tombstone in its epoch word), unlinks the name and creates a new segment there.  One
+        that finds a retired segment (a winner is replacing it) or none looks again, a bounded
+        number of times: the winner's new segment is then in use, or free if the winner died.
         """
         backend, path = parse_url(url)
         size = _check_size(size)
-        try:
+        retired: _Retired | None = None
+        for attempt in range(_TAKEOVER_TRIES):
+            if attempt:
+                time.sleep(_TAKEOVER_PAUSE)
+            try:
+                return cls.create(url, size, kind, mode, coherence)
+            except FileExistsError:
+                pass
+            if backend == "file":
+                return cls._take_over_in_place(url, path, size, kind, stale_after, coherence)
+            try:
+                mapping, _ = _map_existing(url, backend, path)
+            except FileNotFoundError:
+                retired = None  # a winner unlinked the old segment, its own not yet created
+                continue
+            try:
+                _retire(url, mapping, stale_after)
+            except _Retired as exc:
+                retired = exc  # never claimed or unlinked: the name is, or will be, its winner's
+                continue
+            finally:
+                mapping.close()
+            unlink_shm(path)  # only the process that retired the old segment removes its name
             return cls.create(url, size, kind, mode, coherence)
-        except FileExistsError:
-            pass
-        mapping, actual = _map_existing(url, backend, path)
+        if retired is None:
+            raise FileExistsError(f"region {url} existed but was gone when mapped, "
+                                  f"{_TAKEOVER_TRIES} times: other processes keep replacing it")
+        raise FileExistsError(
+            f"region {url} still holds a segment retired by process {retired.pid} after "
+            f"{_TAKEOVER_TRIES} tries: that process was to replace it; if it died first, remove "
+            f"the segment with `python -m cxlrpc clean`") from retired
+
+    @classmethod
+    def _take_over_in_place(cls, url: str, path: str, size: int, kind: int, stale_after: float,
+                            coherence: str) -> "Region":
+        """Take over an existing file or device region nobody serves, in place (it is never
+        unlinked or resized); FileExistsError if it is in use."""
+        mapping, actual = _map_existing(url, "file", path)
         try:
             epoch = _takeover_epoch(url, mapping, stale_after)
         except BaseException:
             mapping.close()
             raise
-        if backend == "file":
-            _check_fits(url, mapping, actual, size)
-            return cls._claim(url, backend, path, mapping, kind, epoch, coherence=coherence)
-        # shm: win the old segment, then replace it with one of the size this server needs.
-        try:
-            _win_epoch(url, mapping, epoch)
-        finally:
-            mapping.close()
-        unlink_shm(path)
-        return cls.create(url, size, kind, mode, coherence)
+        _check_fits(url, mapping, actual, size)
+        return cls._claim(url, "file", path, mapping, kind, epoch, coherence=coherence)
 
     @classmethod
     def _claim(cls, url: str, backend: str, path: str, mapping: mmap.mmap | CacheSim, kind: int,
@@ -264,7 +305,8 @@ class Region:
         """Win the region by a CAS of its epoch word from ``observed_epoch``, then initialise it."""
         raw = mapping.cache if isinstance(mapping, CacheSim) else mapping
         try:
-            _win_epoch(url, raw, observed_epoch)
+            if _cas_epoch(raw, observed_epoch, _new_epoch()) != observed_epoch:
+                raise FileExistsError(f"region {url} was taken over by another process first")
         except BaseException:
             mapping.close()
             raise
@@ -396,12 +438,17 @@ def unlink_shm(path: str) -> bool:
 
 
 def in_use(url: str, window: float) -> str | None:
-    """Why the region at ``url`` is still in use (a live owner, or a creator still working),
-    or None when a new owner may take it.  Raises RegionError for another layout."""
+    """Why the region at ``url`` is still in use (a live owner, a creator still working, or a
+    live process replacing its shm segment), or None when a new owner may take it (or
+    ``clean`` remove it).  Raises RegionError for another layout."""
     backend, path = parse_url(url)
     mapping, _ = _map_existing(url, backend, path)
     try:
         with AtomicMemory(mapping) as mem:
+            if backend != "file":
+                retirer = _retirer(mem.load(_EPOCH, ACQUIRE))
+                if retirer is not None:  # a hint: another PID namespace's PID names nothing here
+                    return f"being replaced by process {retirer}" if pid_alive(retirer) else None
             return _busy_reason(url, mem, memoryview(mapping), window)
     finally:
         mapping.close()
@@ -572,27 +619,63 @@ def _busy_reason(url: str, mem: AtomicMemory, buf: memoryview, window: float) ->
     return None  # its creator stopped before publishing it
 
 
-def _win_epoch(url: str, mapping: mmap.mmap, observed_epoch: int) -> None:
-    """Claim a region by a CAS of its epoch word from ``observed_epoch`` (FileExistsError when
-    another process won). Without coherence the CAS arbitrates only among one host's processes:
-    two hosts must not race to take over one region (start one server per region)."""
-    epoch = (time.time_ns() << 16 | secrets.randbits(16)) & ((1 << 63) - 1) or 1
+class _Retired(FileExistsError):
+    """A shm segment is retired: the process ``pid`` won it to replace it under its name."""
+
+    def __init__(self, url: str, pid: int) -> None:
+        super().__init__(f"region {url}'s segment is retired by process {pid}, which replaces it")
+        self.pid = pid
+
+
+def _retirer(epoch: int) -> int | None:
+    """The PID in a shm segment's tombstone epoch (garbage beyond a PID's range reads as
+    no live process), or None when ``epoch`` is no tombstone."""
+    return epoch & _EPOCH_MASK if epoch & _RETIRED else None
+
+
+def _new_epoch() -> int:
+    """A fresh claim's epoch: nonzero, below the tombstone bit, unlike any earlier claim's."""
+    return (time.time_ns() << 16 | secrets.randbits(16)) & _EPOCH_MASK or 1
+
+
+def _cas_epoch(mapping: mmap.mmap, observed_epoch: int, epoch: int) -> int:
+    """CAS the epoch word from ``observed_epoch`` to ``epoch``; returns the word it held (the
+    claim is won when that is ``observed_epoch``: openers then see an unpublished region).
+    Without coherence the CAS arbitrates only among one host's processes: two hosts must not
+    race to take over one region (start one server per region)."""
     with AtomicMemory(mapping) as mem:
-        won = mem.cas(_EPOCH, observed_epoch, epoch, ACQ_REL) == observed_epoch
-        if won:
-            mem.store(_MAGIC, 0, RELEASE)  # openers now see an unpublished region
+        held = mem.cas(_EPOCH, observed_epoch, epoch, ACQ_REL)
+        if held == observed_epoch:
+            mem.store(_MAGIC, 0, RELEASE)
             if _native_flush is not None:
                 _native_flush.writeback(mem.address, 64)  # for peers without coherence
-    if not won:
+    return held
+
+
+def _retire(url: str, mapping: mmap.mmap, stale_after: float) -> None:
+    """Win an old shm segment nobody serves by a CAS of its epoch word to this process's
+    tombstone, so that no one else ever claims it or unlinks its name.  _Retired when another
+    process retired it first; FileExistsError when it is in use or claimed meanwhile."""
+    epoch = _takeover_epoch(url, mapping, stale_after, retirable=True)
+    held = _cas_epoch(mapping, epoch, _RETIRED | os.getpid())
+    if held != epoch:
+        retirer = _retirer(held)
+        if retirer is not None:
+            raise _Retired(url, retirer)
         raise FileExistsError(f"region {url} was taken over by another process first")
 
 
-def _takeover_epoch(url: str, mapping: mmap.mmap, stale_after: float) -> int:
-    """The epoch to CAS from when taking over ``mapping``; FileExistsError if it is in use."""
+def _takeover_epoch(url: str, mapping: mmap.mmap, stale_after: float,
+                    retirable: bool = False) -> int:
+    """The epoch to CAS from when taking over ``mapping``; FileExistsError if it is in use,
+    _Retired if it is a ``retirable`` (shm or sim) segment another process retired."""
     with AtomicMemory(mapping) as mem:
         if _native_flush is not None:
             mem.use_flushes()  # the owner may be a host without coherence: read fresh lines
         epoch = mem.load(_EPOCH, ACQUIRE)
+        retirer = _retirer(epoch) if retirable else None
+        if retirer is not None:
+            raise _Retired(url, retirer)
         try:
             reason = _busy_reason(url, mem, memoryview(mapping), stale_after)
         except RegionError as exc:

@@ -153,6 +153,16 @@ async def outcomes(client: cxlrpc.Client) -> list:
     return got
 
 
+def sync_outcomes(client: cxlrpc.SyncClient) -> list:
+    got = []
+    for method, arg, timeout in CALLS:
+        try:
+            got.append(("ok", method, client.call(method, arg, timeout=timeout)))
+        except cxlrpc.RpcError as exc:
+            got.append(("error", method, type(exc).__name__, exc.code, exc.message))
+    return got
+
+
 @native
 async def test_every_call_shape_answers_as_the_reference_does(name: str) -> None:
     """The same calls through the native dispatch and through the reference (the dispatcher
@@ -272,9 +282,23 @@ async def test_the_native_caller_answers_as_the_reference_across_processes(name:
             assert counting.returned.count("NoneType") >= len(CALLS) - 2  # big and a str arg: heap
             client._caller = None
             reference = await outcomes(client)
+        with cxlrpc.connect_sync(url) as sync:  # the server is another process: blocking is fine
+            sync_outcomes(sync)
+            counting = sync._caller = CountingCaller(sync._caller)
+            sync._hot_s = 5.0
+            sync_hot = sync_outcomes(sync)
+            in_place_sync = counting.returned.count("Frame")
+            sync._hot_s = 0.0
+            sync_later = sync_outcomes(sync)
+            sync._caller = None
+            sync_reference = sync_outcomes(sync)
     finally:
         stop(proc)
     assert hot == later == reference
+    assert sync_hot == sync_later == sync_reference
+    assert in_place_sync >= len(CALLS) - 2
+    slotless = lambda runs: [o for o in runs if o[1] not in ("ctx", "pctx")]  # noqa: E731
+    assert slotless(sync_hot) == slotless(hot)  # (each connection may hold another slot)
     assert in_place >= len(CALLS) - 2
     assert ("ok", "echo", b"x" * 64) in hot
 

@@ -7,9 +7,9 @@
  * vouch for goes whole to the reference (Server._on_request) before anything is done for it:
  * other kinds and flags, an unknown or reserved method, a slot whose generation, seen record or
  * peer entry is not the sender's, a server that is draining, has interceptors or holds replies
- * back. Once a handler has run, its rare outcomes go to small Server methods (_fast_*), which
- * decode the frame again (the record stays valid until poll() returns) and finish as the
- * reference would. The header is validated before use, as the reference decoder does: a peer
+ * back. Once a handler has run, its rare outcomes go to the reference's own methods (_fail,
+ * _reply) or small Server._fast_* ones, given the request as a Frame made from the fields
+ * validated here (what a peer writes into the record meanwhile changes nothing). The header is validated before use, as the reference decoder does: a peer
  * may write garbage.
  */
 #define PY_SSIZE_T_CLEAN
@@ -27,7 +27,7 @@
 #define KIND_RESPONSE 2
 #define NO_REPLY 0
 
-/* A method entry's mode bits (Server._fast_entry). */
+/* A method entry's mode bits (Server.add_method: _TAKES_ARG, _IS_ASYNC, _RAW_ARG). */
 #define TAKES_ARG 1
 #define IS_ASYNC 2
 #define RAW_ARG 4
@@ -40,7 +40,7 @@ typedef struct {
     Py_ssize_t slots;
     PyObject *seen, *peers, *backlog, *methods, *responses, *chan;
     PyObject *context_type, *no_metadata, *current_call, *ring_client, *encode_body;
-    PyObject *loop, *current_task, *enter_task, *leave_task, *eager_type, *cancelled;
+    PyObject *loop, *current_task, *enter_task, *leave_task, *eager_type, *cancelled, *frame_type;
     Py_ssize_t reply_limit;
     double polled_at;
     int enabled;
@@ -97,21 +97,72 @@ static PyObject *caught(PyObject *kinds) {
     return value;
 }
 
+/* A request being dispatched: its validated header fields, and its body in the record (valid
+ * until the ring's poll returns). The slow paths get it as a Frame, made once from these fields,
+ * so that what a peer writes into the record meanwhile changes nothing. */
+typedef struct {
+    unsigned flags, status, slot;
+    uint32_t gen;
+    uint64_t call_id;
+    double timeout;
+    PyObject *method;   /* borrowed: the method entry's name */
+    const unsigned char *body;
+    Py_ssize_t body_len;
+    PyObject *body_obj; /* borrowed: a bytes copy already made, or NULL */
+    PyObject *frame;    /* owned, once made */
+} Req;
+
+/* The request as the reference's decoder would give it (a borrowed reference, owned by r). */
+static PyObject *req_frame(Dispatcher *d, Req *r) {
+    if (r->frame != NULL)
+        return r->frame;
+    PyObject *fields[9] = {0};
+    fields[0] = PyLong_FromLong(KIND_REQUEST);
+    fields[1] = PyLong_FromLong(r->flags);
+    fields[2] = PyLong_FromLong(r->status);
+    fields[3] = PyLong_FromLong(r->slot);
+    fields[4] = PyLong_FromUnsignedLong(r->gen);
+    fields[5] = PyLong_FromUnsignedLongLong(r->call_id);
+    fields[6] = PyFloat_FromDouble(r->timeout);
+    fields[7] = Py_NewRef(r->method);
+    fields[8] = r->body_obj != NULL ? Py_NewRef(r->body_obj)
+                                    : PyBytes_FromStringAndSize((const char *)r->body, r->body_len);
+    int ok = 1;
+    for (int i = 0; i < 9; i++)
+        ok &= fields[i] != NULL;
+    if (ok)
+        r->frame = PyObject_Vectorcall(d->frame_type, fields, 9, NULL);
+    for (int i = 0; i < 9; i++)
+        Py_XDECREF(fields[i]);
+    return r->frame;
+}
+
+/* server.<name>(frame, *args): a slow path given the request as a Frame. */
+static int call_with_frame(Dispatcher *d, PyObject *name, Req *r, PyObject **args, size_t n) {
+    PyObject *stack[5];
+    if ((stack[0] = req_frame(d, r)) == NULL)
+        return -1;
+    for (size_t i = 0; i < n; i++)
+        stack[i + 1] = args[i];
+    return call_server(d, name, stack, n + 1);
+}
+
 /* A handler (or its coroutine's first step) raised: the reference's _fail, when its except
  * clause catches it (``kinds``); anything else propagates. */
-static int handler_raised(Dispatcher *d, PyObject *view, PyObject *kinds) {
+static int handler_raised(Dispatcher *d, Req *r, PyObject *kinds) {
     PyObject *exc = caught(kinds);
     if (exc == NULL)
         return -1;
-    PyObject *args[2] = {view, exc};
-    int rc = call_server(d, s_failed, args, 2);
+    int rc = call_with_frame(d, s_failed, r, &exc, 1);
     Py_DECREF(exc);
     return rc;
 }
 
 /* Send ``result`` as the reply (Server._reply with held=True). */
-static int reply(Dispatcher *d, PyObject *view, unsigned slot, uint32_t gen, uint64_t call_id,
-                 PyObject *slot_obj, PyObject *result) {
+static int reply(Dispatcher *d, Req *r, PyObject *slot_obj, PyObject *result) {
+    unsigned slot = r->slot;
+    uint32_t gen = r->gen;
+    uint64_t call_id = r->call_id;
     if (call_id == NO_REPLY)
         return 0;
     PyObject *body;
@@ -126,8 +177,8 @@ static int reply(Dispatcher *d, PyObject *view, unsigned slot, uint32_t gen, uin
             Py_XDECREF(enc);
             if (enc != NULL || PyErr_ExceptionMatches(PyExc_Exception)) {
                 PyErr_Clear(); /* the reference encodes again and answers how it failed */
-                PyObject *args[2] = {view, result};
-                return call_server(d, s_reply, args, 2);
+                PyObject *args[2] = {result, Py_True};
+                return call_with_frame(d, s_reply, r, args, 2);
             }
             return -1;
         }
@@ -158,7 +209,7 @@ static int reply(Dispatcher *d, PyObject *view, unsigned slot, uint32_t gen, uin
     int held_back = PyDict_Contains(d->backlog, slot_obj);
     if (held_back < 0)
         goto done;
-    if (!held_back && HEADER_SIZE + length <= d->reply_limit) {
+    if (!held_back && HEADER_SIZE + length <= d->reply_limit && (Py_ssize_t)slot < PyList_GET_SIZE(d->responses)) {
         PyObject *parts = PyTuple_Pack(2, head, body);
         if (parts == NULL)
             goto done;
@@ -208,7 +259,7 @@ static int swap_task(Dispatcher *d, PyObject *from, PyObject *to) {
  * the current context where ``context()`` is ``call``, with a stand-in as the loop's current
  * task. Its result (a new reference), or NULL: with an error set to propagate, or without one
  * when the call went on elsewhere (it suspended: a task carries it) or failed (answered). */
-static PyObject *first_step(Dispatcher *d, PyObject *view, PyObject *coro, PyObject *call) {
+static PyObject *first_step(Dispatcher *d, Req *r, PyObject *coro, PyObject *call) {
     PyObject *ctx = PyContext_CopyCurrent(), *eager = NULL, *reader = NULL, *step = NULL;
     PyObject *kinds = NULL;
     if (ctx == NULL)
@@ -261,12 +312,12 @@ left:
         result = step;
         step = NULL;
     } else if (status == PYGEN_NEXT) { /* a task carries it on (and takes the stand-in's place) */
-        PyObject *args[5] = {view, coro, step, ctx, eager};
-        (void)call_server(d, s_suspended, args, 5);
+        PyObject *args[4] = {coro, step, ctx, eager};
+        (void)call_with_frame(d, s_suspended, r, args, 4);
     } else {
         kinds = PyTuple_Pack(2, PyExc_Exception, d->cancelled);
         if (kinds != NULL)
-            (void)handler_raised(d, view, kinds);
+            (void)handler_raised(d, r, kinds);
     }
     Py_XDECREF(kinds);
     Py_XDECREF(step);
@@ -279,28 +330,24 @@ left:
 /* The handler's argument from the body (p, n), or NULL: with an error set, or without one when
  * the request was answered INVALID_ARGUMENT (the reference's decode failure). ``*slow``: the
  * reference must take the frame (nothing was done for it). */
-static PyObject *argument(Dispatcher *d, PyObject *view, PyObject *entry, long mode, unsigned flags,
-                          const unsigned char *p, Py_ssize_t n, int *slow) {
-    if (flags & FLAG_RAW) {
-        if (!(mode & RAW_ARG)) {
-            *slow = 1; /* a raw body validated into a typed argument: the reference's decode_body */
-            return NULL;
-        }
-        return PyBytes_FromStringAndSize((const char *)p, n);
+static PyObject *argument(Dispatcher *d, Req *r, PyObject *entry, long mode, PyObject **body, int *slow) {
+    if (r->flags & FLAG_RAW && !(mode & RAW_ARG)) {
+        *slow = 1; /* a raw body validated into a typed argument: the reference's decode_body */
+        return NULL;
     }
     /* a copy, as the reference's: a decoded value may keep views of what it was decoded from */
-    PyObject *body = PyBytes_FromStringAndSize((const char *)p, n);
-    if (body == NULL)
+    if ((*body = PyBytes_FromStringAndSize((const char *)r->body, r->body_len)) == NULL)
         return NULL;
-    PyObject *arg = PyObject_CallOneArg(PyTuple_GET_ITEM(entry, 2), body);
-    Py_DECREF(body);
+    r->body_obj = *body;
+    if (r->flags & FLAG_RAW)
+        return Py_NewRef(*body);
+    PyObject *arg = PyObject_CallOneArg(PyTuple_GET_ITEM(entry, 2), *body);
     if (arg != NULL)
         return arg;
     PyObject *exc = caught(PyExc_Exception);
     if (exc == NULL)
         return NULL;
-    PyObject *args[2] = {view, exc};
-    (void)call_server(d, s_bad_request, args, 2);
+    (void)call_with_frame(d, s_bad_request, r, &exc, 1);
     Py_DECREF(exc);
     return NULL;
 }
@@ -317,6 +364,8 @@ static int dispatch(Dispatcher *d, PyObject *view) {
     int rc = 1, slow = 0;
     PyObject *slot_obj = NULL, *key = NULL, *arg = NULL, *deadline = NULL, *call = NULL, *result = NULL;
     PyObject *peer = NULL, *entry = NULL; /* held: a decoder or handler may change the tables */
+    PyObject *body = NULL;
+    Req r = {0};
     if (n < HEADER_SIZE || p[0] != KIND_REQUEST || (p[1] & ~FLAG_RAW))
         goto done;
     unsigned flags = p[1];
@@ -333,6 +382,8 @@ static int dispatch(Dispatcher *d, PyObject *view) {
                                     __ATOMIC_ACQUIRE);
     if (!(word & 1) || ((word >> 1) & 0xFFFFFFFFULL) != gen)
         goto done; /* garbage, or the slot's previous holder: the reference drops it */
+    if ((Py_ssize_t)slot >= PyList_GET_SIZE(d->seen))
+        goto done;
     PyObject *seen = PyList_GET_ITEM(d->seen, slot);
     if (!is_gen(seen, gen))
         goto done; /* a holder the reader has not seen yet */
@@ -363,8 +414,17 @@ static int dispatch(Dispatcher *d, PyObject *view) {
     }
     Py_INCREF(entry);
     long mode = PyLong_AsLong(PyTuple_GET_ITEM(entry, 1));
+    r.flags = flags;
+    r.status = le16(p + 2);
+    r.slot = slot;
+    r.gen = gen;
+    r.call_id = call_id;
+    r.timeout = timeout;
+    r.method = PyTuple_GET_ITEM(entry, 3);
+    r.body = p + end;
+    r.body_len = n - end;
     if (mode & TAKES_ARG) {
-        arg = argument(d, view, entry, mode, flags, p + end, n - end, &slow);
+        arg = argument(d, &r, entry, mode, &body, &slow);
         if (arg == NULL) {
             if (slow)
                 goto done;
@@ -387,10 +447,10 @@ static int dispatch(Dispatcher *d, PyObject *view) {
     if (mode & IS_ASYNC) {
         PyObject *coro = arg != NULL ? PyObject_CallOneArg(fn, arg) : PyObject_CallNoArgs(fn);
         if (coro == NULL) {
-            rc = handler_raised(d, view, PyExc_Exception);
+            rc = handler_raised(d, &r, PyExc_Exception);
             goto out;
         }
-        result = first_step(d, view, coro, call);
+        result = first_step(d, &r, coro, call);
         Py_DECREF(coro);
         if (result == NULL) {
             rc = PyErr_Occurred() ? -1 : 0;
@@ -401,6 +461,9 @@ static int dispatch(Dispatcher *d, PyObject *view) {
         if (token == NULL)
             goto out;
         result = arg != NULL ? PyObject_CallOneArg(fn, arg) : PyObject_CallNoArgs(fn);
+        int failed = 0;
+        if (result == NULL) /* reported while context() is still the call, as the reference does */
+            failed = handler_raised(d, &r, PyExc_Exception) < 0 ? -1 : 1;
         PyObject *type, *value, *tb;
         PyErr_Fetch(&type, &value, &tb);
         int reset = PyContextVar_Reset(d->current_call, token);
@@ -412,17 +475,17 @@ static int dispatch(Dispatcher *d, PyObject *view) {
             goto out;
         }
         PyErr_Restore(type, value, tb);
-        if (result == NULL) {
-            rc = handler_raised(d, view, PyExc_Exception);
+        if (failed) {
+            rc = failed < 0 ? -1 : 0;
             goto out;
         }
         if (PyCoro_CheckExact(result)) { /* a plain function that returned a coroutine */
-            PyObject *args[3] = {view, result, call};
-            rc = call_server(d, s_coroutine, args, 3);
+            PyObject *args[2] = {result, call};
+            rc = call_with_frame(d, s_coroutine, &r, args, 2);
             goto out;
         }
     }
-    rc = reply(d, view, slot, gen, call_id, slot_obj, result);
+    rc = reply(d, &r, slot_obj, result);
     goto out;
 fail:
     rc = -1;
@@ -430,6 +493,8 @@ fail:
 done:
     rc = 1;
 out:
+    Py_XDECREF(r.frame);
+    Py_XDECREF(body);
     Py_XDECREF(entry);
     Py_XDECREF(peer);
     Py_XDECREF(result);
@@ -445,8 +510,16 @@ out:
 /* Dispatcher(view): one request record, as Server._on_request takes it. */
 static PyObject *dispatcher_call(Dispatcher *self, PyObject *args, PyObject *kwargs) {
     PyObject *view;
-    if (kwargs != NULL || !PyArg_UnpackTuple(args, "Dispatcher", 1, 1, &view))
+    if (kwargs != NULL && PyDict_GET_SIZE(kwargs)) {
+        PyErr_SetString(PyExc_TypeError, "Dispatcher(view) takes no keyword arguments");
         return NULL;
+    }
+    if (!PyArg_UnpackTuple(args, "Dispatcher", 1, 1, &view))
+        return NULL;
+    if (self->server == NULL || self->backlog == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "Dispatcher is not initialised");
+        return NULL;
+    }
     int rc = dispatch(self, view);
     if (rc > 0) {
         PyObject *a[1] = {view};
@@ -468,18 +541,18 @@ static PyObject *dispatcher_call(Dispatcher *self, PyObject *args, PyObject *kwa
 static int dispatcher_init(Dispatcher *self, PyObject *args, PyObject *kwds) {
     PyObject *server, *buf, *slot_at, *seen, *peers, *backlog, *methods, *responses, *chan;
     PyObject *context_type, *no_metadata, *current_call, *ring_client, *encode_body, *loop;
-    PyObject *current_task, *enter_task, *leave_task, *eager_type, *cancelled;
+    PyObject *current_task, *enter_task, *leave_task, *eager_type, *cancelled, *frame_type;
     Py_ssize_t reply_limit;
     if (kwds != NULL && PyDict_GET_SIZE(kwds)) {
         PyErr_SetString(PyExc_TypeError, "Dispatcher takes positional arguments only");
         return -1;
     }
-    if (!PyArg_ParseTuple(args, "OO!O!O!O!O!O!O!OOOOOOOOOOOOn", &server, &PyMemoryView_Type, &buf,
+    if (!PyArg_ParseTuple(args, "OO!O!O!O!O!O!O!OOOOOOOOOOOOnO", &server, &PyMemoryView_Type, &buf,
                           &PyList_Type, &slot_at, &PyList_Type, &seen, &PyDict_Type, &peers,
                           &PyDict_Type, &backlog, &PyDict_Type, &methods, &PyList_Type, &responses,
                           &chan, &context_type, &no_metadata, &current_call, &ring_client,
                           &encode_body, &loop, &current_task, &enter_task, &leave_task,
-                          &eager_type, &cancelled, &reply_limit))
+                          &eager_type, &cancelled, &reply_limit, &frame_type))
         return -1;
     if (!PyContextVar_CheckExact(current_call)) {
         PyErr_SetString(PyExc_TypeError, "current_call must be a ContextVar");
@@ -516,7 +589,7 @@ static int dispatcher_init(Dispatcher *self, PyObject *args, PyObject *kwds) {
     KEEP(server); KEEP(buf); KEEP(seen); KEEP(peers); KEEP(backlog); KEEP(methods); KEEP(responses);
     KEEP(chan); KEEP(context_type); KEEP(no_metadata); KEEP(current_call); KEEP(ring_client);
     KEEP(encode_body); KEEP(loop); KEEP(current_task); KEEP(enter_task); KEEP(leave_task);
-    KEEP(eager_type); KEEP(cancelled);
+    KEEP(eager_type); KEEP(cancelled); KEEP(frame_type);
 #undef KEEP
     self->reply_limit = reply_limit;
     return 0;
@@ -524,7 +597,7 @@ static int dispatcher_init(Dispatcher *self, PyObject *args, PyObject *kwds) {
 
 #define FIELDS(X) X(server) X(buf) X(seen) X(peers) X(backlog) X(methods) X(responses) X(chan) \
     X(context_type) X(no_metadata) X(current_call) X(ring_client) X(encode_body) X(loop) \
-    X(current_task) X(enter_task) X(leave_task) X(eager_type) X(cancelled)
+    X(current_task) X(enter_task) X(leave_task) X(eager_type) X(cancelled) X(frame_type)
 
 static int dispatcher_traverse(Dispatcher *self, visitproc visit, void *arg) {
 #define VISIT(f) Py_VISIT(self->f);
@@ -560,7 +633,7 @@ static PyTypeObject DispatcherType = {
     .tp_name = "cxlrpc._dispatch.Dispatcher",
     .tp_doc = "Dispatcher(server, buf, slot_at, seen, peers, backlog, methods, responses, chan, "
               "context_type, no_metadata, current_call, ring_client, encode_body, loop, current_task, "
-              "enter_task, leave_task, eager_type, cancelled, reply_limit): the request ring's "
+              "enter_task, leave_task, eager_type, cancelled, reply_limit, frame_type): the request ring's "
               "handler, dispatching the common request shape in C (Server._dispatch is the reference).",
     .tp_basicsize = sizeof(Dispatcher),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
@@ -604,8 +677,16 @@ static double now_s(void) {
 /* Caller(view): a reply record polled during the hot wait. */
 static PyObject *caller_handle(Caller *self, PyObject *args, PyObject *kwargs) {
     PyObject *view;
-    if (kwargs != NULL || !PyArg_UnpackTuple(args, "Caller", 1, 1, &view))
+    if (kwargs != NULL && PyDict_GET_SIZE(kwargs)) {
+        PyErr_SetString(PyExc_TypeError, "Caller(view) takes no keyword arguments");
         return NULL;
+    }
+    if (!PyArg_UnpackTuple(args, "Caller", 1, 1, &view))
+        return NULL;
+    if (self->client == NULL || self->decode == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "Caller is not initialised");
+        return NULL;
+    }
     Py_buffer b;
     if (PyObject_GetBuffer(view, &b, PyBUF_SIMPLE) < 0)
         return NULL;
@@ -632,10 +713,16 @@ static PyObject *caller_handle(Caller *self, PyObject *args, PyObject *kwargs) {
  * (too big for the ring, or the ring is full: the reference sends that body); NotImplemented
  * for a method not yet in the client's cache (the reference encodes its name). */
 static PyObject *caller_call(Caller *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 5 || !PyUnicode_CheckExact(args[0]) || !PyLong_CheckExact(args[3])) {
+    if (nargs != 5 || !PyLong_CheckExact(args[3])) {
         PyErr_SetString(PyExc_TypeError, "call(method: str, arg, timeout: float, call_id: int, hot: float)");
         return NULL;
     }
+    if (self->methods == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "Caller is not initialised");
+        return NULL;
+    }
+    if (!PyUnicode_CheckExact(args[0])) /* a str subclass (an enum's member): the reference */
+        Py_RETURN_NOTIMPLEMENTED;
     double timeout = PyFloat_AsDouble(args[2]), hot = PyFloat_AsDouble(args[4]);
     if ((timeout == -1.0 || hot == -1.0) && PyErr_Occurred())
         return NULL;
@@ -732,8 +819,10 @@ static PyObject *caller_send(Caller *self, PyObject *mb, PyObject *const *args, 
     do {
         PyObject *pargs[2] = {(PyObject *)self, limit};
         PyObject *n = PyObject_Vectorcall(self->poll, pargs, 2, NULL);
-        if (n == NULL)
+        if (n == NULL) {
+            Py_CLEAR(self->reply); /* the record comes again, as a late reply */
             break;
+        }
         Py_DECREF(n);
         if (self->reply != NULL) {
             result = self->reply;
@@ -832,11 +921,11 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "cxlrpc._dispatch",
 PyMODINIT_FUNC PyInit__dispatch(void) {
 #define INTERN(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return NULL;
     INTERN(s_on_request, "_on_request")
-    INTERN(s_failed, "_fast_failed")
+    INTERN(s_failed, "_fail")
     INTERN(s_bad_request, "_fast_bad_request")
     INTERN(s_suspended, "_fast_suspended")
     INTERN(s_coroutine, "_fast_coroutine")
-    INTERN(s_reply, "_fast_reply")
+    INTERN(s_reply, "_reply")
     INTERN(s_send, "_send")
     INTERN(s_broken, "_fast_broken")
     INTERN(s_push, "try_push_parts")

@@ -67,6 +67,14 @@ class _LateReply:
         self.waiting = False  # the request left: its reply will come to the callback
 
 
+class _Encoded(NamedTuple):
+    """A request body the native caller encoded but did not send (too big for the ring, or the
+    ring was full): the reference sends it as it is, not encoding it again."""
+
+    flags: int
+    body: bytes | memoryview
+
+
 class _Large(NamedTuple):
     """A request too big for the ring: its body goes through the server's heap (its metadata
     block stays in the frame)."""
@@ -350,6 +358,9 @@ class _Base:
         if type(arg) is bytes:
             flags |= fr.RAW
             body = arg
+        elif type(arg) is _Encoded:
+            flags |= arg.flags
+            body = arg.body
         else:
             raw, body = fr.encode_body(arg)
             flags |= raw
@@ -709,7 +720,9 @@ class Client(_Base):
                 return self._answer(got, response_type)
             if got is None:  # out; its reply comes later
                 return await self._roundtrip(call_id, None, deadline, response_type)
-            # not out (a new method name, a body for the heap, a full ring): the reference
+            if type(got) is tuple:  # not out (a body for the heap, a full ring): the reference
+                arg = _Encoded(*got)
+            # (NotImplemented: a method name not yet encoded, or a str subclass)
         late = None if on_late_reply is None else _LateReply(on_late_reply, response_type)
         try:
             if self._interceptors:
@@ -1247,7 +1260,8 @@ class SyncClient(_Base):
                     if got.flags & fr.HEAP and not self._heap_body(got, wanted=True):
                         raise InvalidArgument("the reply's heap extent is not inside the heap")
                     return self._decode_reply(got, response_type)
-                # not out (a new method name, a body for the heap, a full ring): the reference
+                if type(got) is tuple:  # not out (a body for the heap, a full ring): the reference
+                    arg = _Encoded(*got)
             if self._gone is not None:
                 timeout = self._connected(timeout, failures)
             if timeout is not None and timeout <= 0:

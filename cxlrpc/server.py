@@ -560,32 +560,23 @@ class Server:
                            self._backlog, self._fast_methods, chan.responses, chan, HandlerContext,
                            fr.NO_METADATA, _current_call, chan.ring_client, fr.encode_body,
                            self._event_loop, _current_task, _enter_task, _leave_task, _EagerTask,
-                           asyncio.CancelledError, chan.responses[0].max_payload)
+                           asyncio.CancelledError, chan.responses[0].max_payload, fr.Frame)
         fast.enabled = 0 if self._interceptors or self._draining else 1
         return fast
 
-    # The native dispatcher's slow paths, after it ran a handler: each decodes the record again
-    # (valid until the ring's poll returns) and finishes as the reference would.
-    def _fast_failed(self, view: memoryview, exc: BaseException) -> None:
-        self._fail(fr.decode(view), exc)
-
-    def _fast_bad_request(self, view: memoryview, exc: Exception) -> None:
-        f = fr.decode(view)
+    # The native dispatcher's slow paths, after it ran a handler (it also calls _fail and
+    # _reply): ``f`` is the request, made from the fields it validated.
+    def _fast_bad_request(self, f: fr.Frame, exc: Exception) -> None:
         self._error(f, StatusCode.INVALID_ARGUMENT, f"bad request for {f.method!r}: {exc}")
 
-    def _fast_suspended(self, view: memoryview, coro: Any, step: Any, ctx: contextvars.Context,
+    def _fast_suspended(self, f: fr.Frame, coro: Any, step: Any, ctx: contextvars.Context,
                         eager: "_EagerTask") -> None:
-        f = fr.decode(view)
         self._suspended(coro, step, f, f.slot, ctx, eager)
 
-    def _fast_coroutine(self, view: memoryview, coro: Any, call: HandlerContext) -> None:
-        f = fr.decode(view)
+    def _fast_coroutine(self, f: fr.Frame, coro: Any, call: HandlerContext) -> None:
         result = self._run_eagerly(coro, f, f.slot, call)
         if result is not _SUSPENDED and result is not _FAILED:
             self._reply(f, result, held=True)
-
-    def _fast_reply(self, view: memoryview, result: Any) -> None:
-        self._reply(fr.decode(view), result, held=True)
 
     def _fast_broken(self, exc: Exception) -> None:
         logger.error("dropped a request that broke dispatch", exc_info=exc)

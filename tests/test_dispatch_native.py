@@ -44,6 +44,10 @@ def make_server(url: str) -> cxlrpc.Server:
     async def aecho(payload: bytes) -> bytes:
         return payload
 
+    @server.method("anyecho")
+    def anyecho(payload):
+        return payload
+
     @server.method("asleep")
     async def asleep(payload: bytes) -> bytes:
         await asyncio.sleep(0)  # suspends: a task carries it on
@@ -139,7 +143,7 @@ CALLS = [
     ("nothing", None, None), ("anothing", None, None), ("boom", b"q", None), ("aboom", b"q", None),
     ("denied", b"q", None), ("acancel", b"q", None), ("wrapped", b"w", None), ("odd", b"", None),
     ("big", 3 << 20, None), ("ctx", b"", 5.0), ("pctx", b"", None), ("missing", b"", None),
-    ("echo", "a str", None), ("echo", {"k": [1, 2]}, None),
+    ("echo", "a str", None), ("echo", {"k": [1, 2]}, None), ("anyecho", [1, "a", {"b": 2.5}], None),
 ]
 
 
@@ -330,6 +334,76 @@ async def test_a_late_reply_polled_in_the_hot_wait_reaches_its_callback(name: st
             assert late == [0.3]
     finally:
         stop(proc)
+
+
+@native
+async def test_a_failing_handlers_log_record_sees_its_call_context(name: str, caplog) -> None:
+    """A plain handler's exception is logged while ``context()`` is still its call (a log
+    filter may tag records with it), on the native path as on the reference."""
+    import logging
+
+    seen: list = []
+
+    class Tag(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            try:
+                seen.append(cxlrpc.context().method)
+            except LookupError:
+                seen.append(None)
+            return True
+
+    server = make_server(f"shm://{name}")
+    log = logging.getLogger("cxlrpc.server")
+    tag = Tag()
+    log.addFilter(tag)
+    try:
+        async with server:
+            async with cxlrpc.connect(f"shm://{name}") as client:
+                await client.call("echo", b"")
+                for enabled in (1, 0):
+                    server._fast.enabled = enabled
+                    with pytest.raises(cxlrpc.Internal):
+                        await client.call("boom", b"")
+    finally:
+        log.removeFilter(tag)
+    assert seen == ["boom", "boom"]
+
+
+@native
+async def test_method_names_of_a_str_subclass_and_big_typed_requests(name: str) -> None:
+    """A method named by a str subclass (an enum member) and a typed request too big for the
+    ring leave the native caller for the reference, which sends them (the big one as encoded)."""
+    import enum
+
+    class M(str, enum.Enum):
+        ECHO = "echo"
+
+    server = make_server(f"shm://{name}")
+    async with server:
+        async with cxlrpc.connect(f"shm://{name}") as client:
+            assert await client.call(M.ECHO, b"enum") == b"enum"
+            assert await client.call(M.ECHO, b"again") == b"again"
+            big = list(range(600_000))  # ~2.7 MB of MessagePack: through the heap
+            assert await client.call("anyecho", big) == big
+            assert await client.call("anyecho", big) == big
+
+
+@native
+def test_native_types_refuse_use_before_init_and_keywords() -> None:
+    """Made without __init__ (or called with keywords), the native types raise; they never
+    dereference what they were not given."""
+    from cxlrpc._dispatch import Caller, Dispatcher
+    view = memoryview(bytes(64))
+    with pytest.raises(RuntimeError):
+        Dispatcher.__new__(Dispatcher)(view)
+    with pytest.raises(RuntimeError):
+        Caller.__new__(Caller)(view)
+    with pytest.raises(RuntimeError):
+        Caller.__new__(Caller).call("echo", b"", 0.0, 1, 0.0)
+    with pytest.raises(TypeError):
+        Dispatcher.__new__(Dispatcher)(view=view)
+    with pytest.raises(TypeError):
+        Caller.__new__(Caller)(view=view)
 
 
 async def test_flush_mode_servers_use_the_reference(name: str) -> None:

@@ -8,8 +8,9 @@
  * other kinds and flags, an unknown or reserved method, a slot whose generation, seen record or
  * peer entry is not the sender's, a server that is draining, has interceptors or holds replies
  * back. Once a handler has run, its rare outcomes go to the reference's own methods (_fail,
- * _reply) or small Server._fast_* ones, given the request as a Frame made from the fields
- * validated here (what a peer writes into the record meanwhile changes nothing). The header is validated before use, as the reference decoder does: a peer
+ * _reply, _bad_request, _eager_reply, _suspended_at, _broken), given the request as a Frame
+ * made from the fields validated here (what a peer writes into the record meanwhile changes
+ * nothing). The header is validated before use, as the reference decoder does: a peer
  * may write garbage.
  */
 #define PY_SSIZE_T_CLEAN
@@ -63,6 +64,28 @@ static inline int is_gen(PyObject *obj, uint32_t gen) {
         return 0;
     }
     return v == gen;
+}
+
+static inline void put_le(unsigned char *p, uint64_t v, int n) {
+    for (int i = 0; i < n; i++)
+        p[i] = (v >> (8 * i)) & 0xFF;
+}
+
+/* A frame header as bytes (frame.HEADER.pack's layout, little-endian). */
+static PyObject *header(unsigned kind, unsigned flags, unsigned slot, uint32_t gen, uint64_t call_id,
+                        double timeout, unsigned mlen) {
+    unsigned char h[HEADER_SIZE];
+    uint64_t tbits;
+    memcpy(&tbits, &timeout, sizeof tbits);
+    h[0] = (unsigned char)kind;
+    h[1] = (unsigned char)flags;
+    put_le(h + 2, 0, 2); /* status */
+    put_le(h + 4, slot, 2);
+    put_le(h + 6, gen, 4);
+    put_le(h + 10, call_id, 8);
+    put_le(h + 18, tbits, 8);
+    put_le(h + 26, mlen, 2);
+    return PyBytes_FromStringAndSize((const char *)h, HEADER_SIZE);
 }
 
 static int region_open(Dispatcher *d) {
@@ -191,16 +214,7 @@ static int reply(Dispatcher *d, Req *r, PyObject *slot_obj, PyObject *result) {
         Py_DECREF(body);
         return -1;
     }
-    unsigned char h[HEADER_SIZE] = {0};
-    h[0] = KIND_RESPONSE;
-    h[1] = (unsigned char)flags;
-    h[4] = slot & 0xFF;
-    h[5] = slot >> 8;
-    for (int i = 0; i < 4; i++)
-        h[6 + i] = (gen >> (8 * i)) & 0xFF;
-    for (int i = 0; i < 8; i++)
-        h[10 + i] = (call_id >> (8 * i)) & 0xFF;
-    PyObject *head = PyBytes_FromStringAndSize((const char *)h, HEADER_SIZE);
+    PyObject *head = header(KIND_RESPONSE, flags, slot, gen, call_id, 0.0, 0);
     if (head == NULL) {
         Py_DECREF(body);
         return -1;
@@ -771,23 +785,8 @@ static PyObject *caller_send(Caller *self, PyObject *mb, PyObject *const *args, 
     Py_ssize_t mlen = PyBytes_GET_SIZE(mb);
     if (HEADER_SIZE + mlen + blen > self->max_payload) /* out of line: the reference */
         return encoded != NULL ? encoded : Py_BuildValue("(iO)", FLAG_RAW, body);
-    unsigned char h[HEADER_SIZE];
-    h[0] = KIND_REQUEST;
-    h[1] = (unsigned char)flags;
-    h[2] = h[3] = 0;
-    h[4] = self->slot & 0xFF;
-    h[5] = self->slot >> 8;
-    for (int i = 0; i < 4; i++)
-        h[6 + i] = (self->gen >> (8 * i)) & 0xFF;
-    for (int i = 0; i < 8; i++)
-        h[10 + i] = (call_id >> (8 * i)) & 0xFF;
-    uint64_t tbits;
-    memcpy(&tbits, &timeout, sizeof tbits);
-    for (int i = 0; i < 8; i++)
-        h[18 + i] = (tbits >> (8 * i)) & 0xFF;
-    h[26] = mlen & 0xFF;
-    h[27] = (unsigned char)(mlen >> 8);
-    PyObject *head = PyBytes_FromStringAndSize((const char *)h, HEADER_SIZE), *parts = NULL, *ok = NULL;
+    PyObject *head = header(KIND_REQUEST, flags, self->slot, self->gen, call_id, timeout, (unsigned)mlen);
+    PyObject *parts = NULL, *ok = NULL;
     if (head == NULL || (parts = PyTuple_Pack(3, head, mb, body)) == NULL)
         goto fail;
     ok = PyObject_CallOneArg(self->push, parts);
@@ -922,12 +921,12 @@ PyMODINIT_FUNC PyInit__dispatch(void) {
 #define INTERN(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return NULL;
     INTERN(s_on_request, "_on_request")
     INTERN(s_failed, "_fail")
-    INTERN(s_bad_request, "_fast_bad_request")
-    INTERN(s_suspended, "_fast_suspended")
-    INTERN(s_coroutine, "_fast_coroutine")
+    INTERN(s_bad_request, "_bad_request")
+    INTERN(s_suspended, "_suspended_at")
+    INTERN(s_coroutine, "_eager_reply")
     INTERN(s_reply, "_reply")
     INTERN(s_send, "_send")
-    INTERN(s_broken, "_fast_broken")
+    INTERN(s_broken, "_broken")
     INTERN(s_push, "try_push_parts")
     INTERN(s_on_reply, "_on_reply")
 #undef INTERN

@@ -343,8 +343,20 @@ class _Base:
         try:
             return self._chan.push(parts)
         except ClaimRevoked as exc:
-            self._set_gone(f"the server reclaimed this client's slot ({exc})")
-            raise Unavailable(self._gone) from exc
+            raise self._revoked(exc) from exc
+
+    def _call_natively(self, method: str, arg: Any, timeout: float | None, call_id: int) -> Any:
+        """The native caller's call (see _dispatch.c): the reply Frame, None (out, its reply
+        not here yet), (flags, body) (not out) or NotImplemented (left to the reference)."""
+        try:
+            return self._caller.call(method, arg, timeout or 0.0, call_id, self._hot_s)
+        except ClaimRevoked as exc:
+            raise self._revoked(exc) from exc
+
+    def _revoked(self, exc: ClaimRevoked) -> Unavailable:
+        """The server reclaimed our slot (it judged us dead): the connection is gone."""
+        self._set_gone(f"the server reclaimed this client's slot ({exc})")
+        return Unavailable(self._gone)
 
     def _request(self, call_id: int, method: str, arg: Any, timeout: float,
                  metadata: Mapping[str, str] | None = None, flags: int = 0) -> tuple:
@@ -703,19 +715,14 @@ class Client(_Base):
         caller's CancelledError or DeadlineExceeded if the request never left: what the call
         did can then be undone. No task is made for it.
         """
-        caller = self._caller
-        if (caller is not None and on_late_reply is None and not metadata and not self._interceptors
+        if (self._caller is not None and on_late_reply is None and not metadata and not self._interceptors
                 and self._gone is None and not self._pending and not self._frees
                 and (timeout is None or timeout > 0)):
             # the common shape, natively: out and, while no other call waits, its reply polled
             # for in place (no future, no loop turn) for the first microseconds
             call_id = next(self._ids)
             deadline = None if timeout is None else self._loop.time() + timeout
-            try:
-                got = caller.call(method, arg, timeout or 0.0, call_id, self._hot_s)
-            except ClaimRevoked as exc:
-                self._set_gone(f"the server reclaimed this client's slot ({exc})")
-                raise Unavailable(self._gone) from exc
+            got = self._call_natively(method, arg, timeout, call_id)
             if type(got) is fr.Frame:
                 return self._answer(got, response_type)
             if got is None:  # out; its reply comes later
@@ -1243,18 +1250,13 @@ class SyncClient(_Base):
               metadata: Mapping[str, str] | None, response_type: Any) -> Any:
         failures = self._failures
         with self._lock:
-            caller = self._caller
-            if (caller is not None and self._gone is None and not metadata and not self._frees
+            if (self._caller is not None and self._gone is None and not metadata and not self._frees
                     and (timeout is None or timeout > 0)):
                 # the common shape, natively (see Client.call): its reply polled for in place
                 call_id = next(self._ids)
                 deadline = None if timeout is None else time.monotonic() + timeout
-                try:
-                    got = caller.call(method, arg, timeout or 0.0, call_id, self._hot_s)
-                except ClaimRevoked as exc:
-                    self._set_gone(f"the server reclaimed this client's slot ({exc})")
-                    raise Unavailable(self._gone) from exc
-                if type(got) is not fr.Frame and got is None:  # out; its reply comes later
+                got = self._call_natively(method, arg, timeout, call_id)
+                if got is None:  # out; its reply comes later
                     got = self._roundtrip(call_id, None, deadline)
                 if type(got) is fr.Frame:
                     if got.flags & fr.HEAP and not self._heap_body(got, wanted=True):

@@ -564,31 +564,17 @@ class Server:
         fast.enabled = 0 if self._interceptors or self._draining else 1
         return fast
 
-    # The native dispatcher's slow paths, after it ran a handler (it also calls _fail and
-    # _reply): ``f`` is the request, made from the fields it validated.
-    def _fast_bad_request(self, f: fr.Frame, exc: Exception) -> None:
-        self._error(f, StatusCode.INVALID_ARGUMENT, f"bad request for {f.method!r}: {exc}")
-
-    def _fast_suspended(self, f: fr.Frame, coro: Any, step: Any, ctx: contextvars.Context,
-                        eager: "_EagerTask") -> None:
-        self._suspended(coro, step, f, f.slot, ctx, eager)
-
-    def _fast_coroutine(self, f: fr.Frame, coro: Any, call: HandlerContext) -> None:
-        result = self._run_eagerly(coro, f, f.slot, call)
-        if result is not _SUSPENDED and result is not _FAILED:
-            self._reply(f, result, held=True)
-
-    def _fast_broken(self, exc: Exception) -> None:
-        logger.error("dropped a request that broke dispatch", exc_info=exc)
-        self._drop()
-
     def _on_request(self, view: memoryview) -> None:
         """One request record; nothing a peer sends may stop the reader."""
         try:
             self._dispatch(view)
-        except Exception:
-            logger.exception("dropped a request that broke dispatch")
-            self._drop()
+        except Exception as exc:
+            self._broken(exc)
+
+    def _broken(self, exc: Exception) -> None:
+        """A request broke dispatch (the native dispatcher's too): logged, counted, dropped."""
+        logger.error("dropped a request that broke dispatch", exc_info=exc)
+        self._drop()
 
     def _dispatch(self, view: memoryview) -> None:
         """Decode, check the sender still holds its slot, run the handler (inline when plain)."""
@@ -676,7 +662,7 @@ class Server:
             try:
                 arg = fr.decode_body(f.flags, f.body, m.arg_type) if f.flags & fr.RAW else m.decode(f.body)
             except Exception as exc:  # DecodeError, ValidationError, RecursionError on deep nesting
-                self._error(f, StatusCode.INVALID_ARGUMENT, f"bad request for {f.method!r}: {exc}")
+                self._bad_request(f, exc)
                 return
         if m.is_async:
             if type(f.body) is memoryview and extent < 0:
@@ -709,11 +695,27 @@ class Server:
                 self._lent_reply(f, arg, result)
                 return
             if type(result) is CoroutineType:  # a plain function that returned a coroutine
-                result = self._run_eagerly(result, f, slot, call)
-                if result is _SUSPENDED:
-                    return
+                self._eager_reply(f, result, call)
+                return
         if result is not _FAILED:
             self._reply(f, result, held=True)  # the slot was checked above, nothing ran since
+
+    # The native dispatcher calls these too (and _fail, _reply, _broken), with ``f`` made from
+    # the fields it validated.
+    def _bad_request(self, f: fr.Frame, exc: Exception) -> None:
+        """A request body that does not decode into the handler's argument."""
+        self._error(f, StatusCode.INVALID_ARGUMENT, f"bad request for {f.method!r}: {exc}")
+
+    def _eager_reply(self, f: fr.Frame, coro: Any, call: HandlerContext) -> None:
+        """A plain handler returned a coroutine: run it as an async handler's, and reply."""
+        result = self._run_eagerly(coro, f, f.slot, call)
+        if result is not _SUSPENDED and result is not _FAILED:
+            self._reply(f, result, held=True)
+
+    def _suspended_at(self, f: fr.Frame, coro: Any, step: Any, ctx: contextvars.Context,
+                      eager: "_EagerTask") -> None:
+        """The native dispatcher's async handler suspended (see _suspended)."""
+        self._suspended(coro, step, f, f.slot, ctx, eager)
 
     def _lent_reply(self, f: fr.Frame, body: memoryview, result: Any) -> None:
         """Reply to a call whose handler read its body in place, then end the handler's view."""

@@ -439,6 +439,17 @@ class _Base:
         self._give_back(offset)
         return True
 
+    def _own_reply(self, view: memoryview) -> fr.Frame | None:
+        """A reply record decoded, or None: garbage (counted dropped) or a reply meant for this
+        slot's previous holder."""
+        chan = self._chan
+        try:
+            f = fr.decode(view)
+        except fr.FrameError:
+            chan.responses.dropped += 1
+            return None
+        return f if f.gen == chan.gen and f.slot == chan.slot else None
+
     def _granted_late(self, f: fr.Frame) -> None:
         """A reply nobody waits for: if it grants an extent (its ALLOC was abandoned), give
         the extent back; if it carries one, too."""
@@ -1001,14 +1012,9 @@ class Client(_Base):
                 wake.set_result(None)
 
     def _on_reply(self, view: memoryview) -> None:
-        chan = self._chan
-        try:
-            f = fr.decode(view)
-        except fr.FrameError:
-            chan.responses.dropped += 1
+        f = self._own_reply(view)
+        if f is None:
             return
-        if f.gen != chan.gen or f.slot != chan.slot:
-            return  # a reply meant for this slot's previous holder
         if self._streams:
             call = self._streams.get(f.call_id)
             if call is not None:
@@ -1309,12 +1315,8 @@ class SyncClient(_Base):
         got: list[fr.Frame] = []
 
         def on_reply(view: memoryview) -> None:
-            try:
-                f = fr.decode(view)
-            except fr.FrameError:
-                ring.dropped += 1
-                return
-            if f.gen != chan.gen or f.slot != chan.slot:
+            f = self._own_reply(view)
+            if f is None:
                 return
             if f.call_id != call_id or got:
                 self._granted_late(f)
@@ -1339,13 +1341,8 @@ class SyncClient(_Base):
     def _on_reply(self, view: memoryview) -> None:
         """A reply record the native caller polled that is not the one it waits for: nobody
         else waits here (calls are serialised), so it is late (see _granted_late)."""
-        chan = self._chan
-        try:
-            f = fr.decode(view)
-        except fr.FrameError:
-            chan.responses.dropped += 1
-            return
-        if f.gen == chan.gen and f.slot == chan.slot:
+        f = self._own_reply(view)
+        if f is not None:
             self._granted_late(f)
 
     def send_nowait(self, method: str, arg: Any = None, *,

@@ -1,9 +1,9 @@
 """A peer run in other PID, network and UTS namespaces (``unshare -pfnu --mount-proc``): it
 shares only /dev/shm with the test, like a container of another pod or another host.
 
-``python ns_peer.py client URL``: connects, measures busy round trips, then (after a line on
-stdin) after-idle round trips and its own idle CPU, printing one JSON line per phase; then
-keeps calling until the server is gone and reports how long that took after the test wrote
+``python ns_peer.py client URL``: connects, then (after a line on stdin) measures busy round
+trips for at least 0.3 s, then (after another line) after-idle round trips and its own idle
+CPU, printing one JSON line per phase; then keeps calling until the server is gone and reports how long that took after the test wrote
 ``killed`` on stdin.
 ``python ns_peer.py server URL``: serves echo until SIGTERM, printing ``ready`` first.
 """
@@ -29,12 +29,16 @@ async def client(url: str) -> None:
     async with cxlrpc.connect(url) as c:
         emit(phase="connected", connect_s=time.perf_counter() - t0, host=socket.gethostname(),
              pid=os.getpid())
+        await asyncio.to_thread(sys.stdin.readline)  # the test's local client is calling now
         lat = []
-        for i in range(2000):
+        busy_until = time.perf_counter() + 0.3  # long enough for the local client to call meanwhile
+        i = 0
+        while i < 2000 or time.perf_counter() < busy_until:
             p = i.to_bytes(8, "little") * 8
             t = time.perf_counter()
             assert await c.call("echo", p, timeout=5) == p
             lat.append(time.perf_counter() - t)
+            i += 1
         lat.sort()
         emit(phase="busy", p50_us=lat[len(lat) // 2] * 1e6, p99_us=lat[int(len(lat) * 0.99)] * 1e6)
         await asyncio.to_thread(sys.stdin.readline)  # the test stops its local client first

@@ -23,7 +23,7 @@ from cxlrpc.channel import read_geometry
 from cxlrpc.memory import ACQUIRE
 from cxlrpc.region import Region, parse_url, unlink_shm
 
-from procs import cpu_seconds, report
+from procs import cpu_seconds, report, until
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -114,6 +114,8 @@ async def test_client_in_other_namespaces_is_served_fast_and_sees_server_death(u
 
             pump = asyncio.create_task(local_calls())
             try:
+                assert await until(lambda: local_lat, 10), "the local client's calls did not start"
+                remote.tell("busy")  # its busy phase runs while the local client calls
                 busy = await asyncio.to_thread(remote.expect, "busy", 60)
             finally:
                 pump.cancel()
@@ -163,6 +165,7 @@ async def test_killed_client_in_other_namespaces_is_reclaimed_by_heartbeat(url):
     try:
         server.expect("ready", 30)
         remote = Peer("client", url)
+        remote.tell("busy")
         remote.expect("busy", 60)
         remote.tell("go")
         remote.expect("after_idle", 60)

@@ -3,8 +3,8 @@ shares only /dev/shm with the test, like a container of another pod or another h
 
 ``python ns_peer.py client URL``: connects, then (after a line on stdin) measures busy round
 trips for at least 0.3 s, then (after another line) after-idle round trips and its own idle
-CPU, printing one JSON line per phase; then keeps calling until the server is gone and reports how long that took after the test wrote
-``killed`` on stdin.
+CPU, printing one JSON line per phase; then keeps calling until the server is gone and
+reports how long that took after the test wrote ``killed`` on stdin.
 ``python ns_peer.py server URL``: serves echo until SIGTERM, printing ``ready`` first.
 """
 from __future__ import annotations

@@ -5,12 +5,13 @@ with ``CXLRPC_NO_NATIVE=1`` so the reference stays tested on coherent memory too
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import msgspec
 import pytest
@@ -191,15 +192,35 @@ async def test_every_call_shape_answers_as_the_reference_does(name: str) -> None
     assert by_method["wrapped"][2] == b"w"
 
 
+def watch_reference(server: cxlrpc.Server) -> list:
+    """The methods of the requests the reference dispatches from now on (in order)."""
+    seen: list = []
+    original = server._on_request
+    server._on_request = lambda view: (seen.append(fr.decode(view).method), original(view))
+    return seen
+
+
+@contextlib.contextmanager
+def served_elsewhere(url: str) -> Iterator[None]:
+    """make_server's methods served at ``url`` by a child process, stopped on exit."""
+    from procs import CTX, stop
+    ready = CTX.Event()
+    proc = CTX.Process(target=_serve_main, args=(url, ready), daemon=True)
+    proc.start()
+    try:
+        assert ready.wait(30), "server did not start"
+        yield
+    finally:
+        stop(proc)
+
+
 @native
 async def test_common_shapes_never_reach_the_reference(name: str) -> None:
     """After a holder's first request (the reference records it as seen), plain and async
     handlers, typed or raw, one-way calls and deadlines all stay in the native path."""
     server = make_server(f"shm://{name}")
-    reference = []
     async with server:
-        original = server._on_request
-        server._on_request = lambda view: (reference.append(fr.decode(view).method), original(view))
+        reference = watch_reference(server)
         async with cxlrpc.connect(f"shm://{name}") as client:
             assert await client.call("echo", b"first") == b"first"
             assert reference == ["echo"]  # a new holder: the reference records it
@@ -220,10 +241,8 @@ async def test_unknown_methods_and_fresh_holders_go_to_the_reference(name: str) 
     """The reference takes what the native path cannot vouch for: an unknown method, a holder
     it has not seen yet, and everything once the server is draining."""
     server = make_server(f"shm://{name}")
-    reference = []
     async with server:
-        original = server._on_request
-        server._on_request = lambda view: (reference.append(fr.decode(view).method), original(view))
+        reference = watch_reference(server)
         async with cxlrpc.connect(f"shm://{name}") as a:
             await a.call("echo", b"")
             with pytest.raises(cxlrpc.Unimplemented):
@@ -267,13 +286,8 @@ async def test_the_native_caller_answers_as_the_reference_across_processes(name:
     """Against a server in another process (where a lone caller polls for its reply in
     place): replies taken in the hot wait, replies taken after it, and the reference client
     give identical results and errors for every call shape."""
-    from procs import CTX, stop
     url = f"shm://{name}"
-    ready = CTX.Event()
-    proc = CTX.Process(target=_serve_main, args=(url, ready), daemon=True)
-    proc.start()
-    try:
-        assert ready.wait(30), "server did not start"
+    with served_elsewhere(url):
         async with cxlrpc.connect(url) as client:
             await outcomes(client)  # every method name encoded once (the reference does it)
             counting = client._caller = CountingCaller(client._caller)
@@ -296,8 +310,6 @@ async def test_the_native_caller_answers_as_the_reference_across_processes(name:
             sync_later = sync_outcomes(sync)
             sync._caller = None
             sync_reference = sync_outcomes(sync)
-    finally:
-        stop(proc)
     assert hot == later == reference
     assert sync_hot == sync_later == sync_reference
     assert in_place_sync >= len(CALLS) - 2
@@ -311,14 +323,10 @@ async def test_the_native_caller_answers_as_the_reference_across_processes(name:
 async def test_a_late_reply_polled_in_the_hot_wait_reaches_its_callback(name: str) -> None:
     """A reply to an abandoned call (on_late_reply) that the native caller polls while it
     waits for its own goes to that callback; the caller gets its own reply."""
-    from procs import CTX, stop, until
+    from procs import until
     url = f"shm://{name}"
-    ready = CTX.Event()
-    proc = CTX.Process(target=_serve_main, args=(url, ready), daemon=True)
-    proc.start()
     late: list = []
-    try:
-        assert ready.wait(30), "server did not start"
+    with served_elsewhere(url):
         async with cxlrpc.connect(url) as client:
             await client.call("nap", 0.0)
             abandoned = asyncio.ensure_future(client.call("nap", 0.3, on_late_reply=late.append))
@@ -332,8 +340,6 @@ async def test_a_late_reply_polled_in_the_hot_wait_reaches_its_callback(name: st
             assert counting.returned == ["Frame"]
             assert await until(lambda: late, 5.0)  # handed over by the loop (call_soon)
             assert late == [0.3]
-    finally:
-        stop(proc)
 
 
 @native

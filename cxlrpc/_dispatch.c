@@ -42,6 +42,7 @@ typedef struct {
     PyObject *seen, *peers, *backlog, *methods, *responses, *chan;
     PyObject *context_type, *no_metadata, *current_call, *ring_client, *encode_body;
     PyObject *loop, *current_task, *enter_task, *leave_task, *eager_type, *cancelled, *frame_type;
+    PyObject *current_tasks; /* asyncio's loop -> current task dict, where its functions use one; or None */
     Py_ssize_t reply_limit;
     double polled_at;
     int enabled;
@@ -254,8 +255,20 @@ done:
     return rc;
 }
 
-/* Swap ``loop``'s current task from ``from`` to ``to`` (asyncio's _leave_task/_enter_task). */
+/* Swap ``loop``'s current task from ``from`` to ``to`` (asyncio's _leave_task/_enter_task): in
+ * asyncio's dict of current tasks where it has one (two calls saved), raising as they would. */
 static int swap_task(Dispatcher *d, PyObject *from, PyObject *to) {
+    if (PyDict_CheckExact(d->current_tasks)) {
+        PyObject *now = PyDict_GetItemWithError(d->current_tasks, d->loop); /* borrowed */
+        if (now == NULL && PyErr_Occurred())
+            return -1;
+        if (now != from) {
+            PyErr_Format(PyExc_RuntimeError, "Leaving task %R does not match the current task %R.",
+                         from, now ? now : Py_None);
+            return -1;
+        }
+        return PyDict_SetItem(d->current_tasks, d->loop, to);
+    }
     PyObject *a[2] = {d->loop, from};
     PyObject *res = PyObject_Vectorcall(d->leave_task, a, 2, NULL);
     if (res == NULL)
@@ -290,7 +303,13 @@ static PyObject *first_step(Dispatcher *d, Req *r, PyObject *coro, PyObject *cal
     eager = PyObject_CallNoArgs(d->eager_type);
     if (eager == NULL)
         goto left;
-    reader = PyObject_CallOneArg(d->current_task, d->loop);
+    if (PyDict_CheckExact(d->current_tasks)) {
+        reader = Py_XNewRef(PyDict_GetItemWithError(d->current_tasks, d->loop));
+        if (reader == NULL && !PyErr_Occurred())
+            reader = Py_NewRef(Py_None); /* as current_task(): no task (the swap then raises) */
+    } else {
+        reader = PyObject_CallOneArg(d->current_task, d->loop);
+    }
     if (reader == NULL || swap_task(d, reader, eager) < 0)
         goto left;
     status = PyIter_Send(coro, Py_None, &step);
@@ -555,18 +574,18 @@ static PyObject *dispatcher_call(Dispatcher *self, PyObject *args, PyObject *kwa
 static int dispatcher_init(Dispatcher *self, PyObject *args, PyObject *kwds) {
     PyObject *server, *buf, *slot_at, *seen, *peers, *backlog, *methods, *responses, *chan;
     PyObject *context_type, *no_metadata, *current_call, *ring_client, *encode_body, *loop;
-    PyObject *current_task, *enter_task, *leave_task, *eager_type, *cancelled, *frame_type;
+    PyObject *current_task, *enter_task, *leave_task, *eager_type, *cancelled, *frame_type, *current_tasks;
     Py_ssize_t reply_limit;
     if (kwds != NULL && PyDict_GET_SIZE(kwds)) {
         PyErr_SetString(PyExc_TypeError, "Dispatcher takes positional arguments only");
         return -1;
     }
-    if (!PyArg_ParseTuple(args, "OO!O!O!O!O!O!O!OOOOOOOOOOOOnO", &server, &PyMemoryView_Type, &buf,
+    if (!PyArg_ParseTuple(args, "OO!O!O!O!O!O!O!OOOOOOOOOOOOnOO", &server, &PyMemoryView_Type, &buf,
                           &PyList_Type, &slot_at, &PyList_Type, &seen, &PyDict_Type, &peers,
                           &PyDict_Type, &backlog, &PyDict_Type, &methods, &PyList_Type, &responses,
                           &chan, &context_type, &no_metadata, &current_call, &ring_client,
                           &encode_body, &loop, &current_task, &enter_task, &leave_task,
-                          &eager_type, &cancelled, &reply_limit, &frame_type))
+                          &eager_type, &cancelled, &reply_limit, &frame_type, &current_tasks))
         return -1;
     if (!PyContextVar_CheckExact(current_call)) {
         PyErr_SetString(PyExc_TypeError, "current_call must be a ContextVar");
@@ -603,7 +622,7 @@ static int dispatcher_init(Dispatcher *self, PyObject *args, PyObject *kwds) {
     KEEP(server); KEEP(buf); KEEP(seen); KEEP(peers); KEEP(backlog); KEEP(methods); KEEP(responses);
     KEEP(chan); KEEP(context_type); KEEP(no_metadata); KEEP(current_call); KEEP(ring_client);
     KEEP(encode_body); KEEP(loop); KEEP(current_task); KEEP(enter_task); KEEP(leave_task);
-    KEEP(eager_type); KEEP(cancelled); KEEP(frame_type);
+    KEEP(eager_type); KEEP(cancelled); KEEP(frame_type); KEEP(current_tasks);
 #undef KEEP
     self->reply_limit = reply_limit;
     return 0;
@@ -611,7 +630,8 @@ static int dispatcher_init(Dispatcher *self, PyObject *args, PyObject *kwds) {
 
 #define FIELDS(X) X(server) X(buf) X(seen) X(peers) X(backlog) X(methods) X(responses) X(chan) \
     X(context_type) X(no_metadata) X(current_call) X(ring_client) X(encode_body) X(loop) \
-    X(current_task) X(enter_task) X(leave_task) X(eager_type) X(cancelled) X(frame_type)
+    X(current_task) X(enter_task) X(leave_task) X(eager_type) X(cancelled) X(frame_type) \
+    X(current_tasks)
 
 static int dispatcher_traverse(Dispatcher *self, visitproc visit, void *arg) {
 #define VISIT(f) Py_VISIT(self->f);
@@ -647,7 +667,7 @@ static PyTypeObject DispatcherType = {
     .tp_name = "cxlrpc._dispatch.Dispatcher",
     .tp_doc = "Dispatcher(server, buf, slot_at, seen, peers, backlog, methods, responses, chan, "
               "context_type, no_metadata, current_call, ring_client, encode_body, loop, current_task, "
-              "enter_task, leave_task, eager_type, cancelled, reply_limit, frame_type): the request ring's "
+              "enter_task, leave_task, eager_type, cancelled, reply_limit, frame_type, current_tasks): the request ring's "
               "handler, dispatching the common request shape in C (Server._dispatch is the reference).",
     .tp_basicsize = sizeof(Dispatcher),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,

@@ -57,6 +57,9 @@ _STREAMED = object()  # what a stream's task returns: its items and END are alre
 #: loop a turn between looks (within the strategy's spin phase); other callbacks wait at most
 #: this long.
 _HOT_SPIN_S = 10e-6
+#: How long a server that has nothing but its request ring to serve goes on serving batches
+#: without giving the loop a turn (other callbacks wait at most about this long under load).
+_TURN_EVERY_S = 50e-6
 logger = logging.getLogger("cxlrpc.server")
 
 
@@ -485,6 +488,7 @@ class Server:
         next_housekeeping = time.monotonic() + housekeeping_every
         stuck_at: int | None = None  # head position housekeeping found blocked
         idle = False
+        turned = time.monotonic()  # when the loop last had a turn between batches
         while True:
             # one clock reading a batch: its requests' deadlines count from it
             self._polled_at = now = time.monotonic()
@@ -500,7 +504,12 @@ class Server:
                 self._note_drained()
             if n:
                 idle = False
-                await asyncio.sleep(0)
+                # Nothing else of ours needs the loop: look for the next request at once (a loop
+                # turn costs an epoll_wait, on the next call's path), yet turn it at least
+                # every _TURN_EVERY_S of serving.
+                if self._tasks or self._backlog or chan.peers_in_process or now - turned >= _TURN_EVERY_S:
+                    await asyncio.sleep(0)
+                    turned = time.monotonic()
             elif ring.readable():
                 # The head record is claimed but not committed: its producer is mid-write, or
                 # dead (housekeeping then unblocks it). Poll gently once it is known stuck.
@@ -560,7 +569,8 @@ class Server:
                            self._backlog, self._fast_methods, chan.responses, chan, HandlerContext,
                            fr.NO_METADATA, _current_call, chan.ring_client, fr.encode_body,
                            self._event_loop, _current_task, _enter_task, _leave_task, _EagerTask,
-                           asyncio.CancelledError, chan.responses[0].max_payload, fr.Frame)
+                           asyncio.CancelledError, chan.responses[0].max_payload, fr.Frame,
+                           _current_tasks())
         fast.enabled = 0 if self._interceptors or self._draining else 1
         return fast
 
@@ -1275,6 +1285,22 @@ def _handler_context(call: HandlerContext) -> contextvars.Context:
     ctx = contextvars.copy_context()
     ctx.run(_current_call.set, call)
     return ctx
+
+
+def _current_tasks() -> dict | None:
+    """asyncio's dict of each loop's current task, when ``current_task``, ``_enter_task`` and
+    ``_leave_task`` all read and write that one dict (the C accelerator of Python 3.10-3.13):
+    the native dispatcher then swaps tasks in it directly. None elsewhere (it calls them)."""
+    try:
+        import _asyncio
+    except ImportError:
+        return None
+    tasks = getattr(_asyncio, "_current_tasks", None)
+    if (type(tasks) is dict and tasks is getattr(asyncio.tasks, "_current_tasks", None)
+            and _enter_task is getattr(_asyncio, "_enter_task", None)
+            and _leave_task is getattr(_asyncio, "_leave_task", None)):
+        return tasks
+    return None
 
 
 def _first_step(coro: Any, eager: _EagerTask, loop: asyncio.AbstractEventLoop,

@@ -365,6 +365,34 @@ def start_load_clients(url: str, n: int, seconds: float, inflight: int = 32, max
     return procs, progress, results
 
 
+def _flooding_client_main(url: str, seconds: float, sent) -> None:
+    import cxlrpc
+
+    async def main() -> None:
+        async with cxlrpc.connect(url) as client:
+            end = time.monotonic() + seconds
+            n = 0
+            while time.monotonic() < end:
+                for _ in range(100):
+                    try:
+                        client.send_nowait("echo", b"x" * 64)
+                        n += 1
+                    except cxlrpc.ResourceExhausted:
+                        pass  # the ring is full: the server is behind, as wanted
+                sent.value = n
+
+    cxlrpc.run(main())
+
+
+def flooding_client(url: str, seconds: float):
+    """A client process keeping the server's request ring full of one-way ``echo`` calls for
+    ``seconds``; returns (the process, a counter of the calls it queued so far)."""
+    sent = CTX.Value("q", 0, lock=False)
+    proc = CTX.Process(target=_flooding_client_main, args=(url, seconds, sent), daemon=True)
+    proc.start()
+    return proc, sent
+
+
 def rss_bytes(pid: int) -> int:
     """Resident set size of a process, from /proc/PID/status (VmRSS)."""
     with open(f"/proc/{pid}/status") as f:

@@ -192,6 +192,28 @@ async def test_every_call_shape_answers_as_the_reference_does(name: str) -> None
     assert by_method["wrapped"][2] == b"w"
 
 
+@native
+async def test_task_swaps_through_asyncios_dict_answer_as_the_calls_do(name: str, monkeypatch) -> None:
+    """Where asyncio keeps each loop's current task in a dict its functions share, the native
+    dispatcher swaps the stand-in in that dict; the outcomes equal those of the swap through
+    asyncio's functions (forced here), and the serving task is current again afterwards."""
+    tasks = server_mod._current_tasks()
+    if tasks is not None:  # the dict is the one current_task() reads
+        assert tasks.get(asyncio.get_running_loop()) is asyncio.current_task()
+    runs = []
+    for mode in ("as built", "functions"):
+        if mode == "functions":
+            monkeypatch.setattr(server_mod, "_current_tasks", lambda: None)
+        server = make_server(f"shm://{name}{len(runs)}")
+        async with server:
+            serving = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            async with cxlrpc.connect(f"shm://{name}{len(runs)}") as client:
+                runs.append(await outcomes(client))
+                assert [await client.call("ctx", b"", timeout=5) for _ in range(3)][-1][3] == "_EagerTask"
+            assert all(not t.done() for t in serving)  # no task was left broken by a swap
+    assert runs[0] == runs[1]
+
+
 def watch_reference(server: cxlrpc.Server) -> list:
     """The methods of the requests the reference dispatches from now on (in order)."""
     seen: list = []

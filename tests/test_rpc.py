@@ -658,3 +658,41 @@ async def test_handler_errors_are_logged_and_their_text_is_the_servers_choice(ur
         assert expected in str(err.value) and (details or "secret" not in str(err.value))
         logged = [r for r in caplog.records if r.name == "cxlrpc.server" and r.exc_info]
         assert logged and "secret internals" in str(logged[0].exc_info[1])
+
+
+async def test_a_busy_server_still_gives_its_loop_turns(name):
+    """A server whose request ring never runs dry (one-way calls from another process) skips
+    the loop turn between batches, as nothing of its own waits, yet other callbacks in its
+    loop still run every few milliseconds at worst, not once the flood stops."""
+    from procs import flooding_client, stop
+
+    url = f"shm://{name}"
+    server = cxlrpc.Server(url)
+    handled = [0]
+
+    def echo(payload: bytes) -> None:  # slower than the client queues: the ring stays full
+        handled[0] += 1
+        end = time.perf_counter() + 20e-6
+        while time.perf_counter() < end:
+            pass
+
+    server.add_method("echo", echo)
+    gaps: list[float] = []
+    async with server:
+        proc, sent = flooding_client(url, 1.5)
+        try:
+            deadline = time.monotonic() + 30
+            while handled[0] < 1000 and time.monotonic() < deadline:
+                await asyncio.sleep(0.001)
+            start = handled[0]
+            last = time.monotonic()
+            for _ in range(300):  # 0.3 s of ticks while the ring stays full
+                await asyncio.sleep(0.001)
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+            served = handled[0] - start
+        finally:
+            stop(proc)
+    assert served >= 1000, f"the server handled only {served} calls during the ticks"
+    assert max(gaps) < 0.1, f"the loop stalled {max(gaps) * 1e3:.1f} ms under load"

@@ -16,8 +16,6 @@ from __future__ import annotations
 import mmap
 import random
 
-import numpy as np
-
 LINE = 64
 #: Chance that a write-back or invalidate call also evicts one random line (tests may lower it
 #: to 0 to make a missing flush fail deterministically instead of merely slowly).
@@ -32,6 +30,8 @@ class CacheSim:
         size = len(memory)
         if size % LINE:
             raise ValueError("simulated regions are whole lines")
+        import numpy as np  # here, not at import: numpy's BLAS threads spin in every process that loads it
+
         self.memory = memory
         self.cache = _anonymous(size)
         self._clean_map = _anonymous(size)  # what the cache last agreed with memory on, per line
@@ -51,7 +51,7 @@ class CacheSim:
 
     def _write_dirty(self, lines: slice) -> None:
         cache, clean = self._cache[lines], self._clean[lines]
-        dirty = np.any(cache != clean, axis=1)
+        dirty = (cache != clean).any(axis=1)
         if dirty.any():
             self._mem[lines][dirty] = cache[dirty]
             clean[dirty] = cache[dirty]

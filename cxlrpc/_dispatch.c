@@ -27,6 +27,7 @@
 #define KIND_REQUEST 1
 #define KIND_RESPONSE 2
 #define NO_REPLY 0
+#define MAX_PUSH_ARGS 8
 
 /* A method entry's mode bits (Server.add_method: _TAKES_ARG, _IS_ASYNC, _RAW_ARG). */
 #define TAKES_ARG 1
@@ -38,6 +39,8 @@ typedef struct {
     PyObject *server;    /* the reference and the slow paths */
     PyObject *buf;       /* the region's memoryview: the slots' state words are read in it */
     Py_ssize_t *slot_at; /* offset of each slot's state word */
+    Py_ssize_t *parked_at; /* offset of each slot's doorbell word (its holder parked there) */
+    uint64_t me;           /* this host's identity, as a parked consumer writes it */
     Py_ssize_t slots;
     PyObject *seen, *peers, *backlog, *methods, *responses, *chan;
     PyObject *context_type, *no_metadata, *current_call, *ring_client, *encode_body;
@@ -89,8 +92,47 @@ static PyObject *header(unsigned kind, unsigned flags, unsigned slot, uint32_t g
     return PyBytes_FromStringAndSize((const char *)h, HEADER_SIZE);
 }
 
+static int view_open(PyObject *buf) {
+    return buf != NULL && !(((PyMemoryViewObject *)buf)->flags & _Py_MEMORYVIEW_RELEASED);
+}
+
 static int region_open(Dispatcher *d) {
-    return d->buf != NULL && !(((PyMemoryViewObject *)d->buf)->flags & _Py_MEMORYVIEW_RELEASED);
+    return view_open(d->buf);
+}
+
+/* Is the consumer whose doorbell word lies at ``at`` in ``buf`` parked on this host (``me``)?
+ * Doorbell.ring's first look, after the same full fence (the records just published are seen
+ * before the word is read). The common answer, no (it is awake, or polls from another host),
+ * costs no call; yes goes to Doorbell.ring, which claims the word and sends the wake-up. */
+static int parked_here(PyObject *buf, Py_ssize_t at, uint64_t me) {
+    if (!view_open(buf))
+        return 1; /* let Doorbell.ring say what a closed region means */
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    return __atomic_load_n((uint64_t *)((char *)PyMemoryView_GET_BUFFER(buf)->buf + at), __ATOMIC_RELAXED) == me;
+}
+
+/* Word offsets from Python (``offsets``, a list of ``n`` ints): each 8-byte aligned, inside
+ * ``buf``. A new array (PyMem_Free it), or NULL with an error set. */
+static Py_ssize_t *word_offsets(PyObject *buf, PyObject *offsets, Py_ssize_t n, const char *what) {
+    Py_buffer *view = PyMemoryView_GET_BUFFER(buf);
+    Py_ssize_t *at = PyMem_New(Py_ssize_t, n ? n : 1);
+    if (at == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        at[i] = PyLong_AsSsize_t(PyList_GET_ITEM(offsets, i));
+        if (at[i] == -1 && PyErr_Occurred()) {
+            PyMem_Free(at);
+            return NULL;
+        }
+        if (at[i] < 0 || at[i] % 8 || at[i] > view->len - 8 || ((uintptr_t)view->buf + (uintptr_t)at[i]) % 8) {
+            PyMem_Free(at);
+            PyErr_Format(PyExc_ValueError, "%s: a word is outside the region", what);
+            return NULL;
+        }
+    }
+    return at;
 }
 
 /* server.<name>(*args): a slow path; its result is dropped. */
@@ -240,10 +282,13 @@ static int reply(Dispatcher *d, Req *r, PyObject *slot_obj, PyObject *result) {
     if (gen_obj == NULL)
         goto done;
     if (pushed) {
-        PyObject *args[2] = {slot_obj, gen_obj};
-        PyObject *res = PyObject_Vectorcall(d->ring_client, args, 2, NULL);
-        rc = res == NULL ? -1 : 0;
-        Py_XDECREF(res);
+        rc = 0;
+        if (parked_here(d->buf, d->parked_at[slot], d->me)) { /* ServerChannel.ring_client sends */
+            PyObject *args[2] = {slot_obj, gen_obj};
+            PyObject *res = PyObject_Vectorcall(d->ring_client, args, 2, NULL);
+            rc = res == NULL ? -1 : 0;
+            Py_XDECREF(res);
+        }
     } else { /* the heap, the backlog, or nobody left to answer */
         PyObject *args[4] = {slot_obj, gen_obj, head, body};
         rc = call_server(d, s_send, args, 4);
@@ -575,17 +620,20 @@ static int dispatcher_init(Dispatcher *self, PyObject *args, PyObject *kwds) {
     PyObject *server, *buf, *slot_at, *seen, *peers, *backlog, *methods, *responses, *chan;
     PyObject *context_type, *no_metadata, *current_call, *ring_client, *encode_body, *loop;
     PyObject *current_task, *enter_task, *leave_task, *eager_type, *cancelled, *frame_type, *current_tasks;
+    PyObject *parked_at;
+    unsigned long long me;
     Py_ssize_t reply_limit;
     if (kwds != NULL && PyDict_GET_SIZE(kwds)) {
         PyErr_SetString(PyExc_TypeError, "Dispatcher takes positional arguments only");
         return -1;
     }
-    if (!PyArg_ParseTuple(args, "OO!O!O!O!O!O!O!OOOOOOOOOOOOnOO", &server, &PyMemoryView_Type, &buf,
+    if (!PyArg_ParseTuple(args, "OO!O!O!O!O!O!O!OOOOOOOOOOOOnOOO!K", &server, &PyMemoryView_Type, &buf,
                           &PyList_Type, &slot_at, &PyList_Type, &seen, &PyDict_Type, &peers,
                           &PyDict_Type, &backlog, &PyDict_Type, &methods, &PyList_Type, &responses,
                           &chan, &context_type, &no_metadata, &current_call, &ring_client,
                           &encode_body, &loop, &current_task, &enter_task, &leave_task,
-                          &eager_type, &cancelled, &reply_limit, &frame_type, &current_tasks))
+                          &eager_type, &cancelled, &reply_limit, &frame_type, &current_tasks,
+                          &PyList_Type, &parked_at, &me))
         return -1;
     if (!PyContextVar_CheckExact(current_call)) {
         PyErr_SetString(PyExc_TypeError, "current_call must be a ContextVar");
@@ -594,29 +642,24 @@ static int dispatcher_init(Dispatcher *self, PyObject *args, PyObject *kwds) {
     Py_buffer *view = PyMemoryView_GET_BUFFER(buf);
     Py_ssize_t slots = PyList_GET_SIZE(slot_at);
     if (view->readonly || !PyBuffer_IsContiguous(view, 'C') || PyList_GET_SIZE(seen) != slots ||
-        PyList_GET_SIZE(responses) != slots || slots > 65536 || reply_limit < 0) {
+        PyList_GET_SIZE(responses) != slots || PyList_GET_SIZE(parked_at) != slots || slots > 65536 ||
+        reply_limit < 0) {
         PyErr_SetString(PyExc_ValueError, "Dispatcher: inconsistent region, slots or limits");
         return -1;
     }
-    Py_ssize_t *at = PyMem_New(Py_ssize_t, slots ? slots : 1);
-    if (at == NULL) {
-        PyErr_NoMemory();
+    Py_ssize_t *at = word_offsets(buf, slot_at, slots, "Dispatcher: slot state");
+    if (at == NULL)
+        return -1;
+    Py_ssize_t *bells = word_offsets(buf, parked_at, slots, "Dispatcher: slot doorbell");
+    if (bells == NULL) {
+        PyMem_Free(at);
         return -1;
     }
-    for (Py_ssize_t i = 0; i < slots; i++) {
-        at[i] = PyLong_AsSsize_t(PyList_GET_ITEM(slot_at, i));
-        if (at[i] == -1 && PyErr_Occurred()) {
-            PyMem_Free(at);
-            return -1;
-        }
-        if (at[i] < 0 || at[i] % 8 || at[i] > view->len - 8 || ((uintptr_t)view->buf + (uintptr_t)at[i]) % 8) {
-            PyMem_Free(at);
-            PyErr_SetString(PyExc_ValueError, "Dispatcher: a slot's state word is outside the region");
-            return -1;
-        }
-    }
     PyMem_Free(self->slot_at);
+    PyMem_Free(self->parked_at);
     self->slot_at = at;
+    self->parked_at = bells;
+    self->me = me;
     self->slots = slots;
 #define KEEP(field) Py_XSETREF(self->field, Py_NewRef(field))
     KEEP(server); KEEP(buf); KEEP(seen); KEEP(peers); KEEP(backlog); KEEP(methods); KEEP(responses);
@@ -651,6 +694,7 @@ static void dispatcher_dealloc(Dispatcher *self) {
     PyObject_GC_UnTrack(self);
     dispatcher_clear(self);
     PyMem_Free(self->slot_at);
+    PyMem_Free(self->parked_at);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -667,7 +711,7 @@ static PyTypeObject DispatcherType = {
     .tp_name = "cxlrpc._dispatch.Dispatcher",
     .tp_doc = "Dispatcher(server, buf, slot_at, seen, peers, backlog, methods, responses, chan, "
               "context_type, no_metadata, current_call, ring_client, encode_body, loop, current_task, "
-              "enter_task, leave_task, eager_type, cancelled, reply_limit, frame_type, current_tasks): the request ring's "
+              "enter_task, leave_task, eager_type, cancelled, reply_limit, frame_type, current_tasks, parked_at, me): the request ring's "
               "handler, dispatching the common request shape in C (Server._dispatch is the reference).",
     .tp_basicsize = sizeof(Dispatcher),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
@@ -690,8 +734,10 @@ static PyTypeObject DispatcherType = {
  * meanwhile goes to the client's own handler (Client._on_reply). */
 typedef struct {
     PyObject_HEAD
-    PyObject *client, *methods, *push, *ring_bell, *poll, *encode_body, *decode;
+    PyObject *client, *methods, *push, *push_args, *ring_bell, *poll, *encode_body, *decode, *buf;
     Py_ssize_t max_payload;
+    Py_ssize_t bell_at; /* the server's doorbell word in the region */
+    uint64_t me;        /* this host's identity, as a parked server writes it */
     uint32_t gen;
     unsigned slot;
     uint64_t expected; /* the call id whose reply the handler keeps */
@@ -809,7 +855,15 @@ static PyObject *caller_send(Caller *self, PyObject *mb, PyObject *const *args, 
     PyObject *parts = NULL, *ok = NULL;
     if (head == NULL || (parts = PyTuple_Pack(3, head, mb, body)) == NULL)
         goto fail;
-    ok = PyObject_CallOneArg(self->push, parts);
+    {
+        /* push(parts, *push_args): the request ring's native push, as ClientChannel.push calls it */
+        PyObject *stack[1 + MAX_PUSH_ARGS];
+        Py_ssize_t n = PyTuple_GET_SIZE(self->push_args);
+        stack[0] = parts;
+        for (Py_ssize_t i = 0; i < n; i++)
+            stack[1 + i] = PyTuple_GET_ITEM(self->push_args, i);
+        ok = PyObject_Vectorcall(self->push, stack, 1 + n, NULL);
+    }
     if (ok == NULL)
         goto fail;
     if (ok != Py_True) { /* the ring is full: the reference waits for room */
@@ -822,10 +876,12 @@ static PyObject *caller_send(Caller *self, PyObject *mb, PyObject *const *args, 
     Py_CLEAR(parts);
     Py_CLEAR(head);
     Py_CLEAR(encoded);
-    PyObject *rang = PyObject_CallNoArgs(self->ring_bell);
-    if (rang == NULL)
-        return NULL;
-    Py_DECREF(rang);
+    if (parked_here(self->buf, self->bell_at, self->me)) { /* Doorbell.ring sends */
+        PyObject *rang = PyObject_CallNoArgs(self->ring_bell);
+        if (rang == NULL)
+            return NULL;
+        Py_DECREF(rang);
+    }
     if (!(hot > 0))
         Py_RETURN_NONE;
     self->expected = call_id;
@@ -863,31 +919,45 @@ fail:
 }
 
 static int caller_init(Caller *self, PyObject *args, PyObject *kwds) {
-    PyObject *client, *methods, *push, *ring_bell, *poll, *encode_body, *decode;
+    PyObject *client, *methods, *push, *push_args, *ring_bell, *poll, *encode_body, *decode, *buf;
     unsigned int slot;
     unsigned long gen;
-    Py_ssize_t max_payload;
+    unsigned long long me;
+    Py_ssize_t max_payload, bell_at;
     if (kwds != NULL && PyDict_GET_SIZE(kwds)) {
         PyErr_SetString(PyExc_TypeError, "Caller takes positional arguments only");
         return -1;
     }
-    if (!PyArg_ParseTuple(args, "OO!OOOOOIkn", &client, &PyDict_Type, &methods, &push, &ring_bell,
-                          &poll, &encode_body, &decode, &slot, &gen, &max_payload))
+    if (!PyArg_ParseTuple(args, "OO!OO!OOOOIknO!nK", &client, &PyDict_Type, &methods, &push, &PyTuple_Type,
+                          &push_args, &ring_bell, &poll, &encode_body, &decode, &slot, &gen, &max_payload,
+                          &PyMemoryView_Type, &buf, &bell_at, &me))
         return -1;
-    if (slot > 0xFFFF || gen > 0xFFFFFFFFUL || max_payload < HEADER_SIZE) {
-        PyErr_SetString(PyExc_ValueError, "Caller: slot, generation or ring limit out of range");
+    if (slot > 0xFFFF || gen > 0xFFFFFFFFUL || max_payload < HEADER_SIZE || PyTuple_GET_SIZE(push_args) > MAX_PUSH_ARGS) {
+        PyErr_SetString(PyExc_ValueError, "Caller: slot, generation, ring limit or push arguments out of range");
         return -1;
     }
+    PyObject *bell_list = Py_BuildValue("[n]", bell_at);
+    if (bell_list == NULL)
+        return -1;
+    Py_ssize_t *checked = word_offsets(buf, bell_list, 1, "Caller: server doorbell");
+    Py_DECREF(bell_list);
+    if (checked == NULL)
+        return -1;
+    PyMem_Free(checked);
 #define KEEP(field) Py_XSETREF(self->field, Py_NewRef(field))
-    KEEP(client); KEEP(methods); KEEP(push); KEEP(ring_bell); KEEP(poll); KEEP(encode_body); KEEP(decode);
+    KEEP(client); KEEP(methods); KEEP(push); KEEP(push_args); KEEP(ring_bell); KEEP(poll); KEEP(encode_body);
+    KEEP(decode); KEEP(buf);
 #undef KEEP
+    self->bell_at = bell_at;
+    self->me = me;
     self->slot = slot;
     self->gen = (uint32_t)gen;
     self->max_payload = max_payload;
     return 0;
 }
 
-#define CALLER_FIELDS(X) X(client) X(methods) X(push) X(ring_bell) X(poll) X(encode_body) X(decode) X(reply)
+#define CALLER_FIELDS(X) X(client) X(methods) X(push) X(push_args) X(ring_bell) X(poll) X(encode_body) \
+    X(decode) X(buf) X(reply)
 
 static int caller_traverse(Caller *self, visitproc visit, void *arg) {
 #define VISIT(f) Py_VISIT(self->f);
@@ -920,8 +990,8 @@ static PyMethodDef caller_methods[] = {
 static PyTypeObject CallerType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "cxlrpc._dispatch.Caller",
-    .tp_doc = "Caller(client, methods, push, ring_bell, poll, encode_body, decode, slot, gen, "
-              "max_payload): a connection's calls of the common shape in C (Client.call is the "
+    .tp_doc = "Caller(client, methods, push, push_args, ring_bell, poll, encode_body, decode, slot, gen, "
+              "max_payload, buf, bell_at, me): a connection's calls of the common shape in C (Client.call is the "
               "reference); called with a record, it is the reply ring's handler.",
     .tp_basicsize = sizeof(Caller),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,

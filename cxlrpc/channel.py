@@ -316,6 +316,11 @@ class ServerChannel:
         return [self.slot_claim[i].load(ACQUIRE) for i in range(self.geo.slots)
                 if self.slot_state[i].load(ACQUIRE) & 1]
 
+    def client_bell_words(self) -> tuple[list[int], int]:
+        """Where each slot's doorbell word lies in the region, and what a holder parked on this
+        host writes there: a native ringer looks first and calls :meth:`ring_client` only then."""
+        return [bell.parked_at for bell in self.client_bells], host_identity()
+
     def ring_client(self, slot: int, gen: int) -> None:
         """Wake the holder ``gen`` of ``slot`` if it is parked (each holder has its own socket,
         so a departing holder that still has its socket never blocks the next one)."""
@@ -442,6 +447,11 @@ class ClientChannel(_ServerWatch):
 
         ClaimRevoked when the server already reclaimed this slot (it judged us dead)."""
         return self.requests.try_push_parts(parts, self.slot, self.tag, self.claim, self._revoked)
+
+    def push_args(self) -> tuple:
+        """What :meth:`push` passes the request ring's ``try_push_parts`` after the parts (for
+        native callers that push without this method's frame)."""
+        return (self.slot, self.tag, self.claim, self._revoked)
 
     def _revoked(self) -> bool:
         return not self.holds_slot()

@@ -295,9 +295,11 @@ class _Base:
         self._hot_s = 0.0 if chan.server_in_process else min(_HOT_SPIN_S, self.strategy.spin_s)
         if _Caller is not None and isinstance(chan, ClientChannel):
             # through a proxy: the client stays collectable when dropped unclosed
-            self._caller = _Caller(weakref.proxy(self), self._methods, chan.push, chan.server_bell.ring,
-                                   chan.responses.poll, fr.encode_body, fr.decode, chan.slot, chan.gen,
-                                   chan.requests.max_payload)
+            bell = chan.server_bell
+            self._caller = _Caller(weakref.proxy(self), self._methods, chan.requests.try_push_parts,
+                                   chan.push_args(), bell.ring, chan.responses.poll, fr.encode_body,
+                                   fr.decode, chan.slot, chan.gen, chan.requests.max_payload,
+                                   chan.region.buf, bell.parked_at, bell.me)
         geo, region = chan.geo, chan.region
         self._heap = HeapAccess(region.buf, region.mem, geo.heap, geo.heap_size)
         self._finalizer = weakref.finalize(self, _collected, link, f"{type(self).__name__}({self.url!r})")

@@ -570,7 +570,7 @@ class Server:
                            fr.NO_METADATA, _current_call, chan.ring_client, fr.encode_body,
                            self._event_loop, _current_task, _enter_task, _leave_task, _EagerTask,
                            asyncio.CancelledError, chan.responses[0].max_payload, fr.Frame,
-                           _current_tasks())
+                           _current_tasks(), *chan.client_bell_words())
         fast.enabled = 0 if self._interceptors or self._draining else 1
         return fast
 

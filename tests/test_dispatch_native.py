@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -109,6 +110,11 @@ def make_server(url: str) -> cxlrpc.Server:
     def pctx(payload: bytes) -> list:
         c = cxlrpc.context()
         return [c.method, c.peer.slot, c.time_remaining()]
+
+    @server.method("doze")
+    def doze(seconds: float) -> float:  # holds the loop: a waiting client parks meanwhile
+        time.sleep(seconds)
+        return seconds
 
     @server.method("nap")
     async def nap(seconds: float) -> float:
@@ -234,6 +240,29 @@ def served_elsewhere(url: str) -> Iterator[None]:
         yield
     finally:
         stop(proc)
+
+
+@native
+async def test_parked_peers_are_woken_by_the_native_paths(name: str) -> None:
+    """The native caller rings a server parked on this host, and the native dispatcher a
+    client parked waiting for its reply (each looks at the peer's doorbell word itself): no
+    call waits for a park to time out."""
+    url = f"shm://{name}"
+    with served_elsewhere(url):
+        async with cxlrpc.connect(url) as client:
+            assert await client.call("echo", b"warm", timeout=10) == b"warm"
+            for _ in range(5):
+                await asyncio.sleep(0.3)  # the server parks (its park lasts up to 0.1 s unrung)
+                t0 = time.monotonic()
+                assert await client.call("echo", b"x", timeout=10) == b"x"
+                took = time.monotonic() - t0
+                assert took < 0.02, f"a call to a parked server took {took * 1e3:.1f} ms"
+            # the client parks in 0.1 s steps within the 0.25 s doze: unrung, it would see the
+            # reply at its next step (~0.30 s)
+            t0 = time.monotonic()
+            assert await client.call("doze", 0.25, timeout=30) == 0.25
+            took = time.monotonic() - t0
+            assert took < 0.28, f"a parked client's reply took {took * 1e3:.0f} ms"
 
 
 @native

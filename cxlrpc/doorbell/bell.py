@@ -57,6 +57,16 @@ class Doorbell:
         self._me = host_identity()
         self.target = target  # what the address was made for (e.g. a slot's generation)
 
+    @property
+    def parked_at(self) -> int:
+        """Where the consumer's parked word lies in the region (native code's first look)."""
+        return self._parked.offset
+
+    @property
+    def me(self) -> int:
+        """The identity a consumer parked on this host writes there."""
+        return self._me
+
     def retarget(self, address: bytes, target: object) -> None:
         """Ring another consumer's socket from now on (a slot's new holder)."""
         self._address, self.target = address, target

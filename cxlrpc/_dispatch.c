@@ -741,7 +741,8 @@ typedef struct {
     uint32_t gen;
     unsigned slot;
     uint64_t expected; /* the call id whose reply the handler keeps */
-    PyObject *reply;   /* that reply, once polled */
+    int raw;           /* that call takes a raw RESPONSE's body as it is (no response type) */
+    PyObject *reply;   /* that reply, once polled: a Frame, or (raw) the body's bytes */
 } Caller;
 
 static PyObject *s_on_reply;
@@ -773,6 +774,21 @@ static PyObject *caller_handle(Caller *self, PyObject *args, PyObject *kwargs) {
     const unsigned char *p = b.buf;
     int ours = self->reply == NULL && b.len >= HEADER_SIZE && (p[0] == KIND_RESPONSE || p[0] == 3) &&
                le16(p + 4) == self->slot && le32(p + 6) == self->gen && le64(p + 10) == self->expected;
+    if (ours && self->raw && p[0] == KIND_RESPONSE && p[1] == FLAG_RAW) {
+        /* what Client._answer returns of it, without a Frame: the body, when the header is
+         * sound (as decode checks it; anything else goes to decode, which says why not) */
+        Py_ssize_t start = HEADER_SIZE + le16(p + 26);
+        double timeout;
+        uint64_t bits = le64(p + 18);
+        memcpy(&timeout, &bits, sizeof timeout);
+        if (le16(p + 26) <= MAX_METHOD && start <= b.len && timeout >= 0) {
+            self->reply = PyBytes_FromStringAndSize((const char *)p + start, b.len - start);
+            PyBuffer_Release(&b);
+            if (self->reply == NULL)
+                return NULL;
+            Py_RETURN_NONE;
+        }
+    }
     PyBuffer_Release(&b);
     if (ours) {
         PyObject *f = PyObject_CallOneArg(self->decode, view);
@@ -788,13 +804,15 @@ static PyObject *caller_handle(Caller *self, PyObject *args, PyObject *kwargs) {
     return PyObject_VectorcallMethod(s_on_reply, stack, 2, NULL);
 }
 
-/* call(method, arg, timeout, call_id, hot): the reply Frame; None once the request is out but
+/* call(method, arg, timeout, call_id, hot, raw): the reply Frame (with ``raw``, a RESPONSE
+ * flagged RAW alone is its body's bytes, as Client._answer would return them); None once the
+ * request is out but
  * its reply has not come within ``hot`` seconds; (flags, body) when the request did not go
  * (too big for the ring, or the ring is full: the reference sends that body); NotImplemented
  * for a method not yet in the client's cache (the reference encodes its name). */
 static PyObject *caller_call(Caller *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 5 || !PyLong_CheckExact(args[3])) {
-        PyErr_SetString(PyExc_TypeError, "call(method: str, arg, timeout: float, call_id: int, hot: float)");
+    if (nargs != 6 || !PyLong_CheckExact(args[3]) || !PyBool_Check(args[5])) {
+        PyErr_SetString(PyExc_TypeError, "call(method: str, arg, timeout: float, call_id: int, hot: float, raw: bool)");
         return NULL;
     }
     if (self->methods == NULL) {
@@ -885,6 +903,7 @@ static PyObject *caller_send(Caller *self, PyObject *mb, PyObject *const *args, 
     if (!(hot > 0))
         Py_RETURN_NONE;
     self->expected = call_id;
+    self->raw = args[5] == Py_True;
     Py_CLEAR(self->reply);
     double end = now_s() + hot;
     PyObject *limit = PyLong_FromLong(1024);
@@ -981,9 +1000,9 @@ static void caller_dealloc(Caller *self) {
 
 static PyMethodDef caller_methods[] = {
     {"call", (PyCFunction)(void (*)(void))caller_call, METH_FASTCALL,
-     "call(method, arg, timeout, call_id, hot): push a request and wait hot seconds for its reply "
-     "(the reply Frame; None: it is out, its reply not here yet; (flags, body): it did not go; "
-     "NotImplemented: a method name not yet encoded)."},
+     "call(method, arg, timeout, call_id, hot, raw): push a request and wait hot seconds for its reply "
+     "(the reply Frame, or with raw a raw RESPONSE's body bytes; None: it is out, its reply not here "
+     "yet; (flags, body): it did not go; NotImplemented: a method name not yet encoded)."},
     {NULL},
 };
 

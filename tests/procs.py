@@ -225,9 +225,10 @@ def _make_counting_client():
 
         def call(self, *args):
             got = self.real.call(*args)
-            if type(got) is fr.Frame:
+            if type(got) is fr.Frame or type(got) is bytes:  # a reply, or a raw reply's body
+                call_id = got.call_id if type(got) is fr.Frame else args[3]
                 replies = self.client.replies
-                replies[got.call_id] = replies.get(got.call_id, 0) + 1
+                replies[call_id] = replies.get(call_id, 0) + 1
             return got
 
     return CountingClient

@@ -111,6 +111,17 @@ def make_server(url: str) -> cxlrpc.Server:
         c = cxlrpc.context()
         return [c.method, c.peer.slot, c.time_remaining()]
 
+    @server.method("forge")
+    def forge(call_id: int) -> bytes:
+        """Before its reply, two records that look like it but no correct peer would write:
+        a NaN timeout, and a method name longer than the record."""
+        slot, gen = cxlrpc.context().peer
+        ring = server._chan.responses[slot]
+        for timeout, mlen in ((float("nan"), 0), (0.0, 200)):
+            head = fr.HEADER.pack(fr.RESPONSE, fr.RAW, 0, slot, gen, call_id, timeout, mlen)
+            ring.try_push_parts((head, b"forged"))
+        return b"real"
+
     @server.method("doze")
     def doze(seconds: float) -> float:  # holds the loop: a waiting client parks meanwhile
         time.sleep(seconds)
@@ -266,6 +277,25 @@ async def test_parked_peers_are_woken_by_the_native_paths(name: str) -> None:
 
 
 @native
+async def test_unsound_raw_replies_are_not_taken_for_the_call(name: str) -> None:
+    """Records with a call's slot, generation and id but an unsound header (NaN timeout,
+    method name past the record) are dropped as garbage by the native caller's raw-reply
+    shortcut, as by the decode it stands for; the call gets its real reply."""
+    url = f"shm://{name}"
+    with served_elsewhere(url):
+        async with cxlrpc.connect(url) as client:
+            assert await client.call("echo", b"warm", timeout=10) == b"warm"
+            client._hot_s = 5.0  # the replies are polled in the hot wait
+            for _ in range(3):
+                call_id = next(client._ids) + 1  # the id the next call gets
+                assert await client.call("forge", call_id, timeout=10) == b"real"
+        with cxlrpc.connect_sync(url) as sync:
+            sync._hot_s = 5.0
+            call_id = next(sync._ids) + 1
+            assert sync.call("forge", call_id, timeout=10) == b"real"
+
+
+@native
 async def test_common_shapes_never_reach_the_reference(name: str) -> None:
     """After a holder's first request (the reference records it as seen), plain and async
     handlers, typed or raw, one-way calls and deadlines all stay in the native path."""
@@ -344,7 +374,8 @@ async def test_the_native_caller_answers_as_the_reference_across_processes(name:
             counting = client._caller = CountingCaller(client._caller)
             client._hot_s = 5.0  # every reply comes within the hot wait
             hot = await outcomes(client)
-            in_place = counting.returned.count("Frame")
+            in_place = counting.returned.count("Frame") + counting.returned.count("bytes")
+            raw_in_place = counting.returned.count("bytes")  # raw replies: their bytes, no Frame
             client._hot_s = 0.0  # none does: each is awaited as the reference awaits it
             counting.returned.clear()
             later = await outcomes(client)
@@ -356,7 +387,7 @@ async def test_the_native_caller_answers_as_the_reference_across_processes(name:
             counting = sync._caller = CountingCaller(sync._caller)
             sync._hot_s = 5.0
             sync_hot = sync_outcomes(sync)
-            in_place_sync = counting.returned.count("Frame")
+            in_place_sync = counting.returned.count("Frame") + counting.returned.count("bytes")
             sync._hot_s = 0.0
             sync_later = sync_outcomes(sync)
             sync._caller = None
@@ -367,6 +398,7 @@ async def test_the_native_caller_answers_as_the_reference_across_processes(name:
     slotless = lambda runs: [o for o in runs if o[1] not in ("ctx", "pctx")]  # noqa: E731
     assert slotless(sync_hot) == slotless(hot)  # (each connection may hold another slot)
     assert in_place >= len(CALLS) - 2
+    assert raw_in_place >= 5  # the echoes, asleep, wrapped (raw bytes back)
     assert ("ok", "echo", b"x" * 64) in hot
 
 
@@ -456,7 +488,7 @@ def test_native_types_refuse_use_before_init_and_keywords() -> None:
     with pytest.raises(RuntimeError):
         Caller.__new__(Caller)(view)
     with pytest.raises(RuntimeError):
-        Caller.__new__(Caller).call("echo", b"", 0.0, 1, 0.0)
+        Caller.__new__(Caller).call("echo", b"", 0.0, 1, 0.0, True)
     with pytest.raises(TypeError):
         Dispatcher.__new__(Dispatcher)(view=view)
     with pytest.raises(TypeError):

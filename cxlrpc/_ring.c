@@ -14,6 +14,7 @@
 #include <structmember.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 #define HEADER_SIZE 8
 #define CONTROL_SIZE 256
@@ -227,6 +228,38 @@ static PyObject *core_poll(RingCore *self, PyObject *const *args, Py_ssize_t nar
     if (pos != head)
         release_to(self, head, pos);
     return PyLong_FromLongLong(count);
+}
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* poll_within(handler, limit, seconds): RingBase._poll_within_py for coherent memory, watching
+ * the tail between polls (a load, not a call) so a record is taken within nanoseconds. */
+static PyObject *core_poll_within(RingCore *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    static PyObject *s_within_py;
+    if (s_within_py == NULL && (s_within_py = PyUnicode_InternFromString("_poll_within_py")) == NULL)
+        return NULL;
+    if (kwnames || self->flushing || nargs != 3 || !PyLong_CheckExact(args[1]) || !PyFloat_CheckExact(args[2]))
+        return to_reference(self, s_within_py, args, nargs, kwnames);
+    double end = now_s() + PyFloat_AS_DOUBLE(args[2]);
+    for (unsigned spins = 0;; spins++) {
+        if (check_open(self) < 0)
+            return NULL;
+        if (load_acq(self, self->tail_at) != self->head_local) {
+            PyObject *n = core_poll(self, args, 2, NULL);
+            if (n == NULL || !PyLong_CheckExact(n) || PyLong_AsLong(n) != 0)
+                return n; /* payloads handed over, or an error */
+            Py_DECREF(n); /* claimed, not committed yet (or garbage the poll dealt with) */
+        }
+        if ((spins & 63) == 63 && now_s() >= end)
+            return PyLong_FromLong(0);
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#endif
+    }
 }
 
 /* Get the buffers of ``parts`` (a sequence of bytes-likes) and their total length: 0, or -1 on
@@ -531,6 +564,8 @@ static PyMemberDef core_members[] = {
 static PyMethodDef core_methods[] = {
     {"poll", (PyCFunction)(void (*)(void))core_poll, METH_FASTCALL | METH_KEYWORDS,
      "poll(handler, limit=2**30): hand committed payloads to handler in order, then free their space."},
+    {"poll_within", (PyCFunction)(void (*)(void))core_poll_within, METH_FASTCALL | METH_KEYWORDS,
+     "poll_within(handler, limit, seconds): poll until payloads are handed over or seconds pass."},
     {"_push_spsc", (PyCFunction)(void (*)(void))core_push_spsc, METH_FASTCALL | METH_KEYWORDS,
      "SPSC try_push_parts(parts)."},
     {"_push_mpsc", (PyCFunction)(void (*)(void))core_push_mpsc, METH_FASTCALL | METH_KEYWORDS,

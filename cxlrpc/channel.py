@@ -37,6 +37,7 @@ from .identity import host_identity
 from .memory import ACQ_REL, ACQUIRE, FLUSH, RELAXED, RELEASE, check_coherence
 from .region import HEADER_SIZE as REGION_HEADER, PidWatch, Region, RegionError
 from .ring import MpscRing, SpscRing, ring_size
+from .ring.base import RingBase
 from .ring.mpsc import NO_CLAIM, ClaimRevoked
 from .ring.record import TAG_MASK
 
@@ -512,7 +513,7 @@ class _QuietBell:
 class _ClientRequestRings:
     """The server's view of the per-slot request rings: polled in turn, held slots only.
 
-    Looks like a ring to the server (``poll``, ``readable``); an SPSC ring below its tail is
+    Looks like a ring to the server (``poll``, ``poll_within``, ``readable``); an SPSC ring below its tail is
     always complete, so nothing ever blocks its head."""
 
     head_position = -1
@@ -534,6 +535,9 @@ class _ClientRequestRings:
             if count >= limit:
                 break
         return count
+
+    #: poll_within(handler, limit, seconds), as a ring's (the same loop over this poll)
+    poll_within = RingBase._poll_within_py
 
     def readable(self) -> bool:
         for ring in self.active:

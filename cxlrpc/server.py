@@ -53,7 +53,7 @@ _UNDECODED = object()  # an intercepted call's request is decoded inside the cha
 _SUSPENDED, _FAILED = object(), object()  # what _run_eagerly returns instead of a result
 _RETURNED = object()  # what _first_step returns when the handler returned
 _STREAMED = object()  # what a stream's task returns: its items and END are already sent
-#: How long a server with no call in a task polls its empty request ring before it gives the
+#: How long a server with no call in a task watches its empty request ring before it gives the
 #: loop a turn between looks (within the strategy's spin phase); other callbacks wait at most
 #: this long.
 _HOT_SPIN_S = 10e-6
@@ -481,7 +481,8 @@ class Server:
     async def _serve(self) -> None:
         chan = self._chan
         ring = chan.requests
-        poll = ring.poll
+        poll, poll_within = ring.poll, ring.poll_within
+        hot_s = min(self.strategy.spin_s, _HOT_SPIN_S)  # the ring's own look, before the wait's
         fast = self._fast
         on_request = self._on_request if fast is None else fast
         housekeeping_every = min(0.1, self.client_timeout / 4)
@@ -495,6 +496,13 @@ class Server:
             if fast is not None:
                 fast.polled_at = now
             n = poll(on_request, 256)
+            # nothing else of ours to run (no call in a task, no reply held back, no client in
+            # this process, which needs the loop to run): the next request is looked for a
+            # moment longer without loop turns, by the ring itself (its requests' deadlines
+            # then count from the clock reading above, at most that moment early)
+            lone = not (self._tasks or self._backlog or chan.peers_in_process)
+            if not n and lone and hot_s and not (idle and self.strategy.park):
+                n = poll_within(on_request, 256, hot_s)
             if self._backlog:
                 self._flush_backlog()
             if now >= next_housekeeping:
@@ -517,11 +525,7 @@ class Server:
             else:
                 # replies waiting for a full response ring: come back soon to retry them
                 wait = 0.0005 if self._backlog else housekeeping_every
-                # nothing else of ours to run (no call in a task, no reply held back, no client
-                # in this process, which needs the loop to run): the first look of the wait
-                # goes without loop turns
-                hot = 0.0 if self._tasks or self._backlog or chan.peers_in_process else _HOT_SPIN_S
-                idle = not await chan.bell.wait_async(ring.readable, self.strategy, wait, idle, hot)
+                idle = not await chan.bell.wait_async(ring.readable, self.strategy, wait, idle)
 
     def _housekeeping(self, now: float) -> int | None:
         """Reclaim dead clients' slots and unblock records their producers never committed.

@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ import pytest
 from cxlrpc.memory import RELEASE, AtomicMemory
 from cxlrpc.ring import ClaimRevoked, MpscRing, SpscRing, base
 from cxlrpc.ring.mpsc import NO_CLAIM
-from cxlrpc.ring.record import COMMITTED, KIND_PADDING
+from cxlrpc.ring.record import COMMITTED, KIND_PADDING, TAIL_OFFSET
 
 from ring_env import Env, payload
 
@@ -190,3 +191,48 @@ def test_oversize_and_bad_arguments_raise() -> None:
     assert ring.pop() is None
     assert ring.try_push_parts((b"x",) * 9, producer=2)  # more parts, keywords: the reference takes them
     assert ring.pop() == b"x" * 9
+
+
+@pytest.mark.parametrize("impl", ["native", "reference"])
+@pytest.mark.parametrize("ring_cls", [SpscRing, MpscRing])
+def test_poll_within_waits_for_a_record_and_no_longer_than_told(ring_cls: type, impl: str) -> None:
+    """poll_within hands over what is there at once, takes a record another process commits
+    while it looks, never hands over a claimed record before its commit, and returns 0 once
+    its seconds passed (a garbage tail included)."""
+    if impl == "native" and not base.NATIVE:
+        pytest.skip("cxlrpc._ring is not built")
+    env = Env(ring_cls, 4096)
+    ring = env.ring
+    within = ring.poll_within if impl == "native" else ring._poll_within_py
+    got: list[bytes] = []
+    take = lambda view: got.append(bytes(view))  # noqa: E731
+    t0 = time.monotonic()
+    assert within(take, 256, 0.05) == 0 and time.monotonic() - t0 >= 0.05
+    assert ring.try_push_parts((b"here",)) and ring.try_push_parts((b"too",))
+    assert within(take, 256, 5.0) == 2 and got == [b"here", b"too"]
+    pid = os.fork()  # the anonymous mapping is shared with the child
+    if pid == 0:
+        try:
+            time.sleep(0.05)
+            ring.try_push_parts((b"from another process",))
+        finally:
+            os._exit(0)
+    try:
+        t0 = time.monotonic()
+        assert within(take, 256, 10.0) == 1 and got[-1] == b"from another process"
+        assert time.monotonic() - t0 < 5
+    finally:
+        os.waitpid(pid, 0)
+    if ring_cls is MpscRing:  # claimed, its header not committed: nothing until the commit
+        head = ring._head_local
+        env.store_counter(TAIL_OFFSET, head + 16)
+        at = env.data + (head & ring.mask)
+        env.mem.store(at, (1 << 48) | 4, RELEASE)  # DATA, 4 bytes, not committed
+        t0 = time.monotonic()
+        assert within(take, 256, 0.05) == 0 and time.monotonic() - t0 >= 0.05
+        env.buf[at + 8:at + 12] = b"late"
+        env.mem.store(at, COMMITTED | (1 << 48) | 4, RELEASE)
+        assert within(take, 256, 5.0) == 1 and got[-1] == b"late"
+    env.store_counter(TAIL_OFFSET, ring._head_local + 3)  # garbage: not a position
+    assert within(take, 256, 0.02) == 0
+    assert env.guards_intact()

@@ -149,15 +149,12 @@ class DoorbellReceiver:
             step = min(step * 2, self.poll_interval)
 
     async def wait_async(self, ready: Callable[[], bool], strategy: WaitStrategy, timeout: float,
-                         idle: bool = False, hot_s: float = 0.0) -> bool:
+                         idle: bool = False) -> bool:
         """Wait until ``ready()`` or ``timeout`` seconds, yielding to other tasks throughout.
 
         ``idle=True`` (the previous wait timed out with nothing to do) parks at once, so a
         consumer that wakes periodically for housekeeping does not spin on every wake-up.
-        ``hot_s``: poll without giving the loop a turn for up to that long of the spin phase
-        (a consumer that knows nothing else waits to run: a loop turn between two looks costs
-        an epoll_wait). Cancellation propagates at once (no ``wait_for``, which can swallow a
-        cancel).
+        Cancellation propagates at once (no ``wait_for``, which can swallow a cancel).
         """
         if ready():
             return True
@@ -165,10 +162,6 @@ class DoorbellReceiver:
         start = now()
         deadline = start + timeout
         spin_end = start if idle and strategy.park else min(start + strategy.spin_s, deadline)
-        hot_end = min(spin_end, start + hot_s)
-        while now() < hot_end:
-            if ready():
-                return True
         sleep0 = asyncio.sleep
         while True:
             await sleep0(0)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import time
 from typing import Callable
 
 from ..memory import ACQ_REL, ACQUIRE, RELAXED, RELEASE, AtomicMemory
@@ -188,6 +189,19 @@ class RingBase(_Core):
 
     if _native is None:
         poll = _poll_py
+
+    def _poll_within_py(self, handler: Callable[[memoryview], object], limit: int, seconds: float) -> int:
+        """:meth:`poll` again and again, without yielding, until it hands payloads over or
+        ``seconds`` pass: the count handed over (a consumer's hot look for the next record)."""
+        end = time.perf_counter() + seconds
+        while True:
+            n = self.poll(handler, limit)
+            if n or time.perf_counter() >= end:
+                return n
+
+    #: ``poll_within(handler, limit, seconds)``: the native twin of the method above where it is
+    #: built (it watches the tail in C between polls).
+    poll_within = _native.RingCore.poll_within if _native is not None else _poll_within_py
 
     def pop(self) -> bytes | None:
         """Copy out and free the next committed payload, or None when there is none."""

@@ -33,6 +33,7 @@
 #define TAKES_ARG 1
 #define IS_ASYNC 2
 #define RAW_ARG 4
+#define VIEW_ARG 8 /* (_VIEW_ARG) it takes a memoryview: a plain one is lent the record's body */
 
 typedef struct {
     PyObject_HEAD
@@ -52,7 +53,7 @@ typedef struct {
 } Dispatcher;
 
 static PyObject *s_on_request, *s_failed, *s_bad_request, *s_suspended, *s_coroutine, *s_reply,
-    *s_send, *s_broken, *s_push;
+    *s_send, *s_broken, *s_push, *s_lent_reply, *s_toreadonly, *s_release;
 
 static inline uint16_t le16(const unsigned char *p) { return (uint16_t)(p[0] | p[1] << 8); }
 static inline uint32_t le32(const unsigned char *p) { return (uint32_t)le16(p) | (uint32_t)le16(p + 2) << 16; }
@@ -176,6 +177,9 @@ typedef struct {
     Py_ssize_t body_len;
     PyObject *body_obj; /* borrowed: a bytes copy already made, or NULL */
     PyObject *frame;    /* owned, once made */
+    PyObject *record;   /* borrowed: the record's view, as the ring handed it over */
+    Py_ssize_t body_at; /* where the body starts in it */
+    PyObject *lent;     /* owned: the read-only view of the body lent to a plain handler, or NULL */
 } Req;
 
 /* The request as the reference's decoder would give it (a borrowed reference, owned by r). */
@@ -233,8 +237,8 @@ static int reply(Dispatcher *d, Req *r, PyObject *slot_obj, PyObject *result) {
         return 0;
     PyObject *body;
     unsigned flags;
-    if (PyBytes_CheckExact(result)) {
-        flags = FLAG_RAW;
+    if (PyBytes_Check(result) || PyByteArray_Check(result) || PyMemoryView_Check(result)) {
+        flags = FLAG_RAW; /* encode_body passes bytes-likes through raw */
         body = Py_NewRef(result);
     } else {
         PyObject *enc = PyObject_CallOneArg(d->encode_body, result);
@@ -409,6 +413,19 @@ left:
  * the request was answered INVALID_ARGUMENT (the reference's decode failure). ``*slow``: the
  * reference must take the frame (nothing was done for it). */
 static PyObject *argument(Dispatcher *d, Req *r, PyObject *entry, long mode, PyObject **body, int *slow) {
+    if (mode & VIEW_ARG && !(mode & IS_ASYNC) && r->flags & FLAG_RAW) {
+        /* lent in place while the plain handler runs (Server._lent_reply takes it back) */
+        PyObject *slice = PySequence_GetSlice(r->record, r->body_at, r->body_at + r->body_len);
+        if (slice == NULL)
+            return NULL;
+        r->lent = PyObject_CallMethodNoArgs(slice, s_toreadonly);
+        Py_DECREF(slice);
+        return Py_XNewRef(r->lent);
+    }
+    if (mode & VIEW_ARG && !(r->flags & FLAG_RAW)) {
+        *slow = 1; /* a MessagePack body for a view: the reference's decode_body */
+        return NULL;
+    }
     if (r->flags & FLAG_RAW && !(mode & RAW_ARG)) {
         *slow = 1; /* a raw body validated into a typed argument: the reference's decode_body */
         return NULL;
@@ -417,6 +434,8 @@ static PyObject *argument(Dispatcher *d, Req *r, PyObject *entry, long mode, PyO
     if ((*body = PyBytes_FromStringAndSize((const char *)r->body, r->body_len)) == NULL)
         return NULL;
     r->body_obj = *body;
+    if (mode & VIEW_ARG) /* a coroutine, which may outlive the record: a view of a copy */
+        return PyMemoryView_FromObject(*body);
     if (r->flags & FLAG_RAW)
         return Py_NewRef(*body);
     PyObject *arg = PyObject_CallOneArg(PyTuple_GET_ITEM(entry, 2), *body);
@@ -501,6 +520,8 @@ static int dispatch(Dispatcher *d, PyObject *view) {
     r.method = PyTuple_GET_ITEM(entry, 3);
     r.body = p + end;
     r.body_len = n - end;
+    r.record = view;
+    r.body_at = end;
     if (mode & TAKES_ARG) {
         arg = argument(d, &r, entry, mode, &body, &slow);
         if (arg == NULL) {
@@ -557,6 +578,11 @@ static int dispatch(Dispatcher *d, PyObject *view) {
             rc = failed < 0 ? -1 : 0;
             goto out;
         }
+        if (r.lent != NULL && PyCoro_CheckExact(result)) { /* it could read the body later */
+            PyObject *args[2] = {r.lent, result};
+            rc = call_with_frame(d, s_lent_reply, &r, args, 2);
+            goto out;
+        }
         if (PyCoro_CheckExact(result)) { /* a plain function that returned a coroutine */
             PyObject *args[2] = {result, call};
             rc = call_with_frame(d, s_coroutine, &r, args, 2);
@@ -571,6 +597,16 @@ fail:
 done:
     rc = 1;
 out:
+    if (r.lent != NULL) { /* taken back (Server._take_back): a handler that kept it gets an error */
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyObject *res = PyObject_CallMethodNoArgs(r.lent, s_release);
+        if (res == NULL)
+            PyErr_Clear(); /* BufferError: the handler still exports it (np.frombuffer) */
+        Py_XDECREF(res);
+        PyErr_Restore(type, value, tb);
+        Py_DECREF(r.lent);
+    }
     Py_XDECREF(r.frame);
     Py_XDECREF(body);
     Py_XDECREF(entry);
@@ -1037,6 +1073,9 @@ PyMODINIT_FUNC PyInit__dispatch(void) {
     INTERN(s_send, "_send")
     INTERN(s_broken, "_broken")
     INTERN(s_push, "try_push_parts")
+    INTERN(s_lent_reply, "_lent_reply")
+    INTERN(s_toreadonly, "toreadonly")
+    INTERN(s_release, "release")
     INTERN(s_on_reply, "_on_reply")
 #undef INTERN
     if (PyType_Ready(&DispatcherType) < 0 || PyType_Ready(&CallerType) < 0)

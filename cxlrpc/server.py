@@ -46,7 +46,7 @@ except ImportError:
 if os.environ.get("CXLRPC_NO_NATIVE"):
     _Dispatcher = None
 #: Mode bits of a method's entry in the native dispatcher's table (see _dispatch.c).
-_TAKES_ARG, _IS_ASYNC, _RAW_ARG = 1, 2, 4
+_TAKES_ARG, _IS_ASYNC, _RAW_ARG, _VIEW_ARG = 1, 2, 4, 8
 
 _NO_ARG = object()
 _UNDECODED = object()  # an intercepted call's request is decoded inside the chain
@@ -337,8 +337,9 @@ class Server:
         if name in self._methods:
             raise ValueError(f"method {name!r} is already registered")
         m = self._methods[name] = _Method(name, fn, blocking, requests)
-        if not (m.blocking or m.streams or m.view_arg):  # the shapes the native dispatch takes
-            mode = (_TAKES_ARG * m.takes_arg) | (_IS_ASYNC * m.is_async) | (_RAW_ARG * m.raw_arg)
+        if not (m.blocking or m.streams):  # the shapes the native dispatch takes
+            mode = ((_TAKES_ARG * m.takes_arg) | (_IS_ASYNC * m.is_async) | (_RAW_ARG * m.raw_arg)
+                    | (_VIEW_ARG * m.view_arg))
             self._fast_methods[fr.method_bytes(name)] = (fn, mode, m.decode, name)
         lend = frozenset(n for n, m in self._methods.items() if m.lends)
         self._lend = lend if lend and not self._interceptors else None

@@ -111,6 +111,30 @@ def make_server(url: str) -> cxlrpc.Server:
         c = cxlrpc.context()
         return [c.method, c.peer.slot, c.time_remaining()]
 
+    kept: list = []
+
+    @server.method("view")
+    def view(payload: memoryview) -> memoryview:  # lent in place: the reply copies it out
+        return payload
+
+    @server.method("aview")
+    async def aview(payload: memoryview) -> bytes:  # a coroutine: a view of a copy
+        await asyncio.sleep(0)
+        return bytes(payload[::-1])
+
+    @server.method("viewkeep")
+    def viewkeep(payload: memoryview) -> int:
+        kept.append(payload)
+        return len(payload)
+
+    @server.method("kept")
+    def kept_view() -> bytes:  # the view kept past its call was taken back: reading it fails
+        return bytes(kept[-1])
+
+    @server.method("viewcoro")
+    def viewcoro(payload: memoryview) -> Any:  # refused: the coroutine could read it later
+        return aecho(b"")
+
     @server.method("forge")
     def forge(call_id: int) -> bytes:
         """Before its reply, two records that look like it but no correct peer would write:
@@ -162,6 +186,8 @@ CALLS = [
     ("denied", b"q", None), ("acancel", b"q", None), ("wrapped", b"w", None), ("odd", b"", None),
     ("big", 3 << 20, None), ("ctx", b"", 5.0), ("pctx", b"", None), ("missing", b"", None),
     ("echo", "a str", None), ("echo", {"k": [1, 2]}, None), ("anyecho", [1, "a", {"b": 2.5}], None),
+    ("view", b"v" * 300, None), ("view", b"", None), ("view", {"typed": 1}, None), ("aview", b"abc", None),
+    ("viewkeep", b"kk", None), ("kept", None, None), ("viewcoro", b"c", None),
 ]
 
 
@@ -207,6 +233,13 @@ async def test_every_call_shape_answers_as_the_reference_does(name: str) -> None
     assert by_method["ctx"][2] == ["ctx", by_method["pctx"][2][1], True, "_EagerTask"]
     assert by_method["asleep"][2] == b"cba"
     assert by_method["wrapped"][2] == b"w"
+    at = {call[:2] if isinstance(call[1], bytes) else call[0]: i for i, call in enumerate(CALLS)}
+    assert native_run[at["view", b"v" * 300]] == ("ok", "view", b"v" * 300)
+    assert native_run[at["view", b""]] == ("ok", "view", b"")
+    assert by_method["aview"] == ("ok", "aview", b"cba")
+    assert by_method["viewkeep"] == ("ok", "viewkeep", 2)
+    assert by_method["kept"][2] == "Internal"  # the kept view was released
+    assert by_method["viewcoro"][2] == "Internal" and "takes a memoryview" in by_method["viewcoro"][4]
 
 
 @native
@@ -298,7 +331,8 @@ async def test_unsound_raw_replies_are_not_taken_for_the_call(name: str) -> None
 @native
 async def test_common_shapes_never_reach_the_reference(name: str) -> None:
     """After a holder's first request (the reference records it as seen), plain and async
-    handlers, typed or raw, one-way calls and deadlines all stay in the native path."""
+    handlers, typed, raw or taking a view, one-way calls and deadlines all stay in the native
+    path."""
     server = make_server(f"shm://{name}")
     async with server:
         reference = watch_reference(server)
@@ -310,6 +344,8 @@ async def test_common_shapes_never_reach_the_reference(name: str) -> None:
                 assert await client.call("aecho", b"a", timeout=2.0) == b"a"
                 assert await client.call("swap", Point(i, 1), response_type=Point) == Point(1, i)
                 assert await client.call("anothing") == "none taken"
+                assert await client.call("view", b"in place %d" % i) == b"in place %d" % i
+                assert await client.call("aview", b"ab") == b"ba"
                 with pytest.raises(cxlrpc.Internal):
                     await client.call("boom", b"")
             client.send_nowait("echo", b"one way")

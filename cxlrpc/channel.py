@@ -513,8 +513,8 @@ class _QuietBell:
 class _ClientRequestRings:
     """The server's view of the per-slot request rings: polled in turn, held slots only.
 
-    Looks like a ring to the server (``poll``, ``poll_within``, ``readable``); an SPSC ring below its tail is
-    always complete, so nothing ever blocks its head."""
+    Looks like a ring to the server (``poll``, ``poll_within``, ``readable``); an SPSC ring
+    below its tail is always complete, so nothing ever blocks its head."""
 
     head_position = -1
 

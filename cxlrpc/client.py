@@ -731,7 +731,8 @@ class Client(_Base):
             # (out, its reply not here yet), (flags, body) (not out) or NotImplemented (left to
             # the reference)
             try:
-                got = self._caller.call(method, arg, timeout or 0.0, call_id, self._hot_s, response_type is None)
+                got = self._caller.call(method, arg, timeout or 0.0, call_id, self._hot_s,
+                                        response_type is None)
             except ClaimRevoked as exc:
                 raise self._revoked(exc) from exc
             if type(got) is bytes:
@@ -1264,7 +1265,8 @@ class SyncClient(_Base):
                 call_id = next(self._ids)
                 deadline = None if timeout is None else time.monotonic() + timeout
                 try:  # as in Client.call
-                    got = self._caller.call(method, arg, timeout or 0.0, call_id, self._hot_s, response_type is None)
+                    got = self._caller.call(method, arg, timeout or 0.0, call_id, self._hot_s,
+                                            response_type is None)
                 except ClaimRevoked as exc:
                     raise self._revoked(exc) from exc
                 if type(got) is bytes:

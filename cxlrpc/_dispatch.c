@@ -811,14 +811,14 @@ static PyObject *caller_handle(Caller *self, PyObject *args, PyObject *kwargs) {
     int ours = self->reply == NULL && b.len >= HEADER_SIZE && (p[0] == KIND_RESPONSE || p[0] == 3) &&
                le16(p + 4) == self->slot && le32(p + 6) == self->gen && le64(p + 10) == self->expected;
     if (ours && self->raw && p[0] == KIND_RESPONSE && p[1] == FLAG_RAW) {
-        /* what Client._answer returns of it, without a Frame: the body, when the header is
-         * sound (as decode checks it; anything else goes to decode, which says why not) */
-        Py_ssize_t start = HEADER_SIZE + le16(p + 26);
+        /* what Client._answer returns of it, without a Frame: the body, when the header is a
+         * sound reply's (no method name, a timeout decode accepts); anything else goes to
+         * decode, which says why not */
         double timeout;
         uint64_t bits = le64(p + 18);
         memcpy(&timeout, &bits, sizeof timeout);
-        if (le16(p + 26) <= MAX_METHOD && start <= b.len && timeout >= 0) {
-            self->reply = PyBytes_FromStringAndSize((const char *)p + start, b.len - start);
+        if (le16(p + 26) == 0 && timeout >= 0) {
+            self->reply = PyBytes_FromStringAndSize((const char *)p + HEADER_SIZE, b.len - HEADER_SIZE);
             PyBuffer_Release(&b);
             if (self->reply == NULL)
                 return NULL;

@@ -347,6 +347,17 @@ class _Base:
         except ClaimRevoked as exc:
             raise self._revoked(exc) from exc
 
+    def _call_natively(self, method: str, arg: Any, timeout: float | None, call_id: int,
+                       raw: bool) -> Any:
+        """The native caller's call (see _dispatch.c): a raw reply's bytes (``raw``: no
+        response type), the reply Frame, None (out, its reply not here yet), (flags, body) (not
+        out) or NotImplemented (left to the reference). Client.call has it inline (a frame less
+        on its hot path)."""
+        try:
+            return self._caller.call(method, arg, timeout or 0.0, call_id, self._hot_s, raw)
+        except ClaimRevoked as exc:
+            raise self._revoked(exc) from exc
+
     def _revoked(self, exc: ClaimRevoked) -> Unavailable:
         """The server reclaimed our slot (it judged us dead): the connection is gone."""
         self._set_gone(f"the server reclaimed this client's slot ({exc})")
@@ -727,10 +738,7 @@ class Client(_Base):
             # for in place (no future, no loop turn) for the first microseconds
             call_id = next(self._ids)
             deadline = None if timeout is None else self._loop.time() + timeout
-            # the native caller (see _dispatch.c): a raw reply's bytes, the reply Frame, None
-            # (out, its reply not here yet), (flags, body) (not out) or NotImplemented (left to
-            # the reference)
-            try:
+            try:  # _call_natively, inline
                 got = self._caller.call(method, arg, timeout or 0.0, call_id, self._hot_s,
                                         response_type is None)
             except ClaimRevoked as exc:
@@ -1264,11 +1272,7 @@ class SyncClient(_Base):
                 # the common shape, natively (see Client.call): its reply polled for in place
                 call_id = next(self._ids)
                 deadline = None if timeout is None else time.monotonic() + timeout
-                try:  # as in Client.call
-                    got = self._caller.call(method, arg, timeout or 0.0, call_id, self._hot_s,
-                                            response_type is None)
-                except ClaimRevoked as exc:
-                    raise self._revoked(exc) from exc
+                got = self._call_natively(method, arg, timeout, call_id, response_type is None)
                 if type(got) is bytes:
                     return got
                 if got is None:  # out; its reply comes later

@@ -137,13 +137,14 @@ def make_server(url: str) -> cxlrpc.Server:
 
     @server.method("forge")
     def forge(call_id: int) -> bytes:
-        """Before its reply, two records that look like it but no correct peer would write:
-        a NaN timeout, and a method name longer than the record."""
+        """Before its reply, records that look like it but no correct peer would write: a NaN
+        timeout, a method name longer than the record, one that is not UTF-8."""
         slot, gen = cxlrpc.context().peer
         ring = server._chan.responses[slot]
-        for timeout, mlen in ((float("nan"), 0), (0.0, 200)):
+        for timeout, mlen, rest in ((float("nan"), 0, b"forged"), (0.0, 200, b"forged"),
+                                    (0.0, 2, b"\xff\xfeforged")):
             head = fr.HEADER.pack(fr.RESPONSE, fr.RAW, 0, slot, gen, call_id, timeout, mlen)
-            ring.try_push_parts((head, b"forged"))
+            ring.try_push_parts((head, rest))
         return b"real"
 
     @server.method("doze")
@@ -312,7 +313,7 @@ async def test_parked_peers_are_woken_by_the_native_paths(name: str) -> None:
 @native
 async def test_unsound_raw_replies_are_not_taken_for_the_call(name: str) -> None:
     """Records with a call's slot, generation and id but an unsound header (NaN timeout,
-    method name past the record) are dropped as garbage by the native caller's raw-reply
+    method name past the record or not UTF-8) are dropped as garbage by the native caller's raw-reply
     shortcut, as by the decode it stands for; the call gets its real reply."""
     url = f"shm://{name}"
     with served_elsewhere(url):

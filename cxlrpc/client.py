@@ -565,6 +565,8 @@ class Client(_Base):
         self._direct = False  # a caller is polling the reply ring itself
         self._reader_wake: asyncio.Future | None = None
         self._direct_exhausted = False  # the direct poll spent the spin and yield budget
+        #: calls whose reply this client handed over while their task has not run since
+        self._woken: set[int] = set()
 
     async def open(self) -> "Client":
         """Connect (waiting for a server as ``wait_for_ready`` says): what ``connect()`` awaits."""
@@ -731,6 +733,10 @@ class Client(_Base):
         caller's CancelledError or DeadlineExceeded if the request never left: what the call
         did can then be undone. No task is made for it.
         """
+        if self._woken:
+            # a call answered in place never suspends: the tasks whose replies this client
+            # handed over run first (before anything is sent)
+            await asyncio.sleep(0)
         if (self._caller is not None and on_late_reply is None and not metadata and not self._interceptors
                 and self._gone is None and not self._pending and not self._frees
                 and (timeout is None or timeout > 0)):
@@ -850,6 +856,7 @@ class Client(_Base):
             raise
         finally:
             self._pending.pop(call_id, None)
+            self._woken.discard(call_id)
             if late is not None and not gave_up:  # answered (an interceptor may call again)
                 self._late.pop(call_id, None)
                 late.waiting = False
@@ -1043,6 +1050,7 @@ class Client(_Base):
                 self._granted_late(f)  # the caller gave up (timeout, cancel)
             return
         fut, response_type = entry
+        self._woken.add(f.call_id)
         try:
             fut.set_result(self._answer(f, response_type))
         except RpcError as exc:

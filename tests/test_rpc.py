@@ -696,3 +696,27 @@ async def test_a_busy_server_still_gives_its_loop_turns(name):
             stop(proc)
     assert served >= 1000, f"the server handled only {served} calls during the ticks"
     assert max(gaps) < 0.1, f"the loop stalled {max(gaps) * 1e3:.1f} ms under load"
+
+
+async def test_tasks_sharing_a_client_take_turns(name):
+    """A call answered in place never suspends, so a task calling in a loop could keep the
+    loop from the tasks whose replies the client already handed over: those run first, and
+    every one of many tasks sharing a client makes progress (without: some made ~1% of the
+    mean's calls)."""
+    from procs import echo_server
+
+    url = f"shm://{name}"
+    with echo_server(url):  # another process: replies are polled for in place
+        async with cxlrpc.connect(url) as client:
+            counts = [0] * 16
+            stop = time.monotonic() + 1.0
+
+            async def caller(i: int) -> None:
+                while time.monotonic() < stop:
+                    assert await client.call("echo", b"%d" % i, timeout=10) == b"%d" % i
+                    counts[i] += 1
+
+            await asyncio.gather(*(caller(i) for i in range(16)))
+    mean = sum(counts) / len(counts)
+    assert mean > 100, f"only {mean:.0f} calls per task"
+    assert min(counts) >= 0.1 * mean, f"a task made {min(counts)} calls where the mean was {mean:.0f}"

@@ -29,7 +29,7 @@
 #define NO_REPLY 0
 #define MAX_PUSH_ARGS 8
 
-/* A method entry's mode bits (Server.add_method: _TAKES_ARG, _IS_ASYNC, _RAW_ARG). */
+/* A method entry's mode bits (Server.add_method: _TAKES_ARG, _IS_ASYNC, _RAW_ARG, _VIEW_ARG). */
 #define TAKES_ARG 1
 #define IS_ASYNC 2
 #define RAW_ARG 4
@@ -112,10 +112,15 @@ static int parked_here(PyObject *buf, Py_ssize_t at, uint64_t me) {
     return __atomic_load_n((uint64_t *)((char *)PyMemoryView_GET_BUFFER(buf)->buf + at), __ATOMIC_RELAXED) == me;
 }
 
-/* Word offsets from Python (``offsets``, a list of ``n`` ints): each 8-byte aligned, inside
- * ``buf``. A new array (PyMem_Free it), or NULL with an error set. */
-static Py_ssize_t *word_offsets(PyObject *buf, PyObject *offsets, Py_ssize_t n, const char *what) {
+/* Is ``at`` the offset of an 8-byte aligned word inside ``buf``? */
+static int word_inside(PyObject *buf, Py_ssize_t at) {
     Py_buffer *view = PyMemoryView_GET_BUFFER(buf);
+    return !(at < 0 || at % 8 || at > view->len - 8 || ((uintptr_t)view->buf + (uintptr_t)at) % 8);
+}
+
+/* Word offsets from Python (``offsets``, a list of ``n`` ints), each a word inside ``buf``
+ * (word_inside). A new array (PyMem_Free it), or NULL with an error set. */
+static Py_ssize_t *word_offsets(PyObject *buf, PyObject *offsets, Py_ssize_t n, const char *what) {
     Py_ssize_t *at = PyMem_New(Py_ssize_t, n ? n : 1);
     if (at == NULL) {
         PyErr_NoMemory();
@@ -127,7 +132,7 @@ static Py_ssize_t *word_offsets(PyObject *buf, PyObject *offsets, Py_ssize_t n, 
             PyMem_Free(at);
             return NULL;
         }
-        if (at[i] < 0 || at[i] % 8 || at[i] > view->len - 8 || ((uintptr_t)view->buf + (uintptr_t)at[i]) % 8) {
+        if (!word_inside(buf, at[i])) {
             PyMem_Free(at);
             PyErr_Format(PyExc_ValueError, "%s: a word is outside the region", what);
             return NULL;
@@ -991,14 +996,10 @@ static int caller_init(Caller *self, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_ValueError, "Caller: slot, generation, ring limit or push arguments out of range");
         return -1;
     }
-    PyObject *bell_list = Py_BuildValue("[n]", bell_at);
-    if (bell_list == NULL)
+    if (!word_inside(buf, bell_at)) {
+        PyErr_SetString(PyExc_ValueError, "Caller: server doorbell: a word is outside the region");
         return -1;
-    Py_ssize_t *checked = word_offsets(buf, bell_list, 1, "Caller: server doorbell");
-    Py_DECREF(bell_list);
-    if (checked == NULL)
-        return -1;
-    PyMem_Free(checked);
+    }
 #define KEEP(field) Py_XSETREF(self->field, Py_NewRef(field))
     KEEP(client); KEEP(methods); KEEP(push); KEEP(push_args); KEEP(ring_bell); KEEP(poll); KEEP(encode_body);
     KEEP(decode); KEEP(buf);

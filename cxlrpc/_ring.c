@@ -41,7 +41,7 @@ typedef struct {
     int multi, flushing;
 } RingCore;
 
-static PyObject *s_poll_py, *s_push_py, *s_bad_tail, *s_store, *s_open, *s_revoke, *s_lost_commit;
+static PyObject *s_poll_py, *s_within_py, *s_push_py, *s_bad_tail, *s_store, *s_open, *s_revoke, *s_lost_commit;
 static PyObject *release_order; /* atomicshm.RELEASE, for the claim counter's store */
 
 static inline uint64_t *word_at(RingCore *r, Py_ssize_t off) { return (uint64_t *)(r->base + off); }
@@ -200,7 +200,8 @@ static PyObject *core_poll(RingCore *self, PyObject *const *args, Py_ssize_t nar
         uint64_t length = word & LENGTH_MASK;
         uint64_t size = HEADER_SIZE + ((length + 7) & ~7ULL);
         uint64_t kind = (word >> 48) & 0xFF;
-        if (!(word & COMMITTED) || size > cap - idx || size > tail - pos || (kind != KIND_DATA && kind != KIND_PADDING)) {
+        if (!(word & COMMITTED) || size > cap - idx || size > tail - pos || (kind != KIND_DATA && kind != KIND_PADDING) ||
+            (kind == KIND_DATA && length > self->max_payload)) { /* no producer writes a record that long */
             self->dropped += 1; /* corrupt: nothing up to the tail can be trusted */
             pos = tail;
             break;
@@ -239,9 +240,6 @@ static double now_s(void) {
 /* poll_within(handler, limit, seconds): RingBase._poll_within_py for coherent memory, watching
  * the tail between polls (a load, not a call) so a record is taken within nanoseconds. */
 static PyObject *core_poll_within(RingCore *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
-    static PyObject *s_within_py;
-    if (s_within_py == NULL && (s_within_py = PyUnicode_InternFromString("_poll_within_py")) == NULL)
-        return NULL;
     if (kwnames || self->flushing || nargs != 3 || !PyLong_CheckExact(args[1]) || !PyFloat_CheckExact(args[2]))
         return to_reference(self, s_within_py, args, nargs, kwnames);
     double end = now_s() + PyFloat_AS_DOUBLE(args[2]);
@@ -594,6 +592,7 @@ PyMODINIT_FUNC PyInit__ring(void) {
         return NULL;
 #define INTERN(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return NULL
     INTERN(s_poll_py, "_poll_py");
+    INTERN(s_within_py, "_poll_within_py");
     INTERN(s_push_py, "_try_push_parts_py");
     INTERN(s_bad_tail, "_bad_tail");
     INTERN(s_store, "store");

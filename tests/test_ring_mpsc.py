@@ -513,6 +513,9 @@ def test_garbage_poll_never_raises_or_escapes(cap, seed, garbage, near_head, hea
 
 
 @GARBAGE_SETTINGS
+# a committed DATA header one byte longer than a producer may write, inside the data area
+@example(cap=1024, seed=245, near_head=False,
+         garbage=(None, [(0, 1 << 48)] * 3 + [(0, 0), (0, 0x40010000000001F9)]))
 @given(cap=st.sampled_from([1024, 2048]), seed=st.integers(0, 1000), garbage=data_garbage(2048),
        near_head=st.booleans())
 def test_garbage_data_then_recovers(cap, seed, garbage, near_head) -> None:

@@ -172,7 +172,8 @@ class RingBase(_Core):
             size = HEADER_SIZE + ((length + 7) & ~7)
             kind = (word >> 48) & 0xFF
             if (not word & COMMITTED or size > cap - idx or pos + size > tail
-                    or (kind != KIND_DATA and kind != KIND_PADDING)):
+                    or (kind != KIND_DATA and kind != KIND_PADDING)
+                    or (kind == KIND_DATA and length > self.max_payload)):  # no producer writes it
                 self.dropped += 1  # corrupt: nothing up to the tail can be trusted
                 pos = tail
                 break

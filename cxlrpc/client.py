@@ -567,6 +567,7 @@ class Client(_Base):
         self._direct_exhausted = False  # the direct poll spent the spin and yield budget
         #: calls whose reply this client handed over while their task has not run since
         self._woken: set[int] = set()
+        self._yielding = 0  #: callers that gave the loop a turn before calling and not yet resumed
 
     async def open(self) -> "Client":
         """Connect (waiting for a server as ``wait_for_ready`` says): what ``connect()`` awaits."""
@@ -733,10 +734,14 @@ class Client(_Base):
         caller's CancelledError or DeadlineExceeded if the request never left: what the call
         did can then be undone. No task is made for it.
         """
-        if self._woken:
+        if self._woken or self._yielding:
             # a call answered in place never suspends: the tasks whose replies this client
-            # handed over run first (before anything is sent)
-            await asyncio.sleep(0)
+            # handed over, and those that gave way for them, run first (before anything is sent)
+            self._yielding += 1
+            try:
+                await asyncio.sleep(0)
+            finally:
+                self._yielding -= 1
         if (self._caller is not None and on_late_reply is None and not metadata and not self._interceptors
                 and self._gone is None and not self._pending and not self._frees
                 and (timeout is None or timeout > 0)):

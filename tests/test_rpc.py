@@ -700,9 +700,8 @@ async def test_a_busy_server_still_gives_its_loop_turns(name):
 
 async def test_tasks_sharing_a_client_take_turns(name):
     """A call answered in place never suspends, so a task calling in a loop could keep the
-    loop from the tasks whose replies the client already handed over: those run first, and
-    every one of many tasks sharing a client makes progress (without: some made ~1% of the
-    mean's calls)."""
+    loop from the other tasks calling: they take turns, and each of many tasks sharing a
+    client makes about the mean's number of calls (without: some made 1-18% of the mean's)."""
     from procs import echo_server
 
     url = f"shm://{name}"
@@ -719,4 +718,4 @@ async def test_tasks_sharing_a_client_take_turns(name):
             await asyncio.gather(*(caller(i) for i in range(16)))
     mean = sum(counts) / len(counts)
     assert mean > 100, f"only {mean:.0f} calls per task"
-    assert min(counts) >= 0.1 * mean, f"a task made {min(counts)} calls where the mean was {mean:.0f}"
+    assert min(counts) >= 0.5 * mean, f"a task made {min(counts)} calls where the mean was {mean:.0f}"

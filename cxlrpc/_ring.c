@@ -39,9 +39,13 @@ typedef struct {
     unsigned long long head_local, tail_local, head_cache;
     Py_ssize_t dropped;
     int multi, flushing;
+    size_t len; /* of the buffer */
+    PyObject *claim_obj; /* the claim counter last pushed with, and its word when inside buf (else NULL) */
+    uint64_t *claim_ptr;
 } RingCore;
 
-static PyObject *s_poll_py, *s_within_py, *s_push_py, *s_bad_tail, *s_store, *s_open, *s_revoke, *s_lost_commit;
+static PyObject *s_poll_py, *s_within_py, *s_push_py, *s_bad_tail, *s_store, *s_open, *s_revoke, *s_lost_commit,
+    *s_address;
 static PyObject *release_order; /* atomicshm.RELEASE, for the claim counter's store */
 
 static inline uint64_t *word_at(RingCore *r, Py_ssize_t off) { return (uint64_t *)(r->base + off); }
@@ -108,6 +112,7 @@ static int core_init(RingCore *self, PyObject *args, PyObject *kwds) {
     Py_INCREF(buf);
     Py_XSETREF(self->buf, buf);
     self->base = (char *)view->buf;
+    self->len = (size_t)view->len;
     self->capacity = capacity;
     self->mask = capacity - 1;
     self->max_payload = capacity / 2 - HEADER_SIZE;
@@ -121,11 +126,14 @@ static int core_init(RingCore *self, PyObject *args, PyObject *kwds) {
 
 static int core_traverse(RingCore *self, visitproc visit, void *arg) {
     Py_VISIT(self->buf);
+    Py_VISIT(self->claim_obj);
     return 0;
 }
 
 static int core_clear(RingCore *self) {
     Py_CLEAR(self->buf);
+    Py_CLEAR(self->claim_obj);
+    self->claim_ptr = NULL;
     return 0;
 }
 
@@ -202,8 +210,23 @@ static PyObject *core_poll(RingCore *self, PyObject *const *args, Py_ssize_t nar
         uint64_t kind = (word >> 48) & 0xFF;
         if (!(word & COMMITTED) || size > cap - idx || size > tail - pos || (kind != KIND_DATA && kind != KIND_PADDING) ||
             (kind == KIND_DATA && length > self->max_payload)) { /* no producer writes a record that long */
-            self->dropped += 1; /* corrupt: nothing up to the tail can be trusted */
-            pos = tail;
+            if (!self->multi) {
+                self->dropped += 1; /* corrupt: nothing up to the tail can be trusted */
+                pos = tail;
+                break;
+            }
+            /* the reference decides how far: not past a claim a live producer still writes */
+            PyObject *stop = PyObject_CallMethod((PyObject *)self, "_past_corrupt", "KK", (unsigned long long)pos,
+                                                 (unsigned long long)tail);
+            if (stop == NULL)
+                return NULL;
+            unsigned long long to = PyLong_AsUnsignedLongLong(stop);
+            Py_DECREF(stop);
+            if (to == (unsigned long long)-1 && PyErr_Occurred())
+                return NULL;
+            if (check_open(self) < 0)
+                return NULL;
+            pos = to >= pos && to <= tail && !(to & 7) ? to : tail;
             break;
         }
         if (kind == KIND_DATA) {
@@ -376,18 +399,50 @@ done:
     return result;
 }
 
-static int give_up(PyObject *claim) {
+/* claim.store(value, RELEASE): a release store straight into the word when the counter's address
+ * lies inside this ring's buffer (a channel's slot word: no call on the hot path), else the call.
+ * 0, or -1 with an exception set. */
+static int store_claim(RingCore *self, PyObject *claim, uint64_t value) {
     if (claim == Py_None)
         return 0;
-    PyObject *no_claim = PyLong_FromUnsignedLongLong(1ULL << 63); /* a claim we lost must not look like ours */
-    if (no_claim == NULL)
+    if (claim != self->claim_obj) {
+        uint64_t *ptr = NULL;
+        PyObject *addr = PyObject_GetAttr(claim, s_address);
+        if (addr == NULL) {
+            PyErr_Clear();
+        } else {
+            unsigned long long a = PyLong_AsUnsignedLongLong(addr);
+            Py_DECREF(addr);
+            if (a == (unsigned long long)-1 && PyErr_Occurred())
+                PyErr_Clear();
+            else if (!(a & 7) && a >= (uintptr_t)self->base && a - (uintptr_t)self->base <= self->len - 8)
+                ptr = (uint64_t *)(uintptr_t)a;
+        }
+        Py_INCREF(claim);
+        Py_XSETREF(self->claim_obj, claim);
+        self->claim_ptr = ptr;
+    }
+    if (self->claim_ptr != NULL) {
+        if (check_open(self) < 0)
+            return -1;
+        __atomic_store_n(self->claim_ptr, value, __ATOMIC_RELEASE);
+        return 0;
+    }
+    PyObject *v = PyLong_FromUnsignedLongLong(value);
+    if (v == NULL)
         return -1;
-    PyObject *res = PyObject_VectorcallMethod(s_store, (PyObject *[]){claim, no_claim, release_order}, 3, NULL);
-    Py_DECREF(no_claim);
+    PyObject *res = PyObject_VectorcallMethod(s_store, (PyObject *[]){claim, v, release_order}, 3, NULL);
+    Py_DECREF(v);
     if (res == NULL)
         return -1;
     Py_DECREF(res);
-    return 0;
+    return check_open(self); /* a callout: another thread may have closed the region */
+}
+
+#define NO_CLAIM (1ULL << 63) /* a claim word holding no position */
+
+static int give_up(RingCore *self, PyObject *claim) {
+    return store_claim(self, claim, NO_CLAIM); /* a claim we lost must not look like ours */
 }
 
 /* ``self.<name>(written, revoked[, message])`` where written is [(address, position, value), ...]. */
@@ -468,18 +523,8 @@ static PyObject *core_push_mpsc(RingCore *self, PyObject *const *args, Py_ssize_
             if (tail + need - head > cap)
                 goto full;
         }
-        if (claim != Py_None) { /* visible before the claim below is */
-            PyObject *t = PyLong_FromUnsignedLongLong(tail);
-            if (t == NULL)
-                goto done;
-            PyObject *res = PyObject_VectorcallMethod(s_store, (PyObject *[]){claim, t, release_order}, 3, NULL);
-            Py_DECREF(t);
-            if (res == NULL)
-                goto done;
-            Py_DECREF(res);
-            if (check_open(self) < 0) /* a callout: another thread may have closed the region */
-                goto done;
-        }
+        if (store_claim(self, claim, tail) < 0) /* visible before the claim below is */
+            goto done;
         if (cas(self, self->tail_at, tail, tail + need) == tail)
             break;
     }
@@ -541,10 +586,11 @@ static PyObject *core_push_mpsc(RingCore *self, PyObject *const *args, Py_ssize_
             goto done;
         }
     }
-    result = Py_NewRef(Py_True);
+    if (store_claim(self, claim, NO_CLAIM) == 0) /* done: nothing more of ours lands at that claim */
+        result = Py_NewRef(Py_True);
     goto done;
 full:
-    if (give_up(claim) == 0)
+    if (give_up(self, claim) == 0)
         result = Py_NewRef(Py_False);
 done:
     release_parts(views, n);
@@ -599,6 +645,7 @@ PyMODINIT_FUNC PyInit__ring(void) {
     INTERN(s_open, "_open");
     INTERN(s_revoke, "_revoke");
     INTERN(s_lost_commit, "_lost_commit");
+    INTERN(s_address, "address");
 #undef INTERN
     PyObject *atomicshm = PyImport_ImportModule("atomicshm");
     if (atomicshm == NULL)

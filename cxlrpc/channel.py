@@ -234,6 +234,7 @@ class ServerChannel:
         self._liveness = [Liveness(0.0) for _ in range(geo.slots)]
         self._pids = [PidWatch() for _ in range(geo.slots)]  # holders that share our identity
         self.seen: list[int | None] = [None] * geo.slots  # generation last seen claimed (or sending)
+        self.requests.live_claims = self.live_claims  # garbage recovery spares claims being written
         self.state.store(STATE_RUNNING, RELEASE)
 
     def slot_generation(self, slot: int) -> int:

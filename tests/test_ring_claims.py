@@ -14,9 +14,12 @@ import threading
 
 import pytest
 
+import time
+
 from cxlrpc.memory import RELEASE, AtomicMemory
-from cxlrpc.ring import ClaimRevoked, MpscRing
+from cxlrpc.ring import ClaimRevoked, MpscRing, base
 from cxlrpc.ring.mpsc import NO_CLAIM
+from cxlrpc.ring.record import COMMITTED, KIND_DATA, TAIL_OFFSET, make_header
 
 from ring_env import Env as _Env, payload
 
@@ -92,8 +95,8 @@ class HeldCommit(tuple):
 class Setup:
     """A ring plus one claim word per producer (as channel slots hold them)."""
 
-    def __init__(self, cap: int = 4096) -> None:
-        self.env = _Env(MpscRing, cap)
+    def __init__(self, cap: int = 4096, start: int = 0) -> None:
+        self.env = _Env(MpscRing, cap, start)
         self.ring: MpscRing = self.env.ring
         self.words = mmap.mmap(-1, 4096)
         self.mem = AtomicMemory(self.words)
@@ -225,3 +228,120 @@ def test_gap_of_a_dead_claim_stops_at_the_next_live_claim():
     t.join(10)
     assert out == {"ok": True}
     assert s.ring.pop() == rec
+
+
+# ----------------------------------------------------------------------------- garbage and claims
+def garbage_over_head(s: Setup) -> None:
+    """A committed header at the head that no producer wrote: its length runs past the tail."""
+    s.env.mem.store(s.ring.data + (s.ring.head_position & s.ring.mask), COMMITTED | (KIND_DATA << 48) | 0xFFFF,
+                    RELEASE)
+
+
+def test_garbage_is_skipped_only_up_to_a_claim_still_being_written():
+    """A corrupt record at the head is skipped up to the first live claim, not to the tail:
+    freed, that claim's space would be claimed again a lap later, and its producer's late
+    copy would land in that record (the wrong bytes delivered as someone else's)."""
+    s = Setup()
+    s.ring.live_claims = s.live_claims
+    assert s.ring.try_push_parts((payload(1, 56),), OTHER, TAG, s.claims[OTHER])
+    gate, rec = Gate(), payload(2, 56)
+    t, out = s.push_in_thread(HeldBeforeCopy((rec,), gate))  # LIVE: header written, copy pending
+    assert gate.reached.wait(10)
+    claimed = s.claims[LIVE].load(0)
+    assert claimed == 64
+    garbage_over_head(s)
+    assert s.ring.poll(lambda v: None) == 0
+    assert s.ring.head_position == claimed  # the garbage is dropped, LIVE's claim kept
+    assert s.ring.dropped == 1
+    later, pushed = [payload(10 + i, 56) for i in range(200)], []
+    for r in later:  # OTHER fills the ring: it cannot lap into LIVE's claim
+        if not s.ring.try_push_parts((r,), OTHER, TAG, s.claims[OTHER]):
+            break
+        pushed.append(r)
+    assert 0 < len(pushed) < len(later)
+    assert s.ring.poll(lambda v: None) == 0  # LIVE's record is not committed yet
+    gate.opened.set()
+    t.join(10)
+    assert out == {"ok": True}
+    assert s.claims[LIVE].load(0) == NO_CLAIM
+    assert s.ring.pop_batch() == [rec] + pushed  # every record whole, in order
+    assert s.ring.dropped == 1
+
+
+def test_hold_at_garbage_ends_when_a_claim_never_finishes(monkeypatch):
+    """A live claim word that no write follows (garbage over the word, or a producer stalled
+    mid-copy) holds the consumer at most HOLD_S; then it skips to the tail."""
+    monkeypatch.setattr(base, "HOLD_S", 0.05)
+    s = Setup()
+    s.ring.live_claims = s.live_claims
+    for i in range(3):
+        assert s.ring.try_push_parts((payload(i, 56),), OTHER, TAG, s.claims[OTHER])
+    s.claims[LIVE].store(0, RELEASE)  # a claim nobody writes, where the garbage lies
+    garbage_over_head(s)
+    t0 = time.monotonic()
+    assert s.ring.poll(lambda v: None) == 0
+    assert s.ring.head_position == 0 and s.ring.dropped == 0  # held at the garbage itself
+    while s.ring.head_position == 0 and time.monotonic() < t0 + 5:
+        assert s.ring.poll(lambda v: None) == 0
+    assert time.monotonic() - t0 >= 0.05
+    assert s.ring.head_position == s.env.load_counter(TAIL_OFFSET) == 192  # to the tail, once
+    assert s.ring.dropped == 1 and not s.ring.readable()
+
+
+def test_garbage_tail_resets_the_ring_once_live_claims_are_done():
+    """A garbage tail clears the ring, but not while a live producer writes a claim in it."""
+    s = Setup()
+    s.ring.live_claims = s.live_claims
+    gate, rec = Gate(), payload(3, 100)
+    t, out = s.push_in_thread(HeldBeforeCopy((rec,), gate))
+    assert gate.reached.wait(10)
+    tail = s.env.load_counter(TAIL_OFFSET)
+    s.env.store_counter(TAIL_OFFSET, tail + 3)  # misaligned: garbage
+    assert s.ring.poll(lambda v: None) == 0
+    assert s.ring.dropped == 0 and s.env.load_counter(TAIL_OFFSET) == tail + 3  # waits for LIVE
+    assert s.env.mem.load(s.ring.data, 0) == make_header(100, KIND_DATA, LIVE, False, TAG)
+    gate.opened.set()
+    t.join(10)
+    assert out == {"ok": True}
+    assert s.ring.poll(lambda v: None) == 0  # now it resets: claims in flight are lost
+    assert s.ring.dropped == 1 and s.env.load_counter(TAIL_OFFSET) == s.ring.head_position
+    assert not any(s.env.buf[s.ring.data:s.ring.data + s.ring.capacity])
+    later = [payload(20 + i, 90) for i in range(30)]
+    got = []
+    for r in later:
+        while not s.ring.try_push_parts((r,), OTHER, TAG, s.claims[OTHER]):
+            got += s.ring.pop_batch()
+    assert got + s.ring.pop_batch() == later
+
+
+def test_unblock_pads_a_header_no_live_producer_writes():
+    """An uncommitted header naming a live producer that is not writing there (garbage, or its
+    commit was lost to garbage) is padded, so the ring never stays blocked by it."""
+    s = Setup()
+    at = s.ring.head_position
+    s.claims[OTHER].store(at, RELEASE)
+    assert s.ring._tail.cas(at, at + 64, 0) == at
+    s.env.mem.store(s.ring.data, make_header(56, KIND_DATA, LIVE, False, TAG), RELEASE)
+    assert s.ring.blocked_producer() == LIVE
+    assert not s.unblock()  # OTHER's claim is at the head: someone may be writing there
+    s.claims[OTHER].store(NO_CLAIM, RELEASE)
+    assert s.unblock()  # LIVE is alive, but claims nothing: not its write
+    assert s.ring.poll(lambda v: None) == 0 and not s.ring.readable()
+
+
+def test_unblock_leaves_a_wrapped_record_of_a_live_claim_alone():
+    """A record that did not fit before the end starts a lap after its claim: a live producer
+    writing it there blocks unblock() at that lap start too."""
+    cap = 4096
+    s, gate = Setup(cap, start=cap - 64), Gate()
+    rec = payload(6, 200)
+    t, out = s.push_in_thread(HeldBeforeCopy((rec,), gate))  # claim at cap - 64, record at cap
+    assert gate.reached.wait(10)
+    assert s.claims[LIVE].load(0) == cap - 64
+    assert s.ring.poll(lambda v: None) == 0  # the padding is consumed; the record is not committed
+    assert s.ring.head_position == cap and s.ring.blocked_producer() == LIVE
+    s.dead.add(OTHER)
+    assert not s.unblock()
+    gate.opened.set()
+    t.join(10)
+    assert out == {"ok": True} and s.ring.pop() == rec

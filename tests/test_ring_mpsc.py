@@ -384,13 +384,17 @@ def test_dead_producer_unblock(cap, slots, before, length, mode, after) -> None:
             assert not ring.unblock(lambda p, t: True, lambda: [head])
             assert ring.poll(lambda v: None) == 0
             assert ring.unblock(lambda p, t: True, lambda: [head + 1 << 20])
-        else:  # a named producer: only when the caller says it is dead
+        else:  # a named producer: when the caller says it is dead, or no live one writes there
             assert blocked == DEAD
+            head = ring.head_position
             assert not ring.unblock(lambda p, t: False)
-            assert not ring.unblock(lambda p, t: False, lambda: ())
             assert not ring.unblock(lambda p, t: p != DEAD)
+            assert not ring.unblock(lambda p, t: True, lambda: [head])  # a live claim at the head
             assert ring.poll(lambda v: None) == 0
-            assert ring.unblock(lambda p, t: p == DEAD and t == 0)
+            if unblocks % 2:
+                assert ring.unblock(lambda p, t: p == DEAD and t == 0)
+            else:
+                assert ring.unblock(lambda p, t: False, lambda: [head + 1 << 20])
         unblocks += 1
         got = ring.pop_batch()
         if ring.blocked_producer() is not None:
@@ -417,7 +421,8 @@ def test_unblock_leaves_live_and_committed_records_alone() -> None:
     assert ring.pop() == b"committed"
     dead_claim(env, 40, "hdr")
     assert ring.blocked_producer() == DEAD
-    assert not ring.unblock(lambda p, t: p == LIVE, lambda: ())
+    assert not ring.unblock(lambda p, t: p == LIVE)
+    assert not ring.unblock(lambda p, t: True, lambda: [ring.head_position])
     assert ring.dropped == 0
 
 

@@ -72,9 +72,36 @@ def test_garbage_where_the_header_goes_is_overwritten_by_a_live_producer(wrap: b
     rec = payload(1, 200)
     at = env.data + (0 if wrap else ring._head_local & ring.mask)
     env.mem.store(at, 0xDEAD_BEEF, RELEASE)
-    assert ring.try_push_parts((rec[:50], rec[50:]), 3, 5, claim, lambda: False)
-    assert claim.load(0) == ring._head_local  # the claim word held where it claimed
+    seen = []  # the claim word while the slow path asks revoked()
+    assert ring.try_push_parts((rec[:50], rec[50:]), 3, 5, claim, lambda: seen.append(claim.load(0)) or False)
+    assert seen and seen[0] == ring._head_local  # held where it claimed while writing
+    assert claim.load(0) == NO_CLAIM  # and no position once committed
     assert ring.pop() == rec
+    assert env.guards_intact()
+
+
+@native
+def test_claim_word_inside_the_ring_buffer_is_stored_directly() -> None:
+    """A claim counter whose word lies in the ring's own buffer (a channel's slot word) is
+    stored without a call: it holds the claim while the push writes, NO_CLAIM after."""
+    env = Env(MpscRing, 4096)
+    ring = env.ring
+
+    class Claim:  # an AtomicU64's address, and a store the native push must not call
+        address = env.base_addr + 8  # in the leading guard bytes, outside the ring
+
+        def store(self, value, order):
+            raise AssertionError("the native push called store()")
+
+    claim = Claim()
+    rec = payload(2, 100)
+    env.mem.store(env.data + (ring._head_local & ring.mask), 0xDEAD_BEEF, RELEASE)  # to see it mid-push
+    seen = []
+    assert ring.try_push_parts((rec,), 3, 5, claim, lambda: seen.append(env.mem.load(8, 0)) or False)
+    assert seen == [0] and env.mem.load(8, 0) == NO_CLAIM
+    assert ring.try_push_parts((rec,), 3, 5, claim, lambda: False) and env.mem.load(8, 0) == NO_CLAIM
+    assert ring.pop_batch() == [rec, rec]
+    env.buf[8:16] = bytes([0xA5]) * 8  # the guard as it was
     assert env.guards_intact()
 
 

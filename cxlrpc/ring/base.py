@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Callable
+from typing import Callable, Collection
 
 from ..memory import ACQ_REL, ACQUIRE, RELAXED, RELEASE, AtomicMemory
 from .record import (
@@ -31,6 +31,11 @@ _SMALL_ZEROS = memoryview(bytes(256))
 
 #: Counters stay far below 2**64 (2**62 bytes is centuries of traffic); larger ones are garbage.
 COUNTER_LIMIT = 1 << 62
+
+#: Longest an MPSC consumer waits, at a corrupt record or a garbage tail, for live producers to
+#: finish the claims past it before freeing them anyway (a claim word hit by garbage too, or a
+#: producer stalled that long mid-copy: its late bytes may then land in a later record).
+HOLD_S = 0.5
 
 
 def sane(counter: int) -> bool:
@@ -66,12 +71,18 @@ class RingBase(_Core):
     a private copy of the counter it owns and only publishes it, so garbage written over a
     shared counter is repaired by the owner's next store.  Every counter and header read
     from the buffer is validated: a corrupt record is skipped together with everything up
-    to the tail, and counted in :attr:`dropped`.
+    to the tail (MPSC: up to the first claim a live producer is still writing), and counted
+    in :attr:`dropped`.
     """
 
     #: MPSC consumers zero what they consume (producers' headers start out as zero) and wait
     #: at uncommitted headers; in an SPSC ring everything below the tail is complete.
     _multi_producer = False
+
+    #: MPSC consumer: the positions live producers are claiming or writing at (their claim
+    #: words, read after the tail), or None when producers publish none. Garbage recovery
+    #: never frees space a live producer is still writing.
+    live_claims: Callable[[], Collection[int]] | None = None
 
     def __init__(self, buf: memoryview, mem: AtomicMemory, offset: int, capacity: int) -> None:
         check_capacity(capacity)
@@ -94,6 +105,7 @@ class RingBase(_Core):
         self._head_local = self._adopted_head()  # consumer's own copy of its counter
         self._head_cache = self._head_local  # producer's last valid view of the head
         self.dropped = 0  # corrupt records or counters the consumer discarded
+        self._hold: tuple[int, float] | None = None  # (position, until): see _live_writer
 
     def reset(self) -> None:
         """Zero counters and data: only while no peer uses the ring (creation)."""
@@ -174,8 +186,7 @@ class RingBase(_Core):
             if (not word & COMMITTED or size > cap - idx or pos + size > tail
                     or (kind != KIND_DATA and kind != KIND_PADDING)
                     or (kind == KIND_DATA and length > self.max_payload)):  # no producer writes it
-                self.dropped += 1  # corrupt: nothing up to the tail can be trusted
-                pos = tail
+                pos = self._past_corrupt(pos, tail)  # nothing up to the tail can be trusted
                 break
             if kind == KIND_DATA:
                 start = data + idx + HEADER_SIZE
@@ -235,6 +246,42 @@ class RingBase(_Core):
                 self.mem.zero(data + idx, n)
             start += n
 
+    def _past_corrupt(self, pos: int, tail: int) -> int:
+        """Where the consumer resumes after a corrupt record at ``pos`` (counted in dropped):
+        the tail, as nothing up to it can be trusted, but in an MPSC ring not past a claim a
+        live producer is still writing. Freed, that claim's space is claimed again a lap later,
+        and the producer's late copy would land in that record: the consumer stops at the
+        claim (at ``pos`` itself, until the producer is done) while the hold lasts."""
+        stop = self._live_writer(pos, tail)
+        if stop is None:
+            stop = tail
+        if stop != pos:
+            self.dropped += 1
+        return stop
+
+    def writing_at(self, claims: Collection[int]) -> set[int]:
+        """The record starts producers holding these claims may be writing: each claim, and
+        the start of the lap after it (where a record that did not fit before the end goes)."""
+        mask = self.mask
+        return {c for c in claims} | {(c | mask) + 1 for c in claims if c & mask}
+
+    def _live_writer(self, start: int, end: int) -> int | None:
+        """MPSC with ``live_claims``: the first position in [start, end) a live producer is
+        still writing at, while a hold on ``start`` lasts (HOLD_S); None when there is none."""
+        if not self._multi_producer or self.live_claims is None:
+            return None
+        writing = [w for w in self.writing_at(self.live_claims()) if start <= w < end]
+        if not writing:
+            self._hold = None
+            return None
+        now = time.monotonic()
+        if self._hold is None or self._hold[0] != start:
+            self._hold = (start, now + HOLD_S)
+        elif now >= self._hold[1]:
+            self._hold = None
+            return None
+        return min(writing)
+
     def _bad_tail(self, tail: int) -> None:
         """The tail is garbage (behind the head, over a lap ahead, misaligned or huge).
 
@@ -242,16 +289,21 @@ class RingBase(_Core):
         an aligned, plausible tail is adopted (unread records are dropped) and the producer
         adopts our head in turn if it must; the two converge within two exchanges.  MPSC:
         claims in flight are lost; the data is cleared (keeping the zero-header invariant)
-        and the tail moved back to the head with a CAS, so a concurrent claim wins.
+        and the tail moved back to the head with a CAS, so a concurrent claim wins; not while
+        live producers still write claims past the head (their late copies would land in the
+        records that reuse that space), for as long as the hold lasts.
         """
-        self.dropped += 1
         head = self._head_local
         if not self._multi_producer and not tail & 7 and tail < COUNTER_LIMIT:
+            self.dropped += 1
             self._head_local = tail
             self._store_head(tail)
             return
         if self._multi_producer:
+            if self._live_writer(head, head + self.capacity) is not None:
+                return  # looked at again by the next poll
             self.mem.zero(self.data, self.capacity)
+        self.dropped += 1
         self._tail.cas(tail, head, ACQ_REL)
         self._store_head(head)  # and repair our own counter, in case it was hit too
 

@@ -42,7 +42,9 @@ class MpscRing(RingBase):
 
     Producers that want a stalled claim of theirs never to be mistaken for a dead one pass a
     ``claim`` counter of their own (one writer: them): it holds the tail they are claiming
-    at, so the consumer can tell a live claimant whose header is not written yet.  Headers
+    at from before the claim until after the commit (NO_CLAIM otherwise), so the consumer
+    can tell a live claimant whose header is not written yet, and never frees space a live
+    producer is still writing when it skips garbage (``live_claims``).  Headers
     are written and committed by CAS from the value the producer expects, so a producer
     whose claim the consumer already padded learns it (:class:`ClaimRevoked`) and never
     commits into space that was reclaimed.
@@ -123,6 +125,8 @@ class MpscRing(RingBase):
             start += n
         if cas(data + idx, word, word | COMMITTED, ACQ_REL) != word and revoked is not None and revoked():
             self._lost_commit(idx, tail, need, size)
+        if claim is not None:
+            claim.store(NO_CLAIM, RELEASE)  # done: nothing more of ours lands at that claim
         return True
 
     #: ``try_push_parts(parts, producer=0, tag=0, claim=None, revoked=None)``: the native twin
@@ -187,13 +191,15 @@ class MpscRing(RingBase):
                 live_claims: Callable[[], Collection[int]] | None = None) -> bool:
         """Consumer only: turn a dead producer's uncommitted record at the head into padding.
 
-        ``producer_dead(id, tag)`` tells whether the producer that wrote the header is gone.
-        A header still zero (its producer claimed but wrote nothing yet) is cleared only when
-        ``live_claims`` is given and none of the positions it returns (the claim words of the
-        producers still alive, read after the tail) is the head; the gap then extends to the
-        next written header, live claim, the tail or the end of the buffer.  The padding is
-        written by CAS, so a producer writing at that moment wins or learns it lost.  Returns
-        True if it unblocked.
+        Without ``live_claims``, ``producer_dead(id, tag)`` tells whether the producer that
+        wrote the header is gone.  With it (the claim words of the producers still alive,
+        read after the tail; every producer must publish one), the record is padded when no
+        live producer may be writing at the head (see :meth:`writing_at`): the header is then
+        a dead producer's or garbage, and a header still zero (claimed, nothing written yet)
+        is cleared too.  The padding ends at the next live producer's record start, the
+        tail, or the end of the buffer, and a zero header's at the next written header.  It
+        is written by CAS, so a producer writing at that moment wins or learns it lost.
+        Returns True if it unblocked.
         """
         head = self._head_local
         tail = self._tail.load(ACQUIRE)
@@ -203,27 +209,23 @@ class MpscRing(RingBase):
         word = self.mem.load(self.data + idx, ACQUIRE)
         if word & COMMITTED:
             return False
-        to_end = self.capacity - idx
-        if word:
-            if not producer_dead(header_producer(word), header_tag(word)):
+        limit = min(self.capacity - idx, tail - head)
+        if live_claims is not None:
+            writing = self.writing_at(live_claims())
+            if head in writing:
                 return False
-            size = HEADER_SIZE + (((word & LENGTH_MASK) + 7) & ~7)
-            if size > to_end or head + size > tail:
-                size = min(to_end, tail - head)
-        elif live_claims is not None:
-            claims = live_claims()
-            if head in claims:
-                return False
-            limit = min(to_end, tail - head)
-            later = [c - head for c in claims if head < c < head + limit]
+            later = [w - head for w in writing if head < w < head + limit]
             if later:
                 limit = min(later)
+        elif not word or not producer_dead(header_producer(word), header_tag(word)):
+            return False
+        if word:
+            size = min(HEADER_SIZE + (((word & LENGTH_MASK) + 7) & ~7), limit)
+        else:
             size = HEADER_SIZE
             load = self.mem.load
             while size < limit and load(self.data + idx + size, ACQUIRE) == 0:
                 size += HEADER_SIZE
-        else:
-            return False
         pad = COMMITTED | (KIND_PADDING << 48) | (size - HEADER_SIZE)
         if self.mem.cas(self.data + idx, word, pad, ACQ_REL) != word:
             return False  # the producer wrote (or committed) meanwhile: look again later

@@ -45,8 +45,8 @@ typedef struct {
 } RingCore;
 
 static PyObject *s_poll_py, *s_within_py, *s_push_py, *s_bad_tail, *s_store, *s_open, *s_revoke, *s_lost_commit,
-    *s_address;
-static PyObject *release_order; /* atomicshm.RELEASE, for the claim counter's store */
+    *s_address, *s_cas;
+static PyObject *release_order, *acq_rel_order; /* atomicshm's, for the claim counter's store and CAS */
 
 static inline uint64_t *word_at(RingCore *r, Py_ssize_t off) { return (uint64_t *)(r->base + off); }
 static inline uint64_t load_acq(RingCore *r, Py_ssize_t off) { return __atomic_load_n(word_at(r, off), __ATOMIC_ACQUIRE); }
@@ -111,6 +111,8 @@ static int core_init(RingCore *self, PyObject *args, PyObject *kwds) {
     }
     Py_INCREF(buf);
     Py_XSETREF(self->buf, buf);
+    Py_CLEAR(self->claim_obj); /* its word was looked up in the previous buffer */
+    self->claim_ptr = NULL;
     self->base = (char *)view->buf;
     self->len = (size_t)view->len;
     self->capacity = capacity;
@@ -399,10 +401,10 @@ done:
     return result;
 }
 
-/* claim.store(value, RELEASE): a release store straight into the word when the counter's address
- * lies inside this ring's buffer (a channel's slot word: no call on the hot path), else the call.
- * 0, or -1 with an exception set. */
-static int store_claim(RingCore *self, PyObject *claim, uint64_t value) {
+/* claim.store(value, RELEASE), or with ``cas`` claim.cas(expected, value, ACQ_REL): straight into
+ * the word when the counter's address lies inside this ring's buffer (a channel's slot word: no
+ * call on the hot path), else the call. 0, or -1 with an exception set. */
+static int set_claim(RingCore *self, PyObject *claim, int cas, uint64_t expected, uint64_t value) {
     if (claim == Py_None)
         return 0;
     if (claim != self->claim_obj) {
@@ -425,14 +427,22 @@ static int store_claim(RingCore *self, PyObject *claim, uint64_t value) {
     if (self->claim_ptr != NULL) {
         if (check_open(self) < 0)
             return -1;
-        __atomic_store_n(self->claim_ptr, value, __ATOMIC_RELEASE);
+        if (cas)
+            __atomic_compare_exchange_n(self->claim_ptr, &expected, value, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+        else
+            __atomic_store_n(self->claim_ptr, value, __ATOMIC_RELEASE);
         return 0;
     }
-    PyObject *v = PyLong_FromUnsignedLongLong(value);
-    if (v == NULL)
+    PyObject *v = PyLong_FromUnsignedLongLong(value), *e = cas ? PyLong_FromUnsignedLongLong(expected) : NULL;
+    if (v == NULL || (cas && e == NULL)) {
+        Py_XDECREF(v);
+        Py_XDECREF(e);
         return -1;
-    PyObject *res = PyObject_VectorcallMethod(s_store, (PyObject *[]){claim, v, release_order}, 3, NULL);
+    }
+    PyObject *res = cas ? PyObject_VectorcallMethod(s_cas, (PyObject *[]){claim, e, v, acq_rel_order}, 4, NULL)
+                        : PyObject_VectorcallMethod(s_store, (PyObject *[]){claim, v, release_order}, 3, NULL);
     Py_DECREF(v);
+    Py_XDECREF(e);
     if (res == NULL)
         return -1;
     Py_DECREF(res);
@@ -442,7 +452,7 @@ static int store_claim(RingCore *self, PyObject *claim, uint64_t value) {
 #define NO_CLAIM (1ULL << 63) /* a claim word holding no position */
 
 static int give_up(RingCore *self, PyObject *claim) {
-    return store_claim(self, claim, NO_CLAIM); /* a claim we lost must not look like ours */
+    return set_claim(self, claim, 0, 0, NO_CLAIM); /* a claim we lost must not look like ours */
 }
 
 /* ``self.<name>(written, revoked[, message])`` where written is [(address, position, value), ...]. */
@@ -523,7 +533,7 @@ static PyObject *core_push_mpsc(RingCore *self, PyObject *const *args, Py_ssize_
             if (tail + need - head > cap)
                 goto full;
         }
-        if (store_claim(self, claim, tail) < 0) /* visible before the claim below is */
+        if (set_claim(self, claim, 0, 0, tail) < 0) /* visible before the claim below is */
             goto done;
         if (cas(self, self->tail_at, tail, tail + need) == tail)
             break;
@@ -586,7 +596,9 @@ static PyObject *core_push_mpsc(RingCore *self, PyObject *const *args, Py_ssize_
             goto done;
         }
     }
-    if (store_claim(self, claim, NO_CLAIM) == 0) /* done: nothing more of ours lands at that claim */
+    /* done: nothing more of ours lands at that claim (a CAS: should the slot have gone to another
+     * holder meanwhile, its word is not ours to clear) */
+    if (set_claim(self, claim, 1, tail, NO_CLAIM) == 0)
         result = Py_NewRef(Py_True);
     goto done;
 full:
@@ -646,13 +658,15 @@ PyMODINIT_FUNC PyInit__ring(void) {
     INTERN(s_revoke, "_revoke");
     INTERN(s_lost_commit, "_lost_commit");
     INTERN(s_address, "address");
+    INTERN(s_cas, "cas");
 #undef INTERN
     PyObject *atomicshm = PyImport_ImportModule("atomicshm");
     if (atomicshm == NULL)
         return NULL;
     release_order = PyObject_GetAttrString(atomicshm, "RELEASE");
+    acq_rel_order = PyObject_GetAttrString(atomicshm, "ACQ_REL");
     Py_DECREF(atomicshm);
-    if (release_order == NULL)
+    if (release_order == NULL || acq_rel_order == NULL)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)

@@ -345,3 +345,92 @@ def test_unblock_leaves_a_wrapped_record_of_a_live_claim_alone():
     gate.opened.set()
     t.join(10)
     assert out == {"ok": True} and s.ring.pop() == rec
+
+
+def test_hold_that_runs_out_passes_only_the_claim_it_waited_for(monkeypatch):
+    """A claim at the garbage that never finishes is passed after HOLD_S; another live
+    producer's claim further on still stops the consumer, and its record arrives whole."""
+    monkeypatch.setattr(base, "HOLD_S", 0.05)
+    s = Setup()
+    s.ring.live_claims = s.live_claims
+    assert s.ring.try_push_parts((payload(1, 56),), 9, TAG)  # a record at 0
+    s.claims[LIVE].store(0, RELEASE)  # LIVE's word names it: stuck (or garbage over the word)
+    gate, rec = Gate(), payload(2, 56)
+    t, out = s.push_in_thread(HeldBeforeCopy((rec,), gate), OTHER)  # OTHER writes at 64
+    assert gate.reached.wait(10)
+    garbage_over_head(s)
+    deadline = time.monotonic() + 5
+    while s.ring.head_position == 0 and time.monotonic() < deadline:
+        assert s.ring.poll(lambda v: None) == 0
+    assert s.ring.head_position == 64 == s.claims[OTHER].load(0)
+    pushed = []
+    while s.ring.try_push_parts((payload(100 + len(pushed), 56),), 9, TAG):  # cannot lap into 64
+        pushed.append(payload(100 + len(pushed), 56))
+    gate.opened.set()
+    t.join(10)
+    assert out == {"ok": True}
+    assert s.ring.pop_batch() == [rec] + pushed
+
+
+def test_garbage_tail_behind_the_head_waits_for_a_claim_made_from_it():
+    """A producer whose cached head allows it claims at a garbage tail behind the head: the
+    reset waits for that claim too (it lies outside the lap ahead of the head)."""
+    cap = 4096
+    s = Setup(cap, start=4160)
+    s.ring.live_claims = s.live_claims
+    producer = MpscRing(s.env.buf, s.env.mem, s.ring.data - 256, cap)  # LIVE's own view
+    producer._head_cache = 3904  # an older, valid view of the head
+    s.env.store_counter(TAIL_OFFSET, 4000)  # garbage: aligned, behind the head
+    gate, rec, out = Gate(), payload(7, 56), {}
+
+    def run() -> None:
+        out["ok"] = producer._try_push_parts_py(HeldBeforeCopy((rec,), gate), LIVE, TAG, s.claims[LIVE],
+                                                lambda: False)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    assert gate.reached.wait(10)
+    assert s.claims[LIVE].load(0) == 4000
+    for _ in range(3):
+        assert s.ring.poll(lambda v: None) == 0
+    assert s.ring.dropped == 0 and s.env.load_counter(TAIL_OFFSET) == 4064  # not reset under LIVE
+    gate.opened.set()
+    t.join(10)
+    assert out == {"ok": True}
+    assert s.ring.poll(lambda v: None) == 0  # now it is
+    assert s.ring.dropped == 1 and s.env.load_counter(TAIL_OFFSET) == s.ring.head_position == 4160
+    assert not any(s.env.buf[s.ring.data:s.ring.data + cap])
+    later = [payload(20 + i, 56) for i in range(100)]
+    got = []
+    for r in later:
+        while not s.ring.try_push_parts((r,), OTHER, TAG, s.claims[OTHER]):
+            got += s.ring.pop_batch()
+    assert got + s.ring.pop_batch() == later
+
+
+@pytest.mark.parametrize("word", [68, 1 << 62, (1 << 64) - 8])
+def test_claim_words_that_are_no_positions_are_ignored(word):
+    """Garbage over a claim word (misaligned, past COUNTER_LIMIT) is no position to stop at."""
+    s = Setup()
+    s.ring.live_claims = s.live_claims
+    for i in range(3):
+        assert s.ring.try_push_parts((payload(i, 56),), 9, TAG)
+    s.claims[LIVE].store(word, RELEASE)
+    garbage_over_head(s)
+    assert s.ring.poll(lambda v: None) == 0
+    assert s.ring.head_position == 192 and s.ring.dropped == 1 and not s.ring.readable()
+
+
+def test_a_finished_push_leaves_a_new_holders_claim_word_alone():
+    """The claim word is cleared after the commit by a CAS from the claim: a producer that
+    finishes after its slot went to a new holder (who wrote the word) leaves it as it is."""
+    s, gate = Setup(), Gate()
+    rec = payload(8, 56)
+    t, out = s.push_in_thread(HeldBeforeCopy((rec,), gate))
+    assert gate.reached.wait(10)
+    s.claims[LIVE].store(4096, RELEASE)  # the slot's new holder claims
+    gate.opened.set()
+    t.join(10)
+    assert out == {"ok": True}
+    assert s.claims[LIVE].load(0) == 4096
+    assert s.ring.pop() == rec

@@ -83,23 +83,31 @@ def test_garbage_where_the_header_goes_is_overwritten_by_a_live_producer(wrap: b
 @native
 def test_claim_word_inside_the_ring_buffer_is_stored_directly() -> None:
     """A claim counter whose word lies in the ring's own buffer (a channel's slot word) is
-    stored without a call: it holds the claim while the push writes, NO_CLAIM after."""
-    env = Env(MpscRing, 4096)
+    written without a call: the claim while the push writes, NO_CLAIM after (by a CAS from the
+    claim: a word a new holder of the slot wrote meanwhile stays)."""
+    env = Env(MpscRing, 4096, start=1024)
     ring = env.ring
 
-    class Claim:  # an AtomicU64's address, and a store the native push must not call
+    class Claim:  # an AtomicU64's address, and methods the native push must not call
         address = env.base_addr + 8  # in the leading guard bytes, outside the ring
 
         def store(self, value, order):
             raise AssertionError("the native push called store()")
 
-    claim = Claim()
-    rec = payload(2, 100)
-    env.mem.store(env.data + (ring._head_local & ring.mask), 0xDEAD_BEEF, RELEASE)  # to see it mid-push
+        cas = store
+
+    claim, rec = Claim(), payload(2, 100)
     seen = []
+
+    def garbage_at_tail() -> None:  # the header CAS then takes the slow path, which asks revoked()
+        env.mem.store(env.data + (env.load_counter(TAIL_OFFSET) & ring.mask), 0xDEAD_BEEF, RELEASE)
+
+    garbage_at_tail()
     assert ring.try_push_parts((rec,), 3, 5, claim, lambda: seen.append(env.mem.load(8, 0)) or False)
-    assert seen == [0] and env.mem.load(8, 0) == NO_CLAIM
-    assert ring.try_push_parts((rec,), 3, 5, claim, lambda: False) and env.mem.load(8, 0) == NO_CLAIM
+    assert seen == [1024] and env.mem.load(8, 0) == NO_CLAIM
+    garbage_at_tail()
+    new_holder = lambda: env.mem.store(8, 8192, RELEASE) or False  # the slot changes hands mid-push
+    assert ring.try_push_parts((rec,), 3, 5, claim, new_holder) and env.mem.load(8, 0) == 8192
     assert ring.pop_batch() == [rec, rec]
     env.buf[8:16] = bytes([0xA5]) * 8  # the guard as it was
     assert env.guards_intact()

@@ -105,7 +105,7 @@ class RingBase(_Core):
         self._head_local = self._adopted_head()  # consumer's own copy of its counter
         self._head_cache = self._head_local  # producer's last valid view of the head
         self.dropped = 0  # corrupt records or counters the consumer discarded
-        self._hold: tuple[int, float] | None = None  # (position, until): see _live_writer
+        self._hold: tuple[tuple, float] | None = None  # (what, until): see _waiting
 
     def reset(self) -> None:
         """Zero counters and data: only while no peer uses the ring (creation)."""
@@ -251,13 +251,22 @@ class RingBase(_Core):
         the tail, as nothing up to it can be trusted, but in an MPSC ring not past a claim a
         live producer is still writing. Freed, that claim's space is claimed again a lap later,
         and the producer's late copy would land in that record: the consumer stops at the
-        claim (at ``pos`` itself, until the producer is done) while the hold lasts."""
-        stop = self._live_writer(pos, tail)
-        if stop is None:
-            stop = tail
-        if stop != pos:
-            self.dropped += 1
-        return stop
+        first such claim, or waits at ``pos`` while one there lasts (HOLD_S at most; then it
+        passes that one claim, and stops at the next)."""
+        writing = sorted(w for w in self.writing_at(self._claims()) if pos <= w < tail)
+        if writing and writing[0] == pos:
+            if self._waiting(("record", pos)):
+                return pos
+            del writing[0]
+        self.dropped += 1
+        return writing[0] if writing else tail
+
+    def _claims(self) -> list[int]:
+        """MPSC with ``live_claims``: the claim words that can be positions (aligned, below
+        COUNTER_LIMIT: garbage over a word is no position), else none."""
+        if not self._multi_producer or self.live_claims is None:
+            return []
+        return [c for c in self.live_claims() if sane(c)]
 
     def writing_at(self, claims: Collection[int]) -> set[int]:
         """The record starts producers holding these claims may be writing: each claim, and
@@ -265,22 +274,16 @@ class RingBase(_Core):
         mask = self.mask
         return {c for c in claims} | {(c | mask) + 1 for c in claims if c & mask}
 
-    def _live_writer(self, start: int, end: int) -> int | None:
-        """MPSC with ``live_claims``: the first position in [start, end) a live producer is
-        still writing at, while a hold on ``start`` lasts (HOLD_S); None when there is none."""
-        if not self._multi_producer or self.live_claims is None:
-            return None
-        writing = [w for w in self.writing_at(self.live_claims()) if start <= w < end]
-        if not writing:
-            self._hold = None
-            return None
+    def _waiting(self, key: tuple) -> bool:
+        """Start or go on with the consumer's one hold (on ``key``): True until HOLD_S passed."""
         now = time.monotonic()
-        if self._hold is None or self._hold[0] != start:
-            self._hold = (start, now + HOLD_S)
-        elif now >= self._hold[1]:
-            self._hold = None
-            return None
-        return min(writing)
+        if self._hold is None or self._hold[0] != key:
+            self._hold = (key, now + HOLD_S)
+            return True
+        if now < self._hold[1]:
+            return True
+        self._hold = None
+        return False
 
     def _bad_tail(self, tail: int) -> None:
         """The tail is garbage (behind the head, over a lap ahead, misaligned or huge).
@@ -290,8 +293,8 @@ class RingBase(_Core):
         adopts our head in turn if it must; the two converge within two exchanges.  MPSC:
         claims in flight are lost; the data is cleared (keeping the zero-header invariant)
         and the tail moved back to the head with a CAS, so a concurrent claim wins; not while
-        live producers still write claims past the head (their late copies would land in the
-        records that reuse that space), for as long as the hold lasts.
+        a live producer still writes a claim (anywhere: the tail was garbage), whose late copy
+        would land in a record that reuses that space, for as long as the hold lasts.
         """
         head = self._head_local
         if not self._multi_producer and not tail & 7 and tail < COUNTER_LIMIT:
@@ -300,8 +303,8 @@ class RingBase(_Core):
             self._store_head(tail)
             return
         if self._multi_producer:
-            if self._live_writer(head, head + self.capacity) is not None:
-                return  # looked at again by the next poll
+            if self._claims() and self._waiting(("tail", head)):
+                return  # looked at again by the next poll (a claim may lie anywhere: the tail is garbage)
             self.mem.zero(self.data, self.capacity)
         self.dropped += 1
         self._tail.cas(tail, head, ACQ_REL)

@@ -125,8 +125,8 @@ class MpscRing(RingBase):
             start += n
         if cas(data + idx, word, word | COMMITTED, ACQ_REL) != word and revoked is not None and revoked():
             self._lost_commit(idx, tail, need, size)
-        if claim is not None:
-            claim.store(NO_CLAIM, RELEASE)  # done: nothing more of ours lands at that claim
+        if claim is not None:  # done: nothing more of ours lands at that claim (a CAS: should
+            claim.cas(tail, NO_CLAIM, ACQ_REL)  # the slot have a new holder, its word is not ours)
         return True
 
     #: ``try_push_parts(parts, producer=0, tag=0, claim=None, revoked=None)``: the native twin

@@ -434,3 +434,25 @@ def test_a_finished_push_leaves_a_new_holders_claim_word_alone():
     assert out == {"ok": True}
     assert s.claims[LIVE].load(0) == 4096
     assert s.ring.pop() == rec
+
+
+@pytest.mark.parametrize("payload_word", [0, make_header(8, KIND_DATA, LIVE, False, TAG)])
+def test_a_claim_reached_through_garbage_is_waited_for_at_most_the_hold(monkeypatch, payload_word):
+    """Garbage over an idle client's claim word names the middle of a record; the consumer,
+    skipping garbage, stops there and reads payload as an uncommitted header: unblock() pads it
+    once HOLD_S passed (it refused for as long as the word stayed)."""
+    monkeypatch.setattr(base, "HOLD_S", 0.05)
+    s = Setup()
+    s.ring.live_claims = s.live_claims
+    for i in range(3):
+        assert s.ring.try_push_parts((bytes(8) + payload_word.to_bytes(8, "little") + bytes(40),), OTHER, TAG,
+                                     s.claims[OTHER])
+    s.claims[LIVE].store(80, RELEASE)  # inside the record at 64 (its second payload word)
+    garbage_over_head(s)
+    assert s.ring.poll(lambda v: None) == 0 and s.ring.head_position == 80
+    assert not s.unblock()  # it may be a live producer's: waited for
+    deadline = time.monotonic() + 5
+    while s.ring.readable() and time.monotonic() < deadline:
+        s.ring.poll(lambda v: None)
+        s.unblock()
+    assert not s.ring.readable() and s.ring.head_position == 192

@@ -105,7 +105,8 @@ class RingBase(_Core):
         self._head_local = self._adopted_head()  # consumer's own copy of its counter
         self._head_cache = self._head_local  # producer's last valid view of the head
         self.dropped = 0  # corrupt records or counters the consumer discarded
-        self._hold: tuple[tuple, float] | None = None  # (what, until): see _waiting
+        self._holds: dict[str, tuple[int, float]] = {}  # kind -> (position, until): see _waiting
+        self._jumped_to: int | None = None  # a claim _past_corrupt stopped at (not a record seen)
 
     def reset(self) -> None:
         """Zero counters and data: only while no peer uses the ring (creation)."""
@@ -255,10 +256,11 @@ class RingBase(_Core):
         passes that one claim, and stops at the next)."""
         writing = sorted(w for w in self.writing_at(self._claims()) if pos <= w < tail)
         if writing and writing[0] == pos:
-            if self._waiting(("record", pos)):
+            if self._waiting("record", pos):
                 return pos
             del writing[0]
         self.dropped += 1
+        self._jumped_to = writing[0] if writing else None
         return writing[0] if writing else tail
 
     def _claims(self) -> list[int]:
@@ -274,15 +276,17 @@ class RingBase(_Core):
         mask = self.mask
         return {c for c in claims} | {(c | mask) + 1 for c in claims if c & mask}
 
-    def _waiting(self, key: tuple) -> bool:
-        """Start or go on with the consumer's one hold (on ``key``): True until HOLD_S passed."""
+    def _waiting(self, kind: str, at: int) -> bool:
+        """Start or go on with the consumer's hold of this kind at position ``at``: True until
+        HOLD_S passed."""
         now = time.monotonic()
-        if self._hold is None or self._hold[0] != key:
-            self._hold = (key, now + HOLD_S)
+        hold = self._holds.get(kind)
+        if hold is None or hold[0] != at:
+            self._holds[kind] = (at, now + HOLD_S)
             return True
-        if now < self._hold[1]:
+        if now < hold[1]:
             return True
-        self._hold = None
+        del self._holds[kind]
         return False
 
     def _bad_tail(self, tail: int) -> None:
@@ -303,7 +307,7 @@ class RingBase(_Core):
             self._store_head(tail)
             return
         if self._multi_producer:
-            if self._claims() and self._waiting(("tail", head)):
+            if self._claims() and self._waiting("tail", head):
                 return  # looked at again by the next poll (a claim may lie anywhere: the tail is garbage)
             self.mem.zero(self.data, self.capacity)
         self.dropped += 1

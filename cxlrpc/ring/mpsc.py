@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Callable, Collection, Sequence
 
 from ..memory import ACQ_REL, ACQUIRE, RELEASE, Counter
-from .base import COUNTER_LIMIT, RingBase, _native
+from .base import COUNTER_LIMIT, RingBase, _native, sane
 from .record import (
     COMMITTED,
     HEADER_SIZE,
@@ -196,7 +196,9 @@ class MpscRing(RingBase):
         read after the tail; every producer must publish one), the record is padded when no
         live producer may be writing at the head (see :meth:`writing_at`): the header is then
         a dead producer's or garbage, and a header still zero (claimed, nothing written yet)
-        is cleared too.  The padding ends at the next live producer's record start, the
+        is cleared too.  A claim the consumer reached by skipping garbage (it may be garbage
+        over the claim word, naming the middle of a record) is waited for HOLD_S at most.
+        The padding ends at the next live producer's record start, the
         tail, or the end of the buffer, and a zero header's at the next written header.  It
         is written by CAS, so a producer writing at that moment wins or learns it lost.
         Returns True if it unblocked.
@@ -211,9 +213,9 @@ class MpscRing(RingBase):
             return False
         limit = min(self.capacity - idx, tail - head)
         if live_claims is not None:
-            writing = self.writing_at(live_claims())
-            if head in writing:
-                return False
+            writing = self.writing_at([c for c in live_claims() if sane(c)])  # garbage is no position
+            if head in writing and (head != self._jumped_to or self._waiting("claim", head)):
+                return False  # a live producer may be writing there (through garbage: HOLD_S at most)
             later = [w - head for w in writing if head < w < head + limit]
             if later:
                 limit = min(later)

@@ -129,6 +129,15 @@ class Setup:
         return self.ring.unblock(self.producer_dead, self.live_claims)
 
 
+def assert_exact(s: Setup, records: list[bytes]) -> None:
+    """A live producer's records, pushed as the ring makes room, all arrive whole and in order."""
+    got = []
+    for r in records:
+        while not s.ring.try_push_parts((r,), OTHER, TAG, s.claims[OTHER]):
+            got += s.ring.pop_batch()
+    assert got + s.ring.pop_batch() == records
+
+
 def test_live_producer_held_after_its_claim_is_never_padded():
     """Header still zero, producer alive: unblock() refuses however often it runs; the record then arrives."""
     s, gate = Setup(), Gate()
@@ -196,13 +205,7 @@ def test_padded_claim_is_revoked_and_never_committed(held):
     assert not any(data), "the revoked producer left bytes in free space"
     # the revoked producer left nothing behind: the next records of a live producer are exact
     s.dead.clear()
-    later = [payload(10 + i, 100 + 37 * i) for i in range(40)]
-    got = []
-    for r in later:
-        while not s.ring.try_push_parts((r,), OTHER, TAG, s.claims[OTHER]):
-            got += s.ring.pop_batch()
-    got += s.ring.pop_batch()
-    assert got == later
+    assert_exact(s, [payload(10 + i, 100 + 37 * i) for i in range(40)])
     assert s.ring.dropped == 1
 
 
@@ -306,12 +309,7 @@ def test_garbage_tail_resets_the_ring_once_live_claims_are_done():
     assert s.ring.poll(lambda v: None) == 0  # now it resets: claims in flight are lost
     assert s.ring.dropped == 1 and s.env.load_counter(TAIL_OFFSET) == s.ring.head_position
     assert not any(s.env.buf[s.ring.data:s.ring.data + s.ring.capacity])
-    later = [payload(20 + i, 90) for i in range(30)]
-    got = []
-    for r in later:
-        while not s.ring.try_push_parts((r,), OTHER, TAG, s.claims[OTHER]):
-            got += s.ring.pop_batch()
-    assert got + s.ring.pop_batch() == later
+    assert_exact(s, [payload(20 + i, 90) for i in range(30)])
 
 
 def test_unblock_pads_a_header_no_live_producer_writes():
@@ -400,12 +398,7 @@ def test_garbage_tail_behind_the_head_waits_for_a_claim_made_from_it():
     assert s.ring.poll(lambda v: None) == 0  # now it is
     assert s.ring.dropped == 1 and s.env.load_counter(TAIL_OFFSET) == s.ring.head_position == 4160
     assert not any(s.env.buf[s.ring.data:s.ring.data + cap])
-    later = [payload(20 + i, 56) for i in range(100)]
-    got = []
-    for r in later:
-        while not s.ring.try_push_parts((r,), OTHER, TAG, s.claims[OTHER]):
-            got += s.ring.pop_batch()
-    assert got + s.ring.pop_batch() == later
+    assert_exact(s, [payload(20 + i, 56) for i in range(100)])
 
 
 @pytest.mark.parametrize("word", [68, 1 << 62, (1 << 64) - 8])

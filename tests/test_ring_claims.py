@@ -236,8 +236,8 @@ def test_gap_of_a_dead_claim_stops_at_the_next_live_claim():
 # ----------------------------------------------------------------------------- garbage and claims
 def garbage_over_head(s: Setup) -> None:
     """A committed header at the head that no producer wrote: its length runs past the tail."""
-    s.env.mem.store(s.ring.data + (s.ring.head_position & s.ring.mask), COMMITTED | (KIND_DATA << 48) | 0xFFFF,
-                    RELEASE)
+    at = s.ring.data + (s.ring.head_position & s.ring.mask)
+    s.env.mem.store(at, COMMITTED | (KIND_DATA << 48) | 0xFFFF, RELEASE)
 
 
 def test_garbage_is_skipped_only_up_to_a_claim_still_being_written():

@@ -274,7 +274,7 @@ class RingBase(_Core):
         """The record starts producers holding these claims may be writing: each claim, and
         the start of the lap after it (where a record that did not fit before the end goes)."""
         mask = self.mask
-        return {c for c in claims} | {(c | mask) + 1 for c in claims if c & mask}
+        return set(claims) | {(c | mask) + 1 for c in claims if c & mask}
 
     def _waiting(self, kind: str, at: int) -> bool:
         """Start or go on with the consumer's hold of this kind at position ``at``: True until
@@ -308,7 +308,7 @@ class RingBase(_Core):
             return
         if self._multi_producer:
             if self._claims() and self._waiting("tail", head):
-                return  # looked at again by the next poll (a claim may lie anywhere: the tail is garbage)
+                return  # looked at again by the next poll
             self.mem.zero(self.data, self.capacity)
         self.dropped += 1
         self._tail.cas(tail, head, ACQ_REL)

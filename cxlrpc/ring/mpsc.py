@@ -198,10 +198,10 @@ class MpscRing(RingBase):
         a dead producer's or garbage, and a header still zero (claimed, nothing written yet)
         is cleared too.  A claim the consumer reached by skipping garbage (it may be garbage
         over the claim word, naming the middle of a record) is waited for HOLD_S at most.
-        The padding ends at the next live producer's record start, the
-        tail, or the end of the buffer, and a zero header's at the next written header.  It
-        is written by CAS, so a producer writing at that moment wins or learns it lost.
-        Returns True if it unblocked.
+        The padding ends at the next live producer's record start, the tail, or the end of
+        the buffer, and a zero header's at the next written header.  It is written by CAS,
+        so a producer writing at that moment wins or learns it lost.  Returns True if it
+        unblocked.
         """
         head = self._head_local
         tail = self._tail.load(ACQUIRE)

@@ -20,6 +20,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
+#include <sched.h>
 
 #define HEADER_SIZE 28 /* <BBHHIQdH: kind flags status slot gen call_id timeout method_len */
 #define MAX_METHOD 255
@@ -788,7 +789,8 @@ typedef struct {
 
 static PyObject *s_on_reply;
 
-static PyObject *caller_send(Caller *self, PyObject *mb, PyObject *const *args, double timeout, double hot);
+static PyObject *caller_send(Caller *self, PyObject *mb, PyObject *const *args, double timeout, double hot,
+                             double spin);
 
 static double now_s(void) {
     struct timespec ts;
@@ -845,15 +847,17 @@ static PyObject *caller_handle(Caller *self, PyObject *args, PyObject *kwargs) {
     return PyObject_VectorcallMethod(s_on_reply, stack, 2, NULL);
 }
 
-/* call(method, arg, timeout, call_id, hot, raw): the reply Frame (with ``raw``, a RESPONSE
+/* call(method, arg, timeout, call_id, hot, raw[, spin]): the reply Frame (with ``raw``, a RESPONSE
  * flagged RAW alone is its body's bytes, as Client._answer would return them); None once the
- * request is out but
- * its reply has not come within ``hot`` seconds; (flags, body) when the request did not go
+ * request is out but its reply has not come within ``hot`` seconds (polled for without a pause
+ * for the first ``spin`` of them, default all, then yielding the CPU between polls, as a wait
+ * strategy's spin and yield phases do); (flags, body) when the request did not go
  * (too big for the ring, or the ring is full: the reference sends that body); NotImplemented
  * for a method not yet in the client's cache (the reference encodes its name). */
 static PyObject *caller_call(Caller *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 6 || !PyLong_CheckExact(args[3]) || !PyBool_Check(args[5])) {
-        PyErr_SetString(PyExc_TypeError, "call(method: str, arg, timeout: float, call_id: int, hot: float, raw: bool)");
+    if ((nargs != 6 && nargs != 7) || !PyLong_CheckExact(args[3]) || !PyBool_Check(args[5])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "call(method: str, arg, timeout: float, call_id: int, hot: float, raw: bool[, spin: float])");
         return NULL;
     }
     if (self->methods == NULL) {
@@ -863,7 +867,8 @@ static PyObject *caller_call(Caller *self, PyObject *const *args, Py_ssize_t nar
     if (!PyUnicode_CheckExact(args[0])) /* a str subclass (an enum's member): the reference */
         Py_RETURN_NOTIMPLEMENTED;
     double timeout = PyFloat_AsDouble(args[2]), hot = PyFloat_AsDouble(args[4]);
-    if ((timeout == -1.0 || hot == -1.0) && PyErr_Occurred())
+    double spin = nargs == 7 ? PyFloat_AsDouble(args[6]) : hot;
+    if ((timeout == -1.0 || hot == -1.0 || spin == -1.0) && PyErr_Occurred())
         return NULL;
     PyObject *mb = PyDict_GetItemWithError(self->methods, args[0]);
     if (mb == NULL) {
@@ -874,13 +879,14 @@ static PyObject *caller_call(Caller *self, PyObject *const *args, Py_ssize_t nar
     if (!PyBytes_CheckExact(mb) || PyBytes_GET_SIZE(mb) == 0 || PyBytes_GET_SIZE(mb) > MAX_METHOD)
         Py_RETURN_NOTIMPLEMENTED;
     Py_INCREF(mb); /* held: encoding runs Python code */
-    PyObject *out = caller_send(self, mb, args, timeout, hot);
+    PyObject *out = caller_send(self, mb, args, timeout, hot, spin);
     Py_DECREF(mb);
     return out;
 }
 
 /* call()'s work once the method's name is known (``mb``, held by the caller). */
-static PyObject *caller_send(Caller *self, PyObject *mb, PyObject *const *args, double timeout, double hot) {
+static PyObject *caller_send(Caller *self, PyObject *mb, PyObject *const *args, double timeout, double hot,
+                             double spin) {
     uint64_t call_id = PyLong_AsUnsignedLongLong(args[3]);
     if (call_id == (uint64_t)-1 && PyErr_Occurred())
         return NULL;
@@ -946,7 +952,7 @@ static PyObject *caller_send(Caller *self, PyObject *mb, PyObject *const *args, 
     self->expected = call_id;
     self->raw = args[5] == Py_True;
     Py_CLEAR(self->reply);
-    double end = now_s() + hot;
+    double start = now_s(), end = start + hot, spin_end = start + spin;
     PyObject *limit = PyLong_FromLong(1024);
     if (limit == NULL)
         return NULL;
@@ -964,7 +970,12 @@ static PyObject *caller_send(Caller *self, PyObject *mb, PyObject *const *args, 
             self->reply = NULL;
             break;
         }
-    } while (now_s() < end);
+        double t = now_s();
+        if (t >= end)
+            break;
+        if (t >= spin_end)
+            sched_yield(); /* a peer on this core (an oversubscribed machine) runs meanwhile */
+    } while (1);
     Py_DECREF(limit);
     self->expected = 0; /* NO_REPLY: never a reply's id */
     if (result == NULL && !PyErr_Occurred())
@@ -1037,7 +1048,8 @@ static void caller_dealloc(Caller *self) {
 
 static PyMethodDef caller_methods[] = {
     {"call", (PyCFunction)(void (*)(void))caller_call, METH_FASTCALL,
-     "call(method, arg, timeout, call_id, hot, raw): push a request and wait hot seconds for its reply "
+     "call(method, arg, timeout, call_id, hot, raw[, spin]): push a request and wait hot seconds for its reply "
+     "(spinning the first spin of them, then yielding the CPU between polls) "
      "(the reply Frame, or with raw a raw RESPONSE's body bytes; None: it is out, its reply not here "
      "yet; (flags, body): it did not go; NotImplemented: a method name not yet encoded)."},
     {NULL},

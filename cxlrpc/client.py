@@ -44,8 +44,13 @@ _BEAT_INTERVAL = 0.1
 #: How soon a credit that met a full request ring is offered again.
 _CREDIT_RETRY_S = 0.0005
 #: Longest the sole caller in flight holds the event loop polling for its reply (within the
-#: strategy's spin phase); other tasks wait at most this long.
+#: strategy's spin phase) once it waits on the awaited path; other tasks wait at most this long.
 _HOT_SPIN_S = 20e-6
+#: Longest a call waits for its reply in place (the native caller: no future, no loop turn),
+#: through the strategy's spin phase and then its yield phase (the CPU is given up between
+#: polls, the loop is not); other tasks wait at most this long. A kv get's reply comes 8-10 us
+#: after it is sent: a 10 us window sent a quarter of them the slow way.
+_HOT_WINDOW_S = 40e-6
 #: Backoff between looks for a server while ``wait_for_ready`` lets a connection wait.
 _RETRY_FIRST, _RETRY_MAX = 0.002, 0.1
 
@@ -278,7 +283,7 @@ class _Base:
         #: The connection's native caller (None: the reference only), and how long a lone
         #: caller polls for its reply without giving the loop a turn.
         self._caller: Any = None
-        self._hot_s = 0.0
+        self._hot_s = self._hot_spin_s = 0.0  # the in-place wait, and its spin part
 
     def _open(self) -> _Link:
         """Attach (claim a slot) and start the monitor: a connection not yet acknowledged."""
@@ -292,7 +297,10 @@ class _Base:
         self._link, self._chan = link, chan
         # (no reply is polled for in place while the server shares this process: it could not
         # answer before the loop turns)
-        self._hot_s = 0.0 if chan.server_in_process else min(_HOT_SPIN_S, self.strategy.spin_s)
+        strategy = self.strategy
+        self._hot_s = 0.0 if chan.server_in_process else min(_HOT_WINDOW_S,
+                                                              strategy.spin_s + strategy.yield_s)
+        self._hot_spin_s = min(self._hot_s, strategy.spin_s)
         if _Caller is not None and isinstance(chan, ClientChannel):
             # through a proxy: the client stays collectable when dropped unclosed
             bell = chan.server_bell
@@ -354,7 +362,7 @@ class _Base:
         out) or NotImplemented (left to the reference). Client.call has it inline (a frame less
         on its hot path)."""
         try:
-            return self._caller.call(method, arg, timeout or 0.0, call_id, self._hot_s, raw)
+            return self._caller.call(method, arg, timeout or 0.0, call_id, self._hot_s, raw, self._hot_spin_s)
         except ClaimRevoked as exc:
             raise self._revoked(exc) from exc
 
@@ -751,7 +759,7 @@ class Client(_Base):
             deadline = None if timeout is None else self._loop.time() + timeout
             try:  # _call_natively, inline
                 got = self._caller.call(method, arg, timeout or 0.0, call_id, self._hot_s,
-                                        response_type is None)
+                                        response_type is None, self._hot_spin_s)
             except ClaimRevoked as exc:
                 raise self._revoked(exc) from exc
             if type(got) is bytes:

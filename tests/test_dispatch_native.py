@@ -409,10 +409,15 @@ async def test_the_native_caller_answers_as_the_reference_across_processes(name:
         async with cxlrpc.connect(url) as client:
             await outcomes(client)  # every method name encoded once (the reference does it)
             counting = client._caller = CountingCaller(client._caller)
-            client._hot_s = 5.0  # every reply comes within the hot wait
+            client._hot_s = 5.0  # every reply comes within the hot wait (its yield phase)
             hot = await outcomes(client)
             in_place = counting.returned.count("Frame") + counting.returned.count("bytes")
             raw_in_place = counting.returned.count("bytes")  # raw replies: their bytes, no Frame
+            client._hot_spin_s = 5.0  # (its spin phase)
+            counting.returned.clear()
+            assert await outcomes(client) == hot
+            assert counting.returned.count("Frame") + counting.returned.count("bytes") >= len(CALLS) - 2
+            client._hot_spin_s = 0.0
             client._hot_s = 0.0  # none does: each is awaited as the reference awaits it
             counting.returned.clear()
             later = await outcomes(client)

@@ -857,7 +857,7 @@ class Client(_Base):
             if deadline is not None:
                 timer = loop.call_at(deadline, _expire, fut)
             if not self._direct and len(self._pending) == 1 and not chan.server_in_process:
-                await self._poll_directly(fut)
+                await self._poll_directly(fut, waited=self._hot_s if parts is None else 0.0)
             return await fut
         except (asyncio.CancelledError, DeadlineExceeded):
             gave_up = True
@@ -1001,10 +1001,11 @@ class Client(_Base):
         if call._chan is self._chan:
             self._send_cancel(call._call_id)
 
-    async def _poll_directly(self, fut: asyncio.Future) -> None:
+    async def _poll_directly(self, fut: asyncio.Future, waited: float = 0.0) -> None:
         """The only caller in flight polls the reply ring itself through the spin and yield
         phases of the wait strategy; the reader task parks meanwhile. (Not when the server runs
-        in this process: it could not answer while we poll.)
+        in this process: it could not answer while we poll.) ``waited``: how long the call
+        already waited in place (the native caller's window), counted against those phases.
 
         This saves the hop through the reader task (one loop iteration and a task switch per
         call). For the first ``_HOT_SPIN_S`` of the spin phase it polls without giving the
@@ -1016,9 +1017,10 @@ class Client(_Base):
         try:
             poll, on_reply = self._chan.responses.poll, self._on_reply
             now = time.perf_counter
-            spin_end = now() + self.strategy.spin_s
+            start = now() - waited
+            spin_end = start + self.strategy.spin_s
             yield_end = spin_end + self.strategy.yield_s
-            hot_end = min(spin_end, now() + _HOT_SPIN_S)
+            hot_end = min(spin_end, start + _HOT_SPIN_S)
             while now() < hot_end:
                 if poll(on_reply, 1024) and fut.done():
                     return

@@ -44,9 +44,9 @@ typedef struct {
     uint64_t *claim_ptr;
 } RingCore;
 
-static PyObject *s_poll_py, *s_within_py, *s_push_py, *s_bad_tail, *s_store, *s_open, *s_revoke, *s_lost_commit,
+static PyObject *s_poll_py, *s_within_py, *s_push_py, *s_bad_tail, *s_open, *s_revoke, *s_lost_commit,
     *s_address, *s_cas;
-static PyObject *release_order, *acq_rel_order; /* atomicshm's, for the claim counter's store and CAS */
+static PyObject *acq_rel_order; /* atomicshm.ACQ_REL, for the claim counter's CAS */
 
 static inline uint64_t *word_at(RingCore *r, Py_ssize_t off) { return (uint64_t *)(r->base + off); }
 static inline uint64_t load_acq(RingCore *r, Py_ssize_t off) { return __atomic_load_n(word_at(r, off), __ATOMIC_ACQUIRE); }
@@ -401,10 +401,11 @@ done:
     return result;
 }
 
-/* claim.store(value, RELEASE), or with ``cas`` claim.cas(expected, value, ACQ_REL): straight into
- * the word when the counter's address lies inside this ring's buffer (a channel's slot word: no
- * call on the hot path), else the call. 0, or -1 with an exception set. */
-static int set_claim(RingCore *self, PyObject *claim, int cas, uint64_t expected, uint64_t value) {
+/* claim.cas(expected, value, ACQ_REL): straight into the word when the counter's address lies
+ * inside this ring's buffer (a channel's slot word: no call on the hot path), else the call.
+ * 0 and the word's previous value in *prev, or -1 with an exception set. */
+static int set_claim(RingCore *self, PyObject *claim, uint64_t expected, uint64_t value, uint64_t *prev) {
+    *prev = expected;
     if (claim == Py_None)
         return 0;
     if (claim != self->claim_obj) {
@@ -427,32 +428,34 @@ static int set_claim(RingCore *self, PyObject *claim, int cas, uint64_t expected
     if (self->claim_ptr != NULL) {
         if (check_open(self) < 0)
             return -1;
-        if (cas)
-            __atomic_compare_exchange_n(self->claim_ptr, &expected, value, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
-        else
-            __atomic_store_n(self->claim_ptr, value, __ATOMIC_RELEASE);
+        __atomic_compare_exchange_n(self->claim_ptr, prev, value, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
         return 0;
     }
-    PyObject *v = PyLong_FromUnsignedLongLong(value), *e = cas ? PyLong_FromUnsignedLongLong(expected) : NULL;
-    if (v == NULL || (cas && e == NULL)) {
+    PyObject *v = PyLong_FromUnsignedLongLong(value), *e = PyLong_FromUnsignedLongLong(expected);
+    if (v == NULL || e == NULL) {
         Py_XDECREF(v);
         Py_XDECREF(e);
         return -1;
     }
-    PyObject *res = cas ? PyObject_VectorcallMethod(s_cas, (PyObject *[]){claim, e, v, acq_rel_order}, 4, NULL)
-                        : PyObject_VectorcallMethod(s_store, (PyObject *[]){claim, v, release_order}, 3, NULL);
+    PyObject *res = PyObject_VectorcallMethod(s_cas, (PyObject *[]){claim, e, v, acq_rel_order}, 4, NULL);
     Py_DECREF(v);
-    Py_XDECREF(e);
+    Py_DECREF(e);
     if (res == NULL)
         return -1;
+    *prev = PyLong_AsUnsignedLongLong(res);
     Py_DECREF(res);
+    if (*prev == (uint64_t)-1 && PyErr_Occurred())
+        return -1;
     return check_open(self); /* a callout: another thread may have closed the region */
 }
 
 #define NO_CLAIM (1ULL << 63) /* a claim word holding no position */
 
-static int give_up(RingCore *self, PyObject *claim) {
-    return set_claim(self, claim, 0, 0, NO_CLAIM); /* a claim we lost must not look like ours */
+/* Our claim word as we leave it: NO_CLAIM (a claim we lost, or finished, must not look like
+ * ours) unless it no longer holds ``mine``, what we wrote last (the slot has another holder). */
+static int drop_claim(RingCore *self, PyObject *claim, uint64_t mine) {
+    uint64_t prev;
+    return set_claim(self, claim, mine, NO_CLAIM, &prev);
 }
 
 /* ``self.<name>(written, revoked[, message])`` where written is [(address, position, value), ...]. */
@@ -517,7 +520,7 @@ static PyObject *core_push_mpsc(RingCore *self, PyObject *const *args, Py_ssize_
     result = NULL;
     uint64_t cap = self->capacity, mask = self->mask;
     uint64_t size = HEADER_SIZE + ((length + 7) & ~7ULL);
-    uint64_t tail, idx, to_end, need;
+    uint64_t tail, idx, to_end, need, mine = NO_CLAIM; /* what our claim word holds, as we left it */
     for (;;) {
         tail = load_acq(self, self->tail_at);
         if ((tail & 7) || tail >= COUNTER_LIMIT)
@@ -533,8 +536,19 @@ static PyObject *core_push_mpsc(RingCore *self, PyObject *const *args, Py_ssize_
             if (tail + need - head > cap)
                 goto full;
         }
-        if (set_claim(self, claim, 0, 0, tail) < 0) /* visible before the claim below is */
+        uint64_t prev;
+        if (set_claim(self, claim, mine, tail, &prev) < 0) /* visible before the claim below is */
             goto done;
+        if (prev != mine) { /* another holder's word (we were judged dead), or garbage: the reference */
+            PyObject *res = PyObject_CallMethod((PyObject *)self, "_claim_moved", "OKO", claim,
+                                                (unsigned long long)tail, revoked);
+            if (res == NULL || check_open(self) < 0) {
+                Py_XDECREF(res);
+                goto done;
+            }
+            Py_DECREF(res);
+        }
+        mine = tail;
         if (cas(self, self->tail_at, tail, tail + need) == tail)
             break;
     }
@@ -596,13 +610,11 @@ static PyObject *core_push_mpsc(RingCore *self, PyObject *const *args, Py_ssize_
             goto done;
         }
     }
-    /* done: nothing more of ours lands at that claim (a CAS: should the slot have gone to another
-     * holder meanwhile, its word is not ours to clear) */
-    if (set_claim(self, claim, 1, tail, NO_CLAIM) == 0)
+    if (drop_claim(self, claim, tail) == 0) /* done: nothing more of ours lands at that claim */
         result = Py_NewRef(Py_True);
     goto done;
 full:
-    if (give_up(self, claim) == 0)
+    if (drop_claim(self, claim, mine) == 0)
         result = Py_NewRef(Py_False);
 done:
     release_parts(views, n);
@@ -653,7 +665,6 @@ PyMODINIT_FUNC PyInit__ring(void) {
     INTERN(s_within_py, "_poll_within_py");
     INTERN(s_push_py, "_try_push_parts_py");
     INTERN(s_bad_tail, "_bad_tail");
-    INTERN(s_store, "store");
     INTERN(s_open, "_open");
     INTERN(s_revoke, "_revoke");
     INTERN(s_lost_commit, "_lost_commit");
@@ -663,10 +674,9 @@ PyMODINIT_FUNC PyInit__ring(void) {
     PyObject *atomicshm = PyImport_ImportModule("atomicshm");
     if (atomicshm == NULL)
         return NULL;
-    release_order = PyObject_GetAttrString(atomicshm, "RELEASE");
     acq_rel_order = PyObject_GetAttrString(atomicshm, "ACQ_REL");
     Py_DECREF(atomicshm);
-    if (release_order == NULL || acq_rel_order == NULL)
+    if (acq_rel_order == NULL)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)

@@ -449,3 +449,19 @@ def test_a_claim_reached_through_garbage_is_waited_for_at_most_the_hold(monkeypa
         s.ring.poll(lambda v: None)
         s.unblock()
     assert not s.ring.readable() and s.ring.head_position == 192
+
+
+def test_a_claim_word_another_holder_wrote_is_left_to_it():
+    """A producer finds its claim word holding what it did not write: judged dead (the slot's
+    new holder wrote it), it raises ClaimRevoked before claiming anything and leaves the word;
+    alive (garbage over the word), it writes its claim over it and pushes."""
+    s = Setup()
+    s.claims[LIVE].store(4096, RELEASE)  # the new holder's claim
+    tail = s.env.load_counter(TAIL_OFFSET)
+    with pytest.raises(ClaimRevoked):
+        s.ring.try_push_parts((payload(1, 40),), LIVE, TAG, s.claims[LIVE], lambda: True)
+    assert s.claims[LIVE].load(0) == 4096 and s.env.load_counter(TAIL_OFFSET) == tail
+    s.claims[LIVE].store(12345, RELEASE)  # garbage over an idle producer's word
+    assert s.ring.try_push_parts((payload(2, 40),), LIVE, TAG, s.claims[LIVE], lambda: False)
+    assert s.claims[LIVE].load(0) == NO_CLAIM
+    assert s.ring.pop_batch() == [payload(2, 40)]

@@ -56,8 +56,12 @@ def test_reference_rings_pass_the_ring_suites() -> None:
 
 
 def _claims() -> tuple[mmap.mmap, AtomicMemory]:
+    """Claim words outside the ring, each holding no claim (as a channel's slot starts)."""
     words = mmap.mmap(-1, 4096)
-    return words, AtomicMemory(words)
+    mem = AtomicMemory(words)
+    for at in range(0, 4096, 8):
+        mem.store(at, NO_CLAIM, RELEASE)
+    return words, mem
 
 
 @native
@@ -97,6 +101,7 @@ def test_claim_word_inside_the_ring_buffer_is_stored_directly() -> None:
         cas = store
 
     claim, rec = Claim(), payload(2, 100)
+    env.mem.store(8, NO_CLAIM, RELEASE)  # as a channel's slot starts
     seen = []
 
     def garbage_at_tail() -> None:  # the header CAS then takes the slow path, which asks revoked()

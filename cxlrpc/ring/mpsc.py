@@ -76,22 +76,25 @@ class MpscRing(RingBase):
         cap, mask = self.capacity, self.mask
         size = HEADER_SIZE + ((length + 7) & ~7)
         tail_ctr = self._tail
+        mine = NO_CLAIM  # what our claim word holds, as we left it
         while True:
             tail = tail_ctr.load(ACQUIRE)
             if tail & 7 or tail >= COUNTER_LIMIT:
-                return self._give_up(claim)  # garbage tail: the consumer resets it
+                return self._give_up(claim, mine)  # garbage tail: the consumer resets it
             idx = tail & mask
             to_end = cap - idx
             need = size if size <= to_end else to_end + size
             if tail + need - self._head_cache > cap or self._head_cache > tail:
                 head = self._head.load(ACQUIRE)
                 if not self.valid_head(head, tail):
-                    return self._give_up(claim)  # garbage head: the consumer republishes its own
+                    return self._give_up(claim, mine)  # garbage head: the consumer republishes its own
                 self._head_cache = head
                 if tail + need - head > cap:
-                    return self._give_up(claim)
-            if claim is not None:
-                claim.store(tail, RELEASE)  # visible before the claim below is
+                    return self._give_up(claim, mine)
+            if claim is not None:  # visible before the claim below is
+                if claim.cas(mine, tail, ACQ_REL) != mine:
+                    self._claim_moved(claim, tail, revoked)
+                mine = tail
             if tail_ctr.cas(tail, tail + need, ACQ_REL) == tail:
                 break
         data = self.data
@@ -165,10 +168,19 @@ class MpscRing(RingBase):
         raise ClaimRevoked(why)
 
     @staticmethod
-    def _give_up(claim: Counter | None) -> bool:
-        if claim is not None:
-            claim.store(NO_CLAIM, RELEASE)  # a claim we lost must not look like ours
+    def _give_up(claim: Counter | None, mine: int) -> bool:
+        if claim is not None:  # a claim we lost must not look like ours (unless the word is
+            claim.cas(mine, NO_CLAIM, ACQ_REL)  # no longer ours: the slot has another holder)
         return False
+
+    @staticmethod
+    def _claim_moved(claim: Counter, value: int, revoked: Callable[[], bool] | None) -> None:
+        """Our claim word no longer holds what we wrote last: the slot's new holder wrote it
+        (the consumer judged us dead: ClaimRevoked, nothing claimed yet), or garbage did
+        (overwritten with ``value``)."""
+        if revoked is not None and revoked():
+            raise ClaimRevoked("this slot has another holder: its claim word is not ours")
+        claim.store(value, RELEASE)
 
     @property
     def head_position(self) -> int:

@@ -362,7 +362,8 @@ class _Base:
         out) or NotImplemented (left to the reference). Client.call has it inline (a frame less
         on its hot path)."""
         try:
-            return self._caller.call(method, arg, timeout or 0.0, call_id, self._hot_s, raw, self._hot_spin_s)
+            return self._caller.call(method, arg, timeout or 0.0, call_id, self._hot_s, raw,
+                                     self._hot_spin_s)
         except ClaimRevoked as exc:
             raise self._revoked(exc) from exc
 

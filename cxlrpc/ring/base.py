@@ -263,12 +263,14 @@ class RingBase(_Core):
         self._jumped_to = writing[0] if writing else None
         return writing[0] if writing else tail
 
-    def _claims(self) -> list[int]:
-        """MPSC with ``live_claims``: the claim words that can be positions (aligned, below
-        COUNTER_LIMIT: garbage over a word is no position), else none."""
-        if not self._multi_producer or self.live_claims is None:
+    def _claims(self, live_claims: Callable[[], Collection[int]] | None = None) -> list[int]:
+        """MPSC: the claim words ``live_claims`` (default: the ring's) returns that can be
+        positions (aligned, below COUNTER_LIMIT: garbage over a word is no position); none
+        without one."""
+        source = live_claims or self.live_claims
+        if not self._multi_producer or source is None:
             return []
-        return [c for c in self.live_claims() if sane(c)]
+        return [c for c in source() if sane(c)]
 
     def writing_at(self, claims: Collection[int]) -> set[int]:
         """The record starts producers holding these claims may be writing: each claim, and

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Callable, Collection, Sequence
 
 from ..memory import ACQ_REL, ACQUIRE, RELEASE, Counter
-from .base import COUNTER_LIMIT, RingBase, _native, sane
+from .base import COUNTER_LIMIT, RingBase, _native
 from .record import (
     COMMITTED,
     HEADER_SIZE,
@@ -225,7 +225,7 @@ class MpscRing(RingBase):
             return False
         limit = min(self.capacity - idx, tail - head)
         if live_claims is not None:
-            writing = self.writing_at([c for c in live_claims() if sane(c)])  # garbage is no position
+            writing = self.writing_at(self._claims(live_claims))
             if head in writing and (head != self._jumped_to or self._waiting("claim", head)):
                 return False  # a live producer may be writing there (through garbage: HOLD_S at most)
             later = [w - head for w in writing if head < w < head + limit]

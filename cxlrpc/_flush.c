@@ -9,6 +9,11 @@
  * non-temporal (streaming) stores, then sfence: no read-for-ownership of cold destination lines
  * and nothing left in this CPU's caches (the next reader is another process or host).
  * stream_bytes(src): a new bytes object holding a copy of buffer src, written the same way.
+ * publish_copy(dst, src, progress, chunk, streaming): copy src into dst a chunk at a time (with
+ * streaming stores if ``streaming``), storing the bytes copied so far into the u64 ``progress``
+ * (release) after each: a reader copies them out meanwhile.
+ * follow_copy(src, progress, stall, streaming): a new bytes copy of src, taken as ``progress``
+ * (acquire) says its bytes were written; None if it stops moving for ``stall`` seconds.
  * features(): the instructions in use, e.g. "clwb+clflushopt".
  */
 #define PY_SSIZE_T_CLEAN
@@ -17,6 +22,7 @@
 #include <emmintrin.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 #define LINE 64
 
@@ -129,6 +135,118 @@ static PyObject *stream_bytes(PyObject *self, PyObject *args) {
     return out;
 }
 
+/* The aligned u64 a buffer of at least 8 bytes starts with, or NULL with an error set. */
+static uint64_t *progress_word(Py_buffer *b) {
+    if (b->len < 8 || ((uintptr_t)b->buf & 7)) {
+        PyErr_SetString(PyExc_ValueError, "progress must be an 8-byte aligned buffer of 8 bytes or more");
+        return NULL;
+    }
+    return (uint64_t *)b->buf;
+}
+
+static PyObject *publish_copy(PyObject *self, PyObject *args) {
+    Py_buffer dst, src, prog;
+    Py_ssize_t chunk;
+    int streaming;
+    if (!PyArg_ParseTuple(args, "w*y*w*np", &dst, &src, &prog, &chunk, &streaming))
+        return NULL;
+    uint64_t *word = progress_word(&prog);
+    if (word == NULL) {
+    } else if (!PyBuffer_IsContiguous(&dst, 'C') || !PyBuffer_IsContiguous(&src, 'C')) {
+        PyErr_SetString(PyExc_BufferError, "publish_copy needs contiguous buffers");
+    } else if (src.len > dst.len || chunk < 64) {
+        PyErr_Format(PyExc_ValueError, "publish_copy: %zd bytes in a %zd-byte buffer by chunks of %zd",
+                     src.len, dst.len, chunk);
+    } else {
+        char *d = (char *)dst.buf;
+        const char *s = (const char *)src.buf;
+        size_t n = (size_t)src.len;
+        Py_BEGIN_ALLOW_THREADS
+        for (size_t done = 0; done < n;) {
+            size_t step = n - done < (size_t)chunk ? n - done : (size_t)chunk;
+            if (streaming)
+                copy_streaming(d + done, s + done, step); /* it ends with an sfence */
+            else
+                memcpy(d + done, s + done, step);
+            done += step;
+            __atomic_store_n(word, (uint64_t)done, __ATOMIC_RELEASE);
+        }
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&prog);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static double seconds_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static PyObject *follow_copy(PyObject *self, PyObject *args) {
+    Py_buffer src, prog;
+    double stall;
+    int streaming;
+    PyObject *out = NULL;
+    if (!PyArg_ParseTuple(args, "y*y*dp", &src, &prog, &stall, &streaming))
+        return NULL;
+    uint64_t *word = progress_word(&prog);
+    if (word == NULL) {
+    } else if (!PyBuffer_IsContiguous(&src, 'C')) {
+        PyErr_SetString(PyExc_BufferError, "follow_copy needs a contiguous buffer");
+    } else if ((out = PyBytes_FromStringAndSize(NULL, src.len)) != NULL) {
+        char *d = PyBytes_AS_STRING(out);
+        const char *s = (const char *)src.buf;
+        uint64_t n = (uint64_t)src.len, done = 0, seen = 0;
+        int bad = 0;
+        double since = 0.0; /* when progress last moved (0: look at the clock next time) */
+        Py_BEGIN_ALLOW_THREADS
+        for (unsigned spins = 1; done < n; spins++) {
+            uint64_t p = __atomic_load_n(word, __ATOMIC_ACQUIRE);
+            if (p > n || p < done) { /* a writer only counts up to the length: garbage */
+                seen = p;
+                bad = 1;
+                break;
+            }
+            if (p > done) {
+                if (streaming)
+                    copy_streaming(d + done, s + done, (size_t)(p - done));
+                else
+                    memcpy(d + done, s + done, (size_t)(p - done));
+                done = p;
+                since = 0.0;
+                continue;
+            }
+            if ((spins & 255) == 0) {
+                double now = seconds_now();
+                if (since == 0.0)
+                    since = now;
+                else if (now - since > stall)
+                    break;
+            }
+#if defined(__x86_64__) || defined(__i386__)
+            __builtin_ia32_pause();
+#endif
+        }
+        Py_END_ALLOW_THREADS
+        if (bad) {
+            PyErr_Format(PyExc_ValueError, "progress word %llu is outside [%llu, %llu]",
+                         (unsigned long long)seen, (unsigned long long)done, (unsigned long long)n);
+            Py_CLEAR(out);
+        } else if (done < n) {
+            Py_DECREF(out);
+            out = Py_NewRef(Py_None);
+        }
+    }
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&prog);
+    return out;
+}
+
 static PyObject *features(PyObject *self, PyObject *unused) {
     return PyUnicode_FromFormat("%s+%s", have_clwb ? "clwb" : "no-clwb",
                                 have_clflushopt ? "clflushopt" : "clflush");
@@ -139,6 +257,8 @@ static PyMethodDef methods[] = {
     {"invalidate", invalidate, METH_VARARGS, "Invalidate the lines of (address, length), then mfence."},
     {"stream_copy", stream_copy, METH_VARARGS, "Copy src into the start of dst with streaming stores, then sfence."},
     {"stream_bytes", stream_bytes, METH_VARARGS, "A new bytes copy of src, made with streaming stores."},
+    {"publish_copy", publish_copy, METH_VARARGS, "Copy src into dst by chunks, publishing the count copied into progress."},
+    {"follow_copy", follow_copy, METH_VARARGS, "A bytes copy of src, taken as progress says it was written; None on a stall."},
     {"features", features, METH_NOARGS, "The flush instructions this CPU offers."},
     {NULL, NULL, 0, NULL},
 };

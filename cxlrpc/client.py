@@ -25,9 +25,9 @@ import msgspec
 from . import frame as fr
 from .channel import KIND_RPC, ClientChannel, FlushClientChannel, client_channel
 from .doorbell import WaitStrategy, resolve
-from .errors import (DeadlineExceeded, InvalidArgument, ResourceExhausted, RpcError,
+from .errors import (DeadlineExceeded, InvalidArgument, ResourceExhausted, RpcError, StatusCode,
                      Unavailable, error_for)
-from .heap import EXTENT, OFFSET, HeapAccess
+from .heap import EXTENT, FOLLOW_HEADER, FOLLOW_STALL_S, OFFSET, HeapAccess
 from .service import S, stub
 from .streams import StreamCall
 from .region import Region, RegionError
@@ -440,16 +440,27 @@ class _Base:
         return (head, large.prefix, EXTENT.pack(offset, len(large.body))), offset
 
     def _heap_body(self, f: fr.Frame, wanted: bool) -> bool:
-        """An out-of-line reply: copy its body out (if ``wanted``) and give the extent back;
-        False when the extent is garbage."""
+        """An out-of-line reply: copy its body out (if ``wanted``; a followed one as the server
+        writes it) and give the extent back; False when the extent is garbage. A followed body
+        the server stopped writing, or whose progress is garbage, turns ``f`` into an error."""
         if len(f.body) != EXTENT.size:
             return False
         offset, length = EXTENT.unpack(f.body)
         try:
-            body = self._heap.read(offset, length) if wanted else b""
+            if not wanted:
+                body = b""
+            elif f.flags & fr.FOLLOW:
+                self._heap.check(offset, FOLLOW_HEADER + length)
+                try:
+                    body = self._heap.follow(offset, length, FOLLOW_STALL_S)
+                except (TimeoutError, ValueError) as exc:
+                    f.kind, f.status, f.flags = fr.ERROR, int(StatusCode.UNAVAILABLE), fr.RAW
+                    body = f"the server stopped writing the reply's body: {exc}".encode()
+            else:
+                body = self._heap.read(offset, length)
         except ValueError:
             return False
-        f.body, f.flags = body, f.flags & ~fr.HEAP
+        f.body, f.flags = body, f.flags & ~(fr.HEAP | fr.FOLLOW)
         self._give_back(offset)
         return True
 

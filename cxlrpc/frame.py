@@ -33,7 +33,8 @@ RAW = 1  # body is the caller's bytes, not MessagePack
 HEAP = 2  # the body is out of line: the frame carries its heap extent (offset, length)
 META = 4  # call metadata precedes the body (see encode_metadata)
 STREAM = 8  # a request whose items follow (ITEM frames, then END); its own body is empty
-_UNKNOWN_FLAGS = ~(RAW | HEAP | META | STREAM)
+FOLLOW = 16  # with HEAP, on a response: its body is still being written (see cxlrpc.heap)
+_UNKNOWN_FLAGS = ~(RAW | HEAP | META | STREAM | FOLLOW)
 NO_REPLY = 0  # call id of a one-way request: the server runs the handler and sends nothing back
 
 # Methods every server answers (users cannot register names under the prefix)
@@ -162,9 +163,10 @@ def header(kind: int, flags: int, status: int, slot: int, gen: int, call_id: int
     return HEADER.pack(kind, flags, status, slot, gen & 0xFFFFFFFF, call_id, timeout, len(method))
 
 
-def out_of_line(head: bytes) -> bytes:
-    """The same header, flagged ``HEAP``: the record's body is the extent, not the bytes."""
-    return head[:1] + bytes((head[1] | HEAP,)) + head[2:]
+def out_of_line(head: bytes, follow: bool = False) -> bytes:
+    """The same header, flagged ``HEAP``: the record's body is the extent, not the bytes (and
+    ``FOLLOW``: the body is written there after the frame is sent)."""
+    return head[:1] + bytes((head[1] | HEAP | (FOLLOW if follow else 0),)) + head[2:]
 
 
 _unpack = HEADER.unpack_from

@@ -16,6 +16,7 @@ region (``sim://``) supplies its own implementation instead.
 from __future__ import annotations
 
 import ctypes
+import time
 from typing import Callable
 
 import atomicshm
@@ -156,6 +157,53 @@ def copy_bytes(dst: memoryview, src, cold: bool = False) -> None:
 def to_bytes(src) -> bytes:
     """A copy of ``src`` as bytes (with streaming stores from STREAM_WARM_MIN)."""
     return stream_bytes(src) if len(src) >= STREAM_WARM_MIN else bytes(src)
+
+
+#: A followed copy (publish_copy / follow_copy) publishes its progress every this many bytes:
+#: small enough that the reader's copy runs beside the writer's, big enough that the stores of
+#: the progress word cost nothing (a 1 MiB echo: 32-64 KiB chunks best, 1 MiB ones no overlap).
+FOLLOW_CHUNK = 64 << 10
+
+
+def publish_copy(mem: AtomicMemory, buf: memoryview, progress_at: int, at: int, src) -> None:
+    """Copy ``src`` to ``buf[at:]`` a chunk at a time, storing the count of bytes copied so far
+    into the u64 at ``progress_at`` (release) after each, for :func:`follow_copy` on another
+    core to copy them out meanwhile; both stream from STREAM_WARM_MIN (a 16 MiB echo: 5.6
+    against 7.0 ms; 1 MiB: 313 against 227-277 us). Coherent memory only (no write-back)."""
+    n = len(src)
+    if _native is not None:
+        _native.publish_copy(buf[at:at + n], src, buf[progress_at:progress_at + 8], FOLLOW_CHUNK,
+                             n >= STREAM_WARM_MIN)
+        return
+    src = memoryview(src).cast("B")
+    for done in range(0, n, FOLLOW_CHUNK):
+        end = min(n, done + FOLLOW_CHUNK)
+        buf[at + done:at + end] = src[done:end]
+        mem.store(progress_at, end, RELEASE)
+
+
+def follow_copy(mem: AtomicMemory, buf: memoryview, progress_at: int, at: int, length: int,
+                stall: float) -> bytes:
+    """A copy of ``buf[at:at + length]`` taken while :func:`publish_copy` writes it, as the
+    progress word says its bytes are there. TimeoutError if the writer makes no progress for
+    ``stall`` seconds (it died or froze); ValueError if the word is garbage."""
+    if _native is not None:
+        out = _native.follow_copy(buf[at:at + length], buf[progress_at:progress_at + 8], stall,
+                                  length >= STREAM_WARM_MIN)
+        if out is None:
+            raise TimeoutError(f"the writer stopped for {stall} s")
+        return out
+    out, done, since = bytearray(length), 0, time.monotonic()
+    while done < length:
+        p = mem.load(progress_at, ACQUIRE)
+        if not done <= p <= length:
+            raise ValueError(f"progress word {p} is outside [{done}, {length}]")
+        if p > done:
+            out[done:p] = buf[at + done:at + p]
+            done, since = p, time.monotonic()
+        elif time.monotonic() - since > stall:
+            raise TimeoutError(f"the writer stopped for {stall} s")
+    return bytes(out)
 
 
 def require_native_flush():

@@ -16,6 +16,7 @@ import inspect
 import itertools
 import logging
 import os
+import sys
 import threading
 import time
 from asyncio import current_task as _current_task
@@ -31,7 +32,7 @@ from .channel import KIND_RPC, FlushServerChannel, ServerChannel, layout, server
 from .doorbell import WaitStrategy, resolve
 from .errors import (ERRORS, DeadlineExceeded, Internal, InvalidArgument, ResourceExhausted, RpcError,
                      StatusCode, Unimplemented)
-from .heap import EXTENT, OFFSET, HeapAccess, ServerHeap
+from .heap import EXTENT, FOLLOW_HEADER, FOLLOW_MIN, OFFSET, HeapAccess, ServerHeap
 from .service import add_service, stream_item
 from .streams import STREAM_WINDOW, RequestStream
 from .memory import ACQ_REL
@@ -289,6 +290,9 @@ class Server:
         self._cancelled_with: dict[tuple[int, int, int], RpcError] = {}
         self._backlog: dict[int, list[tuple]] = {}
         self._heap: ServerHeap | None = None
+        #: replies of this many bytes and more are followed (cxlrpc.heap); never without a heap
+        #: or on memory without coherence, where each chunk would need a write-back
+        self._follow_min = sys.maxsize
         self._credits: dict[tuple, list] = {}  # per stream: [credit left, event set on credit]
         self._inbound: dict[tuple, RequestStream] = {}  # request streams being read, per call
         self._heap_waiting: list[tuple] = []  # ALLOCs the full heap could not serve yet
@@ -379,6 +383,8 @@ class Server:
                 self._heap = ServerHeap(HeapAccess(self._region.buf, self._region.mem, geo.heap,
                                                    geo.heap_size))
                 self._body_limit = min(self.max_message_size, geo.heap_size)
+                if not self._region.mem.flushing:
+                    self._follow_min = FOLLOW_MIN
         except BaseException:
             self._stop_beating()
             self._region.mark_closed()
@@ -574,7 +580,7 @@ class Server:
                            self._backlog, self._fast_methods, chan.responses, chan, HandlerContext,
                            fr.NO_METADATA, _current_call, chan.ring_client, fr.encode_body,
                            self._event_loop, _current_task, _enter_task, _leave_task, _EagerTask,
-                           asyncio.CancelledError, chan.responses[0].max_payload, fr.Frame,
+                           asyncio.CancelledError, self._reply_limit(chan), fr.Frame,
                            _current_tasks(), *chan.client_bell_words())
         fast.enabled = 0 if self._interceptors or self._draining else 1
         return fast
@@ -611,6 +617,9 @@ class Server:
             chan.seen[slot] = f.gen
             if seen is not None:  # a new holder already: its predecessor left unseen
                 self._departed(slot, seen)
+        if f.flags & fr.FOLLOW:  # only responses are followed
+            self._drop()
+            return
         if f.kind != fr.REQUEST:
             if f.kind == fr.CANCEL:
                 task = self._tasks.get((slot, f.gen, f.call_id))
@@ -1048,7 +1057,8 @@ class Server:
         head = fr.HEADER.pack(fr.RESPONSE, flags, 0, slot, f.gen, f.call_id, 0.0, 0)
         if slot not in self._backlog and (held or chan.slot_generation(slot) == f.gen):
             ring = chan.responses[slot]
-            if fr.HEADER_SIZE + len(body) <= ring.max_payload and ring.try_push_parts((head, body)):
+            if (fr.HEADER_SIZE + len(body) <= ring.max_payload and len(body) < self._follow_min
+                    and ring.try_push_parts((head, body))):
                 chan.ring_client(slot, f.gen)
                 return
         self._send(slot, f.gen, head, body)  # the heap, the backlog, or nobody left to answer
@@ -1082,8 +1092,12 @@ class Server:
         chan.ring_client(slot, gen)
 
     def _push_reply(self, slot: int, gen: int, ring: Any, head: bytes, body: bytes | memoryview) -> bool:
-        """Push a reply, through the heap when it is too big for the ring; False while the
-        ring (or the heap) is full."""
+        """Push a reply, through the heap when it is too big for the ring or big enough to be
+        followed; False while the ring (or the heap) is full."""
+        if len(body) >= self._follow_min:
+            pushed = self._push_followed(slot, gen, ring, head, body)
+            if pushed is not None:
+                return pushed
         if len(head) + len(body) <= ring.max_payload:
             return ring.try_push_parts((head, body))
         if self._chan.slot_generation(slot) != gen:
@@ -1097,6 +1111,31 @@ class Server:
             return True
         heap.free(offset, slot, gen)
         return False
+
+    def _reply_limit(self, chan: ServerChannel | FlushServerChannel) -> int:
+        """The longest reply record pushed straight into a response ring (bigger ones are
+        followed, or go through the heap)."""
+        return min(chan.responses[0].max_payload, fr.HEADER_SIZE + self._follow_min - 1)
+
+    def _push_followed(self, slot: int, gen: int, ring: Any, head: bytes,
+                       body: bytes | memoryview) -> bool | None:
+        """Send a big reply's frame first, then write its body into the heap while the client
+        copies it out (:mod:`cxlrpc.heap`); False while the ring is full, None when the heap
+        has no room for it now (it goes the plain way)."""
+        if self._chan.slot_generation(slot) != gen:
+            return True  # the caller left: nobody to answer
+        heap = self._heap
+        size = FOLLOW_HEADER + len(body)
+        offset = heap.alloc(slot, gen, size) if size <= heap.access.size else None
+        if offset is None:
+            return None
+        heap.access.begin_publish(offset)
+        if not ring.try_push_parts((fr.out_of_line(head, follow=True), EXTENT.pack(offset, len(body)))):
+            heap.free(offset, slot, gen)
+            return False
+        self._chan.ring_client(slot, gen)
+        heap.access.publish(offset, body)
+        return True
 
     # ------------------------------------------------------------------ heap
     def _alloc(self, f: fr.Frame) -> None:

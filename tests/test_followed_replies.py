@@ -1,0 +1,205 @@
+"""Followed replies (cxlrpc.heap): a big response's frame goes first and the client copies its
+body out of the heap as the server writes it. Exact at every size around the threshold and the
+chunks, with the native copies and without; a stalled writer is an UNAVAILABLE error, not a
+hang; a garbage progress word is refused; requests may not claim the flag; no heap room, or
+memory without coherence, sends the reply the plain way."""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import sys
+import threading
+import time
+
+import pytest
+
+import cxlrpc
+import cxlrpc.client
+from cxlrpc import frame as fr
+from cxlrpc import memory
+from cxlrpc.heap import EXTENT, FOLLOW_MIN, HeapAccess
+from cxlrpc.memory import FOLLOW_CHUNK, AtomicMemory, follow_copy, publish_copy
+from procs import echo_server
+
+pytestmark = pytest.mark.timeout(120)
+MiB = 1 << 20
+SIZES = (FOLLOW_MIN - 1, FOLLOW_MIN, FOLLOW_MIN + 1, 5 * FOLLOW_CHUNK + 7, MiB + 13, 3 * MiB)
+
+
+@pytest.fixture(params=["native", "fallback"])
+def copies(request, monkeypatch) -> str:
+    """The followed copies with the native module, and without it (its Python reference)."""
+    if request.param == "native":
+        if memory._native is None:
+            pytest.skip("cxlrpc._flush was not built")
+    else:
+        monkeypatch.setattr(memory, "_native", None)
+    return request.param
+
+
+@pytest.fixture
+def published(monkeypatch) -> list[int]:
+    """The lengths of the bodies the server followed (HeapAccess.publish spied on)."""
+    lengths: list[int] = []
+    real = HeapAccess.publish
+
+    def spy(self, offset, body):
+        lengths.append(len(body))
+        return real(self, offset, body)
+
+    monkeypatch.setattr(HeapAccess, "publish", spy)
+    return lengths
+
+
+def _server(url: str, **opts) -> cxlrpc.Server:
+    server = cxlrpc.Server(url, **opts)
+
+    @server.method("echo")
+    async def echo(payload: bytes) -> bytes:
+        return payload
+
+    @server.method("make")
+    def make(spec: list) -> bytes:
+        size, seed = spec
+        return (hashlib.sha256(str(seed).encode()).digest() * (size // 32 + 1))[:size]
+
+    @server.method("echo_view")
+    def echo_view(payload: memoryview) -> memoryview:  # answered from its lent body
+        return payload
+
+    return server
+
+
+def _made(size: int, seed: int) -> bytes:
+    return (hashlib.sha256(str(seed).encode()).digest() * (size // 32 + 1))[:size]
+
+
+async def _heap_empty(server: cxlrpc.Server, timeout: float = 5.0) -> bool:
+    """Poll until the server's heap holds nothing (FREE frames are one-way: they lag)."""
+    deadline = time.monotonic() + timeout
+    while server._heap.used and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    return server._heap.used == 0
+
+
+async def test_followed_replies_are_exact_around_the_threshold(name, copies, published):
+    url = f"shm://{name}"
+    async with _server(url) as server, cxlrpc.connect(url) as client:
+        for i, size in enumerate(SIZES):
+            payload = os.urandom(size)
+            assert await client.call("echo", payload, timeout=30) == payload
+            assert await client.call("echo_view", payload, timeout=30) == payload
+            assert await client.call("make", [size, i], timeout=30) == _made(size, i)
+        assert await _heap_empty(server)
+    followed = [s for s in SIZES if s >= FOLLOW_MIN]
+    assert sorted(published) == sorted(followed * 3)
+
+
+async def test_a_blocking_client_reads_followed_replies(name, published):
+    url = f"shm://{name}"
+    async with _server(url) as server:
+        def blocking() -> bool:
+            with cxlrpc.connect_sync(url) as sync:
+                return all(sync.call("make", [size, size], timeout=30) == _made(size, size)
+                           for size in SIZES)
+        assert await asyncio.to_thread(blocking)
+        assert await _heap_empty(server)
+    assert len(published) == len([s for s in SIZES if s >= FOLLOW_MIN])
+
+
+def test_followed_bodies_cross_processes_intact(name):
+    """The server in another process writes while this one reads: the copies overlap."""
+    url = f"shm://{name}"
+    with echo_server(url), cxlrpc.connect_sync(url) as client:
+        for size in (FOLLOW_MIN, MiB + 5, 4 * MiB + 3):
+            for _ in range(5):
+                payload = os.urandom(size)
+                assert client.call("echo", payload, timeout=30) == payload
+
+
+def _word_and_data(length: int) -> tuple[bytearray, AtomicMemory]:
+    buf = bytearray(64 + length)
+    return buf, AtomicMemory(buf)
+
+
+@pytest.mark.parametrize("length", [6 * FOLLOW_CHUNK + 123, memory.STREAM_WARM_MIN + 77])
+def test_follow_copy_takes_what_a_concurrent_writer_publishes(copies, length):
+    """Both copies at once (the native ones let go of the GIL), plain and streaming."""
+    src = os.urandom(length)
+    buf, mem = _word_and_data(length)
+    view = memoryview(buf)
+    writer = threading.Thread(target=publish_copy, args=(mem, view, 0, 64, src))
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(follow_copy(mem, view, 0, 64, length, 5.0)))
+    reader.start()
+    writer.start()
+    writer.join(10)
+    reader.join(10)
+    view.release()
+    assert got == [src] and mem.load(0, memory.ACQUIRE) == length
+
+
+def test_follow_copy_gives_up_on_a_stalled_writer_and_refuses_garbage(copies):
+    length = 4 * FOLLOW_CHUNK
+    buf, mem = _word_and_data(length)
+    view = memoryview(buf)
+    mem.store(0, FOLLOW_CHUNK, memory.RELEASE)  # one chunk written, then the writer froze
+    start = time.monotonic()
+    with pytest.raises(TimeoutError):
+        follow_copy(mem, view, 0, 64, length, 0.2)
+    assert 0.2 <= time.monotonic() - start < 5
+    mem.store(0, length + 8, memory.RELEASE)  # no writer counts past the body
+    with pytest.raises(ValueError, match="progress"):
+        follow_copy(mem, view, 0, 64, length, 5.0)
+    view.release()
+
+
+async def test_a_server_that_stops_writing_a_reply_is_unavailable_not_a_hang(name, monkeypatch):
+    def half(self, offset, body):  # the server freezes half way (and never writes the rest)
+        at = self.start + offset
+        publish_copy(self.mem, self.buf, at, at + 64, memoryview(body)[:len(body) // 2])
+
+    monkeypatch.setattr(cxlrpc.client, "FOLLOW_STALL_S", 0.2)
+    url = f"shm://{name}"
+    async with _server(url) as server, cxlrpc.connect(url) as client:
+        with monkeypatch.context() as patched:
+            patched.setattr(HeapAccess, "publish", half)
+            with pytest.raises(cxlrpc.Unavailable, match="stopped writing"):
+                await client.call("make", [MiB, 1], timeout=10)
+        assert await client.call("make", [MiB, 2], timeout=10) == _made(MiB, 2)
+        assert await _heap_empty(server)  # the stalled reply's extent was given back
+
+
+async def test_a_request_claiming_the_follow_flag_is_dropped(name):
+    url = f"shm://{name}"
+    async with _server(url) as server, cxlrpc.connect(url) as client:
+        chan = client._chan
+        dropped = server.dropped_frames
+        head = fr.HEADER.pack(fr.REQUEST, fr.RAW | fr.HEAP | fr.FOLLOW, 0, chan.slot, chan.gen,
+                              4242, 5.0, 4)
+        assert chan.push((head, b"echo", EXTENT.pack(0, 1000)))
+        chan.server_bell.ring()
+        deadline = time.monotonic() + 5
+        while server.dropped_frames == dropped and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+        assert server.dropped_frames == dropped + 1
+        assert await client.call("echo", b"k" * MiB, timeout=10) == b"k" * MiB
+
+
+async def test_no_heap_room_or_no_coherence_sends_big_replies_the_plain_way(name, published):
+    url = f"shm://{name}"
+    # a reply the size of the whole heap leaves no room for a progress word: into the ring
+    async with _server(url, heap_size=512 << 10, max_message_size=512 << 10) as server, \
+            cxlrpc.connect(url) as client:
+        assert await client.call("make", [512 << 10, 3], timeout=10) == _made(512 << 10, 3)
+        assert await _heap_empty(server)
+    assert published == []
+    sim = f"sim://{name}s"
+    async with _server(sim, request_capacity=64 << 10, response_capacity=64 << 10,
+                       max_message_size=2 * MiB) as server, cxlrpc.connect(sim) as client:
+        assert server._follow_min == sys.maxsize
+        for size in (FOLLOW_MIN, MiB + 1):
+            assert await client.call("make", [size, 4], timeout=30) == _made(size, 4)
+        assert await _heap_empty(server)
+    assert published == []

@@ -12,8 +12,9 @@
  * publish_copy(dst, src, progress, chunk, streaming): copy src into dst a chunk at a time (with
  * streaming stores if ``streaming``), storing the bytes copied so far into the u64 ``progress``
  * (release) after each: a reader copies them out meanwhile.
- * follow_copy(src, progress, stall, streaming): a new bytes copy of src, taken as ``progress``
- * (acquire) says its bytes were written; None if it stops moving for ``stall`` seconds.
+ * follow_copy(src, progress, stall, streaming, limit): a new bytes copy of src, taken as
+ * ``progress`` (acquire) says its bytes were written; None if it stops moving for ``stall``
+ * seconds or is not done within ``limit``.
  * features(): the instructions in use, e.g. "clwb+clflushopt".
  */
 #define PY_SSIZE_T_CLEAN
@@ -189,10 +190,10 @@ static double seconds_now(void) {
 
 static PyObject *follow_copy(PyObject *self, PyObject *args) {
     Py_buffer src, prog;
-    double stall;
+    double stall, limit;
     int streaming;
     PyObject *out = NULL;
-    if (!PyArg_ParseTuple(args, "y*y*dp", &src, &prog, &stall, &streaming))
+    if (!PyArg_ParseTuple(args, "y*y*dpd", &src, &prog, &stall, &streaming, &limit))
         return NULL;
     uint64_t *word = progress_word(&prog);
     if (word == NULL) {
@@ -205,6 +206,7 @@ static PyObject *follow_copy(PyObject *self, PyObject *args) {
         int bad = 0;
         double since = 0.0; /* when progress last moved (0: look at the clock next time) */
         Py_BEGIN_ALLOW_THREADS
+        double end = seconds_now() + limit;
         for (unsigned spins = 1; done < n; spins++) {
             uint64_t p = __atomic_load_n(word, __ATOMIC_ACQUIRE);
             if (p > n || p < done) { /* a writer only counts up to the length: garbage */
@@ -223,6 +225,8 @@ static PyObject *follow_copy(PyObject *self, PyObject *args) {
             }
             if ((spins & 255) == 0) {
                 double now = seconds_now();
+                if (now > end)
+                    break;
                 if (since == 0.0)
                     since = now;
                 else if (now - since > stall)

@@ -27,7 +27,7 @@ from .channel import KIND_RPC, ClientChannel, FlushClientChannel, client_channel
 from .doorbell import WaitStrategy, resolve
 from .errors import (DeadlineExceeded, InvalidArgument, ResourceExhausted, RpcError, StatusCode,
                      Unavailable, error_for)
-from .heap import EXTENT, FOLLOW_HEADER, FOLLOW_STALL_S, OFFSET, HeapAccess
+from .heap import EXTENT, FOLLOW_HEADER, OFFSET, HeapAccess
 from .service import S, stub
 from .streams import StreamCall
 from .region import Region, RegionError
@@ -452,10 +452,11 @@ class _Base:
             elif f.flags & fr.FOLLOW:
                 self._heap.check(offset, FOLLOW_HEADER + length)
                 try:
-                    body = self._heap.follow(offset, length, FOLLOW_STALL_S)
+                    body = self._heap.follow(offset, length)
                 except (TimeoutError, ValueError) as exc:
                     f.kind, f.status, f.flags = fr.ERROR, int(StatusCode.UNAVAILABLE), fr.RAW
                     body = f"the server stopped writing the reply's body: {exc}".encode()
+                    self._send_cancel(f.call_id)  # a stream's handler would go on sending
             else:
                 body = self._heap.read(offset, length)
         except ValueError:

@@ -29,8 +29,12 @@ FOLLOW_HEADER = 64  # a followed extent: its progress word (u64), then from here
 #: against 37-41, 256 KiB 66-68 against 58).
 FOLLOW_MIN = 256 << 10
 #: A followed body whose writer makes no progress for this long is given up (the server died
-#: or froze mid-copy; about when its missing heartbeat would tell).
+#: or froze mid-copy; about when its missing heartbeat would tell), as is one that takes longer
+#: than that plus its length at FOLLOW_MIN_RATE bytes/s (a writer dripping bytes to hold the
+#: reader: the client's loop waits while it follows).
 FOLLOW_STALL_S = 1.0
+FOLLOW_MIN_RATE = 100e6
+FOLLOW_ABORTED = (1 << 64) - 1  # a progress word past any length: the writer gave up
 
 
 class HeapAccess:
@@ -63,17 +67,24 @@ class HeapAccess:
         self.mem.store(self.start + offset, 0, RELEASE)
 
     def publish(self, offset: int, body: bytes | memoryview) -> None:
-        """Write ``body`` into the followed extent at ``offset``, publishing its progress."""
+        """Write ``body`` into the followed extent at ``offset``, publishing its progress; if
+        the copy fails, a progress word no writer stores tells the reader at once."""
         self.check(offset, FOLLOW_HEADER + len(body))
         at = self.start + offset
-        publish_copy(self.mem, self.buf, at, at + FOLLOW_HEADER, body)
+        try:
+            publish_copy(self.mem, self.buf, at, at + FOLLOW_HEADER, body)
+        except BaseException:
+            self.mem.store(at, FOLLOW_ABORTED, RELEASE)
+            raise
 
-    def follow(self, offset: int, length: int, stall: float) -> bytes:
+    def follow(self, offset: int, length: int) -> bytes:
         """A copy of the followed extent's body, taken as its writer publishes it (ValueError
-        for a bad extent or progress word, TimeoutError if the writer stops for ``stall`` s)."""
+        for a bad extent or progress word, TimeoutError if the writer stops for FOLLOW_STALL_S
+        or is slower than FOLLOW_MIN_RATE)."""
         self.check(offset, FOLLOW_HEADER + length)
         at = self.start + offset
-        return follow_copy(self.mem, self.buf, at, at + FOLLOW_HEADER, length, stall)
+        return follow_copy(self.mem, self.buf, at, at + FOLLOW_HEADER, length, FOLLOW_STALL_S,
+                           FOLLOW_STALL_S + length / FOLLOW_MIN_RATE)
 
     def view(self, offset: int, length: int) -> memoryview:
         """A read-only view of the extent, in place (its lines invalidated first)."""

@@ -184,26 +184,29 @@ def publish_copy(mem: AtomicMemory, buf: memoryview, progress_at: int, at: int, 
 
 
 def follow_copy(mem: AtomicMemory, buf: memoryview, progress_at: int, at: int, length: int,
-                stall: float) -> bytes:
+                stall: float, limit: float) -> bytes:
     """A copy of ``buf[at:at + length]`` taken while :func:`publish_copy` writes it, as the
     progress word says its bytes are there. TimeoutError if the writer makes no progress for
-    ``stall`` seconds (it died or froze); ValueError if the word is garbage."""
+    ``stall`` seconds (it died or froze) or is not done within ``limit``; ValueError if the
+    word is garbage."""
     if _native is not None:
         out = _native.follow_copy(buf[at:at + length], buf[progress_at:progress_at + 8], stall,
-                                  length >= STREAM_WARM_MIN)
+                                  length >= STREAM_WARM_MIN, limit)
         if out is None:
-            raise TimeoutError(f"the writer stopped for {stall} s")
+            raise TimeoutError(f"the writer stopped for {stall} s or took over {limit:.3g} s")
         return out
-    out, done, since = bytearray(length), 0, time.monotonic()
+    out, done = bytearray(length), 0
+    since = start = time.monotonic()
     while done < length:
         p = mem.load(progress_at, ACQUIRE)
         if not done <= p <= length:
             raise ValueError(f"progress word {p} is outside [{done}, {length}]")
+        now = time.monotonic()
         if p > done:
             out[done:p] = buf[at + done:at + p]
-            done, since = p, time.monotonic()
-        elif time.monotonic() - since > stall:
-            raise TimeoutError(f"the writer stopped for {stall} s")
+            done, since = p, now
+        elif now - since > stall or now - start > limit:
+            raise TimeoutError(f"the writer stopped for {stall} s or took over {limit:.3g} s")
     return bytes(out)
 
 

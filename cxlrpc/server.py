@@ -1120,13 +1120,21 @@ class Server:
     def _push_followed(self, slot: int, gen: int, ring: Any, head: bytes,
                        body: bytes | memoryview) -> bool | None:
         """Send a big reply's frame first, then write its body into the heap while the client
-        copies it out (:mod:`cxlrpc.heap`); False while the ring is full, None when the heap
-        has no room for it now (it goes the plain way)."""
+        copies it out (:mod:`cxlrpc.heap`); False while the ring is full, None when it goes
+        the plain way: the heap has no room for it now, or ALLOCs wait for the heap (a reply
+        can take the ring instead, a big request cannot), or the body is not one contiguous
+        run of bytes."""
         if self._chan.slot_generation(slot) != gen:
             return True  # the caller left: nobody to answer
         heap = self._heap
+        try:
+            body = memoryview(body).cast("B")
+        except TypeError:
+            return None
         size = FOLLOW_HEADER + len(body)
-        offset = heap.alloc(slot, gen, size) if size <= heap.access.size else None
+        if self._heap_waiting or size > heap.access.size:
+            return None
+        offset = heap.alloc(slot, gen, size)
         if offset is None:
             return None
         heap.access.begin_publish(offset)
@@ -1134,6 +1142,8 @@ class Server:
             heap.free(offset, slot, gen)
             return False
         self._chan.ring_client(slot, gen)
+        # the copy runs here, on the loop: the extent's FREE, or its owner's departure, is
+        # handled only after it ends
         heap.access.publish(offset, body)
         return True
 

@@ -15,10 +15,10 @@ import time
 import pytest
 
 import cxlrpc
-import cxlrpc.client
+import cxlrpc.heap
 from cxlrpc import frame as fr
 from cxlrpc import memory
-from cxlrpc.heap import EXTENT, FOLLOW_MIN, HeapAccess
+from cxlrpc.heap import FOLLOW_MIN, HeapAccess
 from cxlrpc.memory import FOLLOW_CHUNK, AtomicMemory, follow_copy, publish_copy
 from procs import echo_server
 
@@ -131,7 +131,7 @@ def test_follow_copy_takes_what_a_concurrent_writer_publishes(copies, length):
     view = memoryview(buf)
     writer = threading.Thread(target=publish_copy, args=(mem, view, 0, 64, src))
     got: list[bytes] = []
-    reader = threading.Thread(target=lambda: got.append(follow_copy(mem, view, 0, 64, length, 5.0)))
+    reader = threading.Thread(target=lambda: got.append(follow_copy(mem, view, 0, 64, length, 5.0, 30.0)))
     reader.start()
     writer.start()
     writer.join(10)
@@ -147,12 +147,40 @@ def test_follow_copy_gives_up_on_a_stalled_writer_and_refuses_garbage(copies):
     mem.store(0, FOLLOW_CHUNK, memory.RELEASE)  # one chunk written, then the writer froze
     start = time.monotonic()
     with pytest.raises(TimeoutError):
-        follow_copy(mem, view, 0, 64, length, 0.2)
+        follow_copy(mem, view, 0, 64, length, 0.2, 30.0)
     assert 0.2 <= time.monotonic() - start < 5
     mem.store(0, length + 8, memory.RELEASE)  # no writer counts past the body
     with pytest.raises(ValueError, match="progress"):
-        follow_copy(mem, view, 0, 64, length, 5.0)
+        follow_copy(mem, view, 0, 64, length, 5.0, 30.0)
     view.release()
+
+
+def test_follow_copy_gives_up_on_a_writer_that_drips(copies):
+    """A writer that keeps moving, a byte at a time, is given up at the limit, not followed
+    for as long as it likes (the client's loop waits while it follows)."""
+    length = 1 << 20
+    buf, mem = _word_and_data(length)
+    view = memoryview(buf)
+    stop = threading.Event()
+
+    def drip() -> None:
+        done = 0
+        while not stop.is_set() and done < length:
+            done += 1
+            mem.store(0, done, memory.RELEASE)
+            time.sleep(0.005)
+
+    writer = threading.Thread(target=drip)
+    writer.start()
+    start = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError):
+            follow_copy(mem, view, 0, 64, length, 5.0, 0.3)
+        assert time.monotonic() - start < 4.5  # the 5 s stall never came into it
+    finally:
+        stop.set()
+        writer.join(10)
+        view.release()
 
 
 async def test_a_server_that_stops_writing_a_reply_is_unavailable_not_a_hang(name, monkeypatch):
@@ -160,7 +188,7 @@ async def test_a_server_that_stops_writing_a_reply_is_unavailable_not_a_hang(nam
         at = self.start + offset
         publish_copy(self.mem, self.buf, at, at + 64, memoryview(body)[:len(body) // 2])
 
-    monkeypatch.setattr(cxlrpc.client, "FOLLOW_STALL_S", 0.2)
+    monkeypatch.setattr(cxlrpc.heap, "FOLLOW_STALL_S", 0.2)
     url = f"shm://{name}"
     async with _server(url) as server, cxlrpc.connect(url) as client:
         with monkeypatch.context() as patched:
@@ -171,20 +199,45 @@ async def test_a_server_that_stops_writing_a_reply_is_unavailable_not_a_hang(nam
         assert await _heap_empty(server)  # the stalled reply's extent was given back
 
 
+async def test_a_server_whose_copy_fails_tells_the_client_at_once(name, monkeypatch):
+    def fails(mem, buf, progress_at, at, src):
+        buf[at:at + 100] = bytes(src[:100])
+        mem.store(progress_at, 100, memory.RELEASE)
+        raise MemoryError("the copy failed half way")
+
+    monkeypatch.setattr(cxlrpc.heap, "FOLLOW_STALL_S", 60.0)  # the client must not wait for it
+    url = f"shm://{name}"
+    async with _server(url) as server, cxlrpc.connect(url) as client:
+        with monkeypatch.context() as patched:
+            patched.setattr(cxlrpc.heap, "publish_copy", fails)
+            start = time.monotonic()
+            with pytest.raises(cxlrpc.Unavailable, match="stopped writing"):
+                await client.call("make", [MiB, 1], timeout=30)
+            assert time.monotonic() - start < 10
+        assert await client.call("make", [MiB, 2], timeout=10) == _made(MiB, 2)
+        assert await _heap_empty(server)
+
+
 async def test_a_request_claiming_the_follow_flag_is_dropped(name):
+    """A request flagged FOLLOW (only replies are) is dropped, not served."""
     url = f"shm://{name}"
     async with _server(url) as server, cxlrpc.connect(url) as client:
         chan = client._chan
         dropped = server.dropped_frames
-        head = fr.HEADER.pack(fr.REQUEST, fr.RAW | fr.HEAP | fr.FOLLOW, 0, chan.slot, chan.gen,
-                              4242, 5.0, 4)
-        assert chan.push((head, b"echo", EXTENT.pack(0, 1000)))
-        chan.server_bell.ring()
-        deadline = time.monotonic() + 5
-        while server.dropped_frames == dropped and time.monotonic() < deadline:
-            await asyncio.sleep(0.005)
-        assert server.dropped_frames == dropped + 1
-        assert await client.call("echo", b"k" * MiB, timeout=10) == b"k" * MiB
+        head = fr.HEADER.pack(fr.REQUEST, fr.RAW | fr.FOLLOW, 0, chan.slot, chan.gen, 4242, 5.0, 4)
+        fut = asyncio.get_running_loop().create_future()
+        client._pending[4242] = (fut, None)
+        try:
+            assert chan.push((head, b"echo", b"served?"))
+            chan.server_bell.ring()
+            deadline = time.monotonic() + 5
+            while server.dropped_frames == dropped and time.monotonic() < deadline:
+                await asyncio.sleep(0.005)
+            assert server.dropped_frames == dropped + 1
+            assert await client.call("echo", b"k" * MiB, timeout=10) == b"k" * MiB
+            assert not fut.done()  # the call after it was answered, this one never
+        finally:
+            client._pending.pop(4242, None)
 
 
 async def test_no_heap_room_or_no_coherence_sends_big_replies_the_plain_way(name, published):
@@ -203,3 +256,31 @@ async def test_no_heap_room_or_no_coherence_sends_big_replies_the_plain_way(name
             assert await client.call("make", [size, 4], timeout=30) == _made(size, 4)
         assert await _heap_empty(server)
     assert published == []
+
+
+async def test_replies_leave_the_heap_to_requests_that_wait_for_it(name, published):
+    """While an ALLOC waits for heap room, a reply that fits its ring takes the ring, even
+    with room left for it in the heap: the big request needs that room, the reply does not."""
+    url = f"shm://{name}"
+    async with _server(url, request_capacity=64 << 10, max_message_size=MiB) as server, \
+            cxlrpc.connect(url) as client:
+        holder = await cxlrpc.connect(url)
+        try:
+            holder._reader.cancel()  # its reply is never read: its extent stays taken
+            chan = holder._chan
+            assert chan.push(holder._request(7, "make", [300 << 10, 9], 0.0))
+            chan.server_bell.ring()
+            deadline = time.monotonic() + 10
+            while not server._heap.used and time.monotonic() < deadline:
+                await asyncio.sleep(0.005)
+            assert published == [300 << 10]
+            big = asyncio.ensure_future(client.call("echo", b"w" * 800_000, timeout=30))
+            while not server._heap_waiting and time.monotonic() < deadline:
+                await asyncio.sleep(0.005)
+            assert server._heap_waiting, "the 800 KB request should wait for the heap"
+            assert await client.call("make", [256 << 10, 5], timeout=10) == _made(256 << 10, 5)
+            assert published == [300 << 10]  # the ring carried it
+        finally:
+            await holder.close()  # its departure frees the unread reply's extent
+        assert await big == b"w" * 800_000
+        assert await _heap_empty(server)

@@ -9,12 +9,11 @@
  * non-temporal (streaming) stores, then sfence: no read-for-ownership of cold destination lines
  * and nothing left in this CPU's caches (the next reader is another process or host).
  * stream_bytes(src): a new bytes object holding a copy of buffer src, written the same way.
- * publish_copy(dst, src, progress, chunk, streaming): copy src into dst a chunk at a time (with
- * streaming stores if ``streaming``), storing the bytes copied so far into the u64 ``progress``
- * (release) after each: a reader copies them out meanwhile.
- * follow_copy(src, progress, stall, streaming, limit): a new bytes copy of src, taken as
- * ``progress`` (acquire) says its bytes were written; None if it stops moving for ``stall``
- * seconds or is not done within ``limit``.
+ * publish_copy(dst, src, progress, chunk): copy src into dst a chunk at a time, storing the bytes
+ * copied so far into the u64 ``progress`` (release) after each: a reader copies them out meanwhile.
+ * follow_copy(src, progress, stall, limit): a new bytes copy of src, taken as ``progress``
+ * (acquire) says its bytes were written; None if it stops moving for ``stall`` seconds or is
+ * not done within ``limit``.
  * features(): the instructions in use, e.g. "clwb+clflushopt".
  */
 #define PY_SSIZE_T_CLEAN
@@ -148,8 +147,7 @@ static uint64_t *progress_word(Py_buffer *b) {
 static PyObject *publish_copy(PyObject *self, PyObject *args) {
     Py_buffer dst, src, prog;
     Py_ssize_t chunk;
-    int streaming;
-    if (!PyArg_ParseTuple(args, "w*y*w*np", &dst, &src, &prog, &chunk, &streaming))
+    if (!PyArg_ParseTuple(args, "w*y*w*n", &dst, &src, &prog, &chunk))
         return NULL;
     uint64_t *word = progress_word(&prog);
     if (word == NULL) {
@@ -165,10 +163,7 @@ static PyObject *publish_copy(PyObject *self, PyObject *args) {
         Py_BEGIN_ALLOW_THREADS
         for (size_t done = 0; done < n;) {
             size_t step = n - done < (size_t)chunk ? n - done : (size_t)chunk;
-            if (streaming)
-                copy_streaming(d + done, s + done, step); /* it ends with an sfence */
-            else
-                memcpy(d + done, s + done, step);
+            memcpy(d + done, s + done, step);
             done += step;
             __atomic_store_n(word, (uint64_t)done, __ATOMIC_RELEASE);
         }
@@ -191,9 +186,8 @@ static double seconds_now(void) {
 static PyObject *follow_copy(PyObject *self, PyObject *args) {
     Py_buffer src, prog;
     double stall, limit;
-    int streaming;
     PyObject *out = NULL;
-    if (!PyArg_ParseTuple(args, "y*y*dpd", &src, &prog, &stall, &streaming, &limit))
+    if (!PyArg_ParseTuple(args, "y*y*dd", &src, &prog, &stall, &limit))
         return NULL;
     uint64_t *word = progress_word(&prog);
     if (word == NULL) {
@@ -215,10 +209,7 @@ static PyObject *follow_copy(PyObject *self, PyObject *args) {
                 break;
             }
             if (p > done) {
-                if (streaming)
-                    copy_streaming(d + done, s + done, (size_t)(p - done));
-                else
-                    memcpy(d + done, s + done, (size_t)(p - done));
+                memcpy(d + done, s + done, (size_t)(p - done));
                 done = p;
                 since = 0.0;
                 continue;

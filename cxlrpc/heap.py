@@ -50,13 +50,17 @@ class HeapAccess:
 
     def write(self, offset: int, parts: Sequence[bytes | memoryview]) -> int:
         """Copy ``parts`` to ``offset`` and write them back (memory without coherence); the
-        bytes written."""
+        bytes written. Plain stores on coherent memory, as publish_copy (streaming ones only
+        where lines must reach memory anyway)."""
         length = sum(len(part) for part in parts)
         self.check(offset, length)
         at = self.start + offset
         for part in parts:
             n = len(part)
-            copy_bytes(self.buf[at:at + n], part)
+            if self.mem.flushing:
+                copy_bytes(self.buf[at:at + n], part)
+            else:
+                self.buf[at:at + n] = part
             at += n
         self.mem.writeback(self.start + offset, length)
         return length
@@ -98,7 +102,8 @@ class HeapAccess:
         self.check(offset, length)
         at = self.start + offset
         self.mem.invalidate(at, length)
-        return to_bytes(self.buf[at:at + length])
+        view = self.buf[at:at + length]
+        return to_bytes(view) if self.mem.flushing else bytes(view)
 
 
 class ServerHeap:

@@ -168,13 +168,13 @@ FOLLOW_CHUNK = 64 << 10
 def publish_copy(mem: AtomicMemory, buf: memoryview, progress_at: int, at: int, src) -> None:
     """Copy ``src`` to ``buf[at:]`` a chunk at a time, storing the count of bytes copied so far
     into the u64 at ``progress_at`` (release) after each, for :func:`follow_copy` on another
-    core to copy them out meanwhile. Both copies use streaming stores from STREAM_WARM_MIN,
-    where they win (a 16 MiB echo: 5.6 against 7.0 ms p50) and not below (1 MiB: 313 against
-    227-277 us). Coherent memory only: no write-back between chunks."""
+    core to copy them out meanwhile. Coherent memory only: no write-back between chunks. Both
+    copies, and the heap's others on coherent memory, use plain stores: the reader takes the
+    lines from the writer's cache. Streaming stores lost at every size (16 MiB echo, p50 in
+    three alternating pairs of runs: 4.3-4.9 against 5.2-7.1 ms; 1 MiB: 227-277 against 313)."""
     n = len(src)
     if _native is not None:
-        _native.publish_copy(buf[at:at + n], src, buf[progress_at:progress_at + 8], FOLLOW_CHUNK,
-                             n >= STREAM_WARM_MIN)
+        _native.publish_copy(buf[at:at + n], src, buf[progress_at:progress_at + 8], FOLLOW_CHUNK)
         return
     src = memoryview(src).cast("B")
     for done in range(0, n, FOLLOW_CHUNK):
@@ -190,8 +190,7 @@ def follow_copy(mem: AtomicMemory, buf: memoryview, progress_at: int, at: int, l
     ``stall`` seconds (it died or froze) or is not done within ``limit``; ValueError if the
     word is garbage."""
     if _native is not None:
-        out = _native.follow_copy(buf[at:at + length], buf[progress_at:progress_at + 8], stall,
-                                  length >= STREAM_WARM_MIN, limit)
+        out = _native.follow_copy(buf[at:at + length], buf[progress_at:progress_at + 8], stall, limit)
         if out is None:
             raise TimeoutError(f"the writer stopped for {stall} s or took over {limit:.3g} s")
         return out

@@ -125,7 +125,7 @@ def _word_and_data(length: int) -> tuple[bytearray, AtomicMemory]:
 
 @pytest.mark.parametrize("length", [6 * FOLLOW_CHUNK + 123, memory.STREAM_WARM_MIN + 77])
 def test_follow_copy_takes_what_a_concurrent_writer_publishes(copies, length):
-    """Both copies at once (the native ones let go of the GIL), plain and streaming."""
+    """Both copies at once (the native ones let go of the GIL), short and long."""
     src = os.urandom(length)
     buf, mem = _word_and_data(length)
     view = memoryview(buf)

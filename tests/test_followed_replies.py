@@ -52,6 +52,11 @@ def published(monkeypatch) -> list[int]:
     return lengths
 
 
+def _made(size: int, seed: int) -> bytes:
+    """The body ``make`` answers: ``size`` bytes that differ with ``seed``."""
+    return (hashlib.sha256(str(seed).encode()).digest() * (size // 32 + 1))[:size]
+
+
 def _server(url: str, **opts) -> cxlrpc.Server:
     server = cxlrpc.Server(url, **opts)
 
@@ -62,17 +67,13 @@ def _server(url: str, **opts) -> cxlrpc.Server:
     @server.method("make")
     def make(spec: list) -> bytes:
         size, seed = spec
-        return (hashlib.sha256(str(seed).encode()).digest() * (size // 32 + 1))[:size]
+        return _made(size, seed)
 
     @server.method("echo_view")
     def echo_view(payload: memoryview) -> memoryview:  # answered from its lent body
         return payload
 
     return server
-
-
-def _made(size: int, seed: int) -> bytes:
-    return (hashlib.sha256(str(seed).encode()).digest() * (size // 32 + 1))[:size]
 
 
 async def _heap_empty(server: cxlrpc.Server, timeout: float = 5.0) -> bool:

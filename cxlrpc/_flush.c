@@ -14,6 +14,8 @@
  * follow_copy(src, progress, stall, limit): a new bytes copy of src, taken as ``progress``
  * (acquire) says its bytes were written; None if it stops moving for ``stall`` seconds or is
  * not done within ``limit``.
+ * Follower(length, copy): the same a step at a time (step(src, progress, spin, budget) -> bytes
+ * done; take() -> the bytes), for a reader that must not wait long for one writer.
  * features(): the instructions in use, e.g. "clwb+clflushopt".
  */
 #define PY_SSIZE_T_CLEAN
@@ -183,6 +185,47 @@ static double seconds_now(void) {
     return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
+/* Copy ``src[*done:]`` into ``dst`` as the progress word says its bytes are there, until all
+ * ``n`` are, or the word stops moving for ``stall`` seconds, or ``limit`` seconds pass. Called
+ * without the GIL. Returns 0, or -1 when the word is garbage (outside [*done, n]: ``*seen``). */
+static int follow_loop(char *dst, const char *src, uint64_t *word, uint64_t n, uint64_t *done,
+                       double stall, double limit, uint64_t *seen) {
+    double end = seconds_now() + limit;
+    double since = 0.0; /* when progress last moved (0: look at the clock next time) */
+    for (unsigned spins = 1; *done < n; spins++) {
+        uint64_t p = __atomic_load_n(word, __ATOMIC_ACQUIRE);
+        if (p > n || p < *done) { /* a writer only counts up to the length: garbage */
+            *seen = p;
+            return -1;
+        }
+        if (p > *done) {
+            if (dst != NULL)
+                memcpy(dst + *done, src + *done, (size_t)(p - *done));
+            *done = p;
+            since = 0.0;
+            continue;
+        }
+        if ((spins & 255) == 0) {
+            double now = seconds_now();
+            if (now > end)
+                break;
+            if (since == 0.0)
+                since = now;
+            else if (now - since > stall)
+                break;
+        }
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#endif
+    }
+    return 0;
+}
+
+static void garbage_progress(uint64_t seen, uint64_t done, uint64_t n) {
+    PyErr_Format(PyExc_ValueError, "progress word %llu is outside [%llu, %llu]",
+                 (unsigned long long)seen, (unsigned long long)done, (unsigned long long)n);
+}
+
 static PyObject *follow_copy(PyObject *self, PyObject *args) {
     Py_buffer src, prog;
     double stall, limit;
@@ -195,42 +238,13 @@ static PyObject *follow_copy(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_BufferError, "follow_copy needs a contiguous buffer");
     } else if ((out = PyBytes_FromStringAndSize(NULL, src.len)) != NULL) {
         char *d = PyBytes_AS_STRING(out);
-        const char *s = (const char *)src.buf;
         uint64_t n = (uint64_t)src.len, done = 0, seen = 0;
-        int bad = 0;
-        double since = 0.0; /* when progress last moved (0: look at the clock next time) */
+        int rc;
         Py_BEGIN_ALLOW_THREADS
-        double end = seconds_now() + limit;
-        for (unsigned spins = 1; done < n; spins++) {
-            uint64_t p = __atomic_load_n(word, __ATOMIC_ACQUIRE);
-            if (p > n || p < done) { /* a writer only counts up to the length: garbage */
-                seen = p;
-                bad = 1;
-                break;
-            }
-            if (p > done) {
-                memcpy(d + done, s + done, (size_t)(p - done));
-                done = p;
-                since = 0.0;
-                continue;
-            }
-            if ((spins & 255) == 0) {
-                double now = seconds_now();
-                if (now > end)
-                    break;
-                if (since == 0.0)
-                    since = now;
-                else if (now - since > stall)
-                    break;
-            }
-#if defined(__x86_64__) || defined(__i386__)
-            __builtin_ia32_pause();
-#endif
-        }
+        rc = follow_loop(d, (const char *)src.buf, word, n, &done, stall, limit, &seen);
         Py_END_ALLOW_THREADS
-        if (bad) {
-            PyErr_Format(PyExc_ValueError, "progress word %llu is outside [%llu, %llu]",
-                         (unsigned long long)seen, (unsigned long long)done, (unsigned long long)n);
+        if (rc < 0) {
+            garbage_progress(seen, done, n);
             Py_CLEAR(out);
         } else if (done < n) {
             Py_DECREF(out);
@@ -241,6 +255,109 @@ static PyObject *follow_copy(PyObject *self, PyObject *args) {
     PyBuffer_Release(&prog);
     return out;
 }
+
+/* Follower(length, copy): a followed body taken a step at a time, so a reader that serves
+ * others (the server's loop) never waits for one writer; with ``copy``, into a bytes object
+ * nobody sees before take(). */
+typedef struct {
+    PyObject_HEAD
+    PyObject *body;  /* the bytes being filled (NULL: not copying, or taken) */
+    uint64_t length, done;
+    int taken;
+} Follower;
+
+static int Follower_init(Follower *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"length", "copy", NULL};
+    Py_ssize_t length;
+    int copy;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "np", kwlist, &length, &copy))
+        return -1;
+    if (length < 0 || self->length || self->body) {
+        PyErr_SetString(PyExc_ValueError, "Follower: a length of 0 or more, given once");
+        return -1;
+    }
+    if (copy && (self->body = PyBytes_FromStringAndSize(NULL, length)) == NULL)
+        return -1;
+    self->length = (uint64_t)length;
+    return 0;
+}
+
+static void Follower_dealloc(Follower *self) {
+    Py_CLEAR(self->body);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* step(src, progress, spin, budget): follow on while progress moves (up to ``spin`` s without
+ * it, ``budget`` s in all); the bytes done. ValueError if the word is garbage. */
+static PyObject *Follower_step(Follower *self, PyObject *args) {
+    Py_buffer src, prog;
+    double spin, budget;
+    if (!PyArg_ParseTuple(args, "y*y*dd", &src, &prog, &spin, &budget))
+        return NULL;
+    uint64_t *word = progress_word(&prog);
+    if (word == NULL) {
+    } else if (!PyBuffer_IsContiguous(&src, 'C') || (uint64_t)src.len != self->length) {
+        PyErr_Format(PyExc_ValueError, "Follower.step: a contiguous source of %llu bytes",
+                     (unsigned long long)self->length);
+    } else if (self->taken) {
+        PyErr_SetString(PyExc_ValueError, "Follower.step: the body was taken");
+    } else {
+        char *d = self->body != NULL ? PyBytes_AS_STRING(self->body) : NULL;
+        uint64_t done = self->done, seen = 0;
+        int rc;
+        Py_BEGIN_ALLOW_THREADS
+        rc = follow_loop(d, (const char *)src.buf, word, self->length, &done, spin, budget, &seen);
+        Py_END_ALLOW_THREADS
+        if (rc < 0)
+            garbage_progress(seen, done, self->length);
+        self->done = done;
+    }
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&prog);
+    if (PyErr_Occurred())
+        return NULL;
+    return PyLong_FromUnsignedLongLong(self->done);
+}
+
+/* take(): the completed copy (once; None when not copying). */
+static PyObject *Follower_take(Follower *self, PyObject *unused) {
+    if (self->done < self->length || self->taken) {
+        PyErr_SetString(PyExc_ValueError, "Follower.take: the body is not complete, or was taken");
+        return NULL;
+    }
+    self->taken = 1;
+    PyObject *body = self->body;
+    self->body = NULL;
+    return body != NULL ? body : Py_NewRef(Py_None);
+}
+
+static PyObject *Follower_get_done(Follower *self, void *closure) {
+    return PyLong_FromUnsignedLongLong(self->done);
+}
+
+static PyMethodDef Follower_methods[] = {
+    {"step", (PyCFunction)Follower_step, METH_VARARGS, "Follow while progress moves (spin, budget): the bytes done."},
+    {"take", (PyCFunction)Follower_take, METH_NOARGS, "The completed copy (None when not copying)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Follower_getset[] = {
+    {"done", (getter)Follower_get_done, NULL, "bytes followed so far", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject FollowerType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "cxlrpc._flush.Follower",
+    .tp_basicsize = sizeof(Follower),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Follower(length, copy): a followed body taken a step at a time.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Follower_init,
+    .tp_dealloc = (destructor)Follower_dealloc,
+    .tp_methods = Follower_methods,
+    .tp_getset = Follower_getset,
+};
 
 static PyObject *features(PyObject *self, PyObject *unused) {
     return PyUnicode_FromFormat("%s+%s", have_clwb ? "clwb" : "no-clwb",
@@ -266,5 +383,10 @@ PyMODINIT_FUNC PyInit__flush(void) {
         have_clflushopt = (b >> 23) & 1;
         have_clwb = (b >> 24) & 1;
     }
-    return PyModule_Create(&module);
+    if (PyType_Ready(&FollowerType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddObjectRef(m, "Follower", (PyObject *)&FollowerType) < 0)
+        Py_CLEAR(m);
+    return m;
 }

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import sys
 import threading
 import time
 import warnings
@@ -27,7 +28,7 @@ from .channel import KIND_RPC, ClientChannel, FlushClientChannel, client_channel
 from .doorbell import WaitStrategy, resolve
 from .errors import (DeadlineExceeded, InvalidArgument, ResourceExhausted, RpcError, StatusCode,
                      Unavailable, error_for)
-from .heap import EXTENT, FOLLOW_HEADER, OFFSET, HeapAccess
+from .heap import EXTENT, FOLLOW_HEADER, FOLLOW_MIN, OFFSET, HeapAccess
 from .service import S, stub
 from .streams import StreamCall
 from .region import Region, RegionError
@@ -88,6 +89,12 @@ class _Large(NamedTuple):
     method_len: int
     prefix: bytes  # the method name, then the metadata block if any
     body: bytes | memoryview
+    follow: bool = False  # written after its frame is sent, the server following (cxlrpc.heap)
+
+    @property
+    def extent_size(self) -> int:
+        """The heap bytes to ALLOC: a followed body's progress word comes first."""
+        return FOLLOW_HEADER + len(self.body) if self.follow else len(self.body)
 
 
 def _chained(interceptors: tuple, last: Callable[[str, Any, dict], Any]) -> Callable[[str, Any, dict], Any]:
@@ -284,6 +291,11 @@ class _Base:
         #: caller polls for its reply without giving the loop a turn.
         self._caller: Any = None
         self._hot_s = self._hot_spin_s = 0.0  # the in-place wait, and its spin part
+        #: unary requests with bodies in [_follow_min, _follow_max] are followed (cxlrpc.heap):
+        #: on coherent memory with a heap only
+        self._follow_min, self._follow_max = sys.maxsize, 0
+        self._followed: dict[int, bytes] = {}  # call id -> method name, of followed calls out
+        self._in_place: set[bytes] = set()  # methods that read their bodies in place: not followed
 
     def _open(self) -> _Link:
         """Attach (claim a slot) and start the monitor: a connection not yet acknowledged."""
@@ -301,14 +313,19 @@ class _Base:
         self._hot_s = 0.0 if chan.server_in_process else min(_HOT_WINDOW_S,
                                                               strategy.spin_s + strategy.yield_s)
         self._hot_spin_s = min(self._hot_s, strategy.spin_s)
+        geo, region = chan.geo, chan.region
+        if geo.heap_size > FOLLOW_HEADER and not region.mem.flushing:
+            self._follow_min = FOLLOW_MIN
+            self._follow_max = min(geo.heap_size - FOLLOW_HEADER, geo.max_message_size)
         if _Caller is not None and isinstance(chan, ClientChannel):
-            # through a proxy: the client stays collectable when dropped unclosed
+            # through a proxy: the client stays collectable when dropped unclosed; bodies to
+            # follow go to the reference
             bell = chan.server_bell
             self._caller = _Caller(weakref.proxy(self), self._methods, chan.requests.try_push_parts,
                                    chan.push_args(), bell.ring, chan.responses.poll, fr.encode_body,
-                                   fr.decode, chan.slot, chan.gen, chan.requests.max_payload,
+                                   fr.decode, chan.slot, chan.gen,
+                                   min(chan.requests.max_payload, fr.HEADER_SIZE + self._follow_min - 1),
                                    chan.region.buf, bell.parked_at, bell.me)
-        geo, region = chan.geo, chan.region
         self._heap = HeapAccess(region.buf, region.mem, geo.heap, geo.heap_size)
         self._finalizer = weakref.finalize(self, _collected, link, f"{type(self).__name__}({self.url!r})")
         self._finalizer.atexit = False  # at exit the server reclaims the slot by our PID
@@ -373,9 +390,11 @@ class _Base:
         return Unavailable(self._gone)
 
     def _request(self, call_id: int, method: str, arg: Any, timeout: float,
-                 metadata: Mapping[str, str] | None = None, flags: int = 0) -> tuple:
+                 metadata: Mapping[str, str] | None = None, flags: int = 0,
+                 follow: bool = False) -> tuple | _Large:
         """The parts of a request record: header, method name (then the metadata block, if
-        any), body."""
+        any), body; or the request to send through the heap (``follow``: a unary call's big
+        body may be followed)."""
         mb = self._methods.get(method)
         if mb is None:
             mb = fr.method_bytes(method)
@@ -396,6 +415,13 @@ class _Base:
             flags |= fr.META
         chan = self._chan
         head = fr.HEADER.pack(fr.REQUEST, flags, 0, chan.slot, chan.gen, call_id, timeout, len(mb))
+        if follow and self._follow_min <= len(body) <= self._follow_max and mb not in self._in_place:
+            if type(body) is not bytes:
+                body = memoryview(body)
+                body = body.cast("B") if body.c_contiguous else body.tobytes()
+            if self._follow_min <= len(body) <= self._follow_max:  # its bytes, not its items
+                large = self._out_of_line(flags, len(mb), prefix, body, "request")
+                return large._replace(follow=True)
         if len(head) + len(prefix) + len(body) > chan.requests.max_payload:
             return self._out_of_line(flags, len(mb), prefix, body, "request")
         return head, prefix, body
@@ -427,16 +453,21 @@ class _Base:
 
     def _staged(self, large: _Large, reply: bytes, call_id: int, timeout: float,
                 kind: int = fr.REQUEST) -> tuple[tuple, int]:
-        """Write the body into the extent the server granted; the record's parts and the
-        extent's offset (to give back if the record is never sent)."""
+        """Write the body into the extent the server granted (a followed one: zero its
+        progress word, the body comes after the frame); the record's parts and the extent's
+        offset (to give back if the record is never sent)."""
         chan = self._chan
         (offset,) = OFFSET.unpack(reply)
         try:
-            self._heap.write(offset, (large.body,))
+            if large.follow:
+                self._heap.check(offset, large.extent_size)
+                self._heap.begin_publish(offset)
+            else:
+                self._heap.write(offset, (large.body,))
         except ValueError as exc:
             raise InvalidArgument(f"the server granted a bad heap extent: {exc}") from exc
-        head = fr.HEADER.pack(kind, large.flags | fr.HEAP, 0, chan.slot, chan.gen, call_id,
-                              timeout, large.method_len)
+        flags = large.flags | fr.HEAP | (fr.FOLLOW if large.follow else 0)
+        head = fr.HEADER.pack(kind, flags, 0, chan.slot, chan.gen, call_id, timeout, large.method_len)
         return (head, large.prefix, EXTENT.pack(offset, len(large.body))), offset
 
     def _heap_body(self, f: fr.Frame, wanted: bool) -> bool:
@@ -544,10 +575,20 @@ class _Base:
         if f.flags & fr.HEAP and not self._heap_body(f, wanted=True):
             raise InvalidArgument("the reply's heap extent is not inside the heap")
         if f.kind == fr.RESPONSE and f.flags & fr.RAW and response_type is None:
+            if f.flags & fr.IN_PLACE:
+                self._read_in_place(f)
             return f.body  # raw bytes: nothing to decode
         return self._decode_reply(f, response_type)
 
+    def _read_in_place(self, f: fr.Frame) -> None:
+        """The reply's method reads its body in place: its calls stop following bodies."""
+        method = self._followed.get(f.call_id)
+        if method is not None and len(self._in_place) < 4096:
+            self._in_place.add(method)
+
     def _decode_reply(self, f: fr.Frame, response_type: Any) -> Any:
+        if f.flags & fr.IN_PLACE:
+            self._read_in_place(f)
         if f.kind == fr.ERROR:
             raise error_for(f.status, f.body.decode(errors="replace"))
         try:
@@ -805,7 +846,7 @@ class Client(_Base):
         if timeout is not None and timeout <= 0:
             raise DeadlineExceeded("timeout must be positive")
         call_id = next(self._ids)
-        parts = self._request(call_id, method, arg, timeout or 0.0, metadata)
+        parts = self._request(call_id, method, arg, timeout or 0.0, metadata, follow=True)
         deadline = None if timeout is None else self._loop.time() + timeout
         if type(parts) is _Large:
             return self._call_large(call_id, parts, timeout or 0.0, deadline, response_type, late)
@@ -823,12 +864,20 @@ class Client(_Base):
                           late: _LateReply | None) -> Any:
         """A request through the heap: ALLOC an extent, write the body there, then call."""
         chan = self._chan
-        alloc_id, alloc = self._alloc_request(len(large.body), timeout)
+        alloc_id, alloc = self._alloc_request(large.extent_size, timeout)
         reply = await self._granted(alloc_id, alloc, deadline)
         if self._gone is not None or self._chan is not chan:  # the extent is another server's
             raise Unavailable(self._gone or "the connection was lost while the call waited for heap space")
         parts, offset = self._staged(large, reply, call_id, timeout)
-        return await self._roundtrip(call_id, parts, deadline, response_type, unsent=offset, late=late)
+        if not large.follow:
+            return await self._roundtrip(call_id, parts, deadline, response_type, unsent=offset, late=late)
+        heap = self._heap
+        self._followed[call_id] = large.prefix[:large.method_len]
+        try:
+            return await self._roundtrip(call_id, parts, deadline, response_type, unsent=offset, late=late,
+                                         then=lambda: heap.publish(offset, large.body))
+        finally:
+            del self._followed[call_id]
 
     async def _granted(self, alloc_id: int, alloc: tuple, deadline: float | None) -> fr.Frame:
         """The ALLOC round trip. A caller that gives up first leaves the ALLOC known, so a
@@ -845,10 +894,11 @@ class Client(_Base):
 
     async def _roundtrip(self, call_id: int, parts: tuple | None, deadline: float | None,
                          response_type: Any, unsent: int | None = None,
-                         late: _LateReply | None = None) -> Any:
+                         late: _LateReply | None = None, then: Callable[[], None] | None = None) -> Any:
         """Push a request (None: it is out already) and await its reply. ``unsent``: a heap
         extent to give back if the request never left; ``late``: where the reply goes if the
-        caller gives up after."""
+        caller gives up after; ``then``: called once the request is out (a followed body's
+        writing)."""
         loop = self._loop
         fut = loop.create_future()
         self._pending[call_id] = (fut, response_type)
@@ -864,6 +914,8 @@ class Client(_Base):
                 else:
                     await self._push_slow(parts, deadline)
             pushed = True
+            if then is not None:
+                then()
             if late is not None:  # from here its reply has a taker even if we give up first
                 late.waiting = True
                 self._late[call_id] = late
@@ -1324,11 +1376,12 @@ class SyncClient(_Base):
             if timeout is not None and timeout <= 0:
                 raise DeadlineExceeded("timeout must be positive")
             call_id = next(self._ids)
-            parts = self._request(call_id, method, arg, timeout or 0.0, metadata)
+            parts = self._request(call_id, method, arg, timeout or 0.0, metadata, follow=True)
             deadline = None if timeout is None else time.monotonic() + timeout
-            unsent = None
+            unsent = publish = None
             if type(parts) is _Large:  # through the heap: ALLOC an extent, write the body there
-                alloc_id, alloc = self._alloc_request(len(parts.body), timeout or 0.0)
+                large = parts
+                alloc_id, alloc = self._alloc_request(large.extent_size, timeout or 0.0)
                 try:
                     reply = self._decode_reply(self._roundtrip(alloc_id, alloc, deadline), None)
                 except DeadlineExceeded:
@@ -1337,13 +1390,22 @@ class SyncClient(_Base):
                     self._allocs.discard(alloc_id)
                     raise
                 self._allocs.discard(alloc_id)
-                parts, unsent = self._staged(parts, reply, call_id, timeout or 0.0)
-            return self._decode_reply(self._roundtrip(call_id, parts, deadline, unsent), response_type)
+                parts, unsent = self._staged(large, reply, call_id, timeout or 0.0)
+                if large.follow:
+                    heap, offset = self._heap, unsent
+                    publish = lambda: heap.publish(offset, large.body)  # noqa: E731
+                    self._followed[call_id] = large.prefix[:large.method_len]
+            try:
+                return self._decode_reply(self._roundtrip(call_id, parts, deadline, unsent, publish),
+                                          response_type)
+            finally:
+                self._followed.pop(call_id, None)
 
     def _roundtrip(self, call_id: int, parts: tuple | None, deadline: float | None,
-                   unsent: int | None = None) -> fr.Frame:
+                   unsent: int | None = None, then: Callable[[], None] | None = None) -> fr.Frame:
         """Push a request (None: it is out already) and wait for its reply frame. ``unsent``:
-        a heap extent to give back if the request never left."""
+        a heap extent to give back if the request never left; ``then``: called once the
+        request is out (a followed body's writing)."""
         chan = self._chan
         if parts is not None:
             if self._frees:
@@ -1360,6 +1422,8 @@ class SyncClient(_Base):
                     self._give_back(unsent)
                 raise
             chan.server_bell.ring()
+            if then is not None:
+                then()
         ring, bell, strategy = chan.responses, chan.bell, self.strategy
         got: list[fr.Frame] = []
 

@@ -33,8 +33,11 @@ RAW = 1  # body is the caller's bytes, not MessagePack
 HEAP = 2  # the body is out of line: the frame carries its heap extent (offset, length)
 META = 4  # call metadata precedes the body (see encode_metadata)
 STREAM = 8  # a request whose items follow (ITEM frames, then END); its own body is empty
-FOLLOW = 16  # with HEAP, on a response: its body is still being written (see cxlrpc.heap)
-_UNKNOWN_FLAGS = ~(RAW | HEAP | META | STREAM | FOLLOW)
+FOLLOW = 16  # with HEAP: the body is still being written after the frame (see cxlrpc.heap)
+#: On a reply to a followed request: the method reads its body in place (a lent view), so
+#: following gains nothing there; the caller sends it bodies the ring takes the plain way.
+IN_PLACE = 32
+_UNKNOWN_FLAGS = ~(RAW | HEAP | META | STREAM | FOLLOW | IN_PLACE)
 NO_REPLY = 0  # call id of a one-way request: the server runs the handler and sends nothing back
 
 # Methods every server answers (users cannot register names under the prefix)

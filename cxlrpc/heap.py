@@ -11,6 +11,8 @@ Offsets and lengths read from frames are checked against what was handed out.
 A big response on coherent memory is *followed*: the server sends its frame first, then writes
 the body a chunk at a time after a progress word (the extent's first FOLLOW_HEADER bytes), and
 the client copies each chunk out as it lands, so the two copies overlap instead of adding up.
+A big request is followed the same way, writer and reader swapped (its extent ALLOCed first);
+the server takes it a step at a time between its other work, never waiting long for one client.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import struct
 from typing import Sequence
 
 from .allocator import PoolAllocator
-from .memory import RELEASE, AtomicMemory, copy_bytes, follow_copy, publish_copy, to_bytes
+from .memory import RELEASE, AtomicMemory, FollowedBody, copy_bytes, follow_copy, publish_copy, to_bytes
 
 EXTENT = struct.Struct("<QQ")  # offset, length: the body of a HEAP frame
 OFFSET = struct.Struct("<Q")   # ALLOC's size, its reply's offset, FREE's offset
@@ -35,6 +37,10 @@ FOLLOW_MIN = 256 << 10
 FOLLOW_STALL_S = 1.0
 FOLLOW_MIN_RATE = 100e6
 FOLLOW_ABORTED = (1 << 64) - 1  # a progress word past any length: the writer gave up
+#: The server follows a request's body a step at a time: on while the client's writes keep
+#: coming (up to FOLLOW_SPIN_S between them), for at most FOLLOW_STEP_S before it serves others.
+FOLLOW_SPIN_S = 50e-6
+FOLLOW_STEP_S = 1e-3
 
 
 class HeapAccess:
@@ -89,6 +95,18 @@ class HeapAccess:
         at = self.start + offset
         return follow_copy(self.mem, self.buf, at, at + FOLLOW_HEADER, length, FOLLOW_STALL_S,
                            FOLLOW_STALL_S + length / FOLLOW_MIN_RATE)
+
+    def follower(self, offset: int, length: int, copy: bool) -> FollowedBody:
+        """The followed extent's body, to take a step at a time (ValueError for a bad extent)."""
+        self.check(offset, FOLLOW_HEADER + length)
+        at = self.start + offset
+        return FollowedBody(self.mem, self.buf, at, at + FOLLOW_HEADER, length, copy)
+
+    def followed_view(self, offset: int, length: int) -> memoryview:
+        """A read-only view of a complete followed extent's body, in place (coherent memory)."""
+        self.check(offset, FOLLOW_HEADER + length)
+        at = self.start + offset + FOLLOW_HEADER
+        return self.buf[at:at + length].toreadonly()
 
     def view(self, offset: int, length: int) -> memoryview:
         """A read-only view of the extent, in place (its lines invalidated first)."""

@@ -209,6 +209,52 @@ def follow_copy(mem: AtomicMemory, buf: memoryview, progress_at: int, at: int, l
     return bytes(out)
 
 
+class FollowedBody:
+    """A body :func:`publish_copy` writes at ``buf[at:at + length]``, taken a step at a time
+    (with ``copy``, into bytes; without, only waited for), so a reader serving others (the
+    server's loop) never waits long for one writer."""
+
+    def __init__(self, mem: AtomicMemory, buf: memoryview, progress_at: int, at: int,
+                 length: int, copy: bool) -> None:
+        self._mem, self._buf, self._progress_at, self._at = mem, buf, progress_at, at
+        self.length, self.done = length, 0
+        self._native = _native.Follower(length, copy) if _native is not None else None
+        self._body: bytearray | None = bytearray(length) if copy and _native is None else None
+        self._taken = False
+
+    def step(self, spin: float, budget: float) -> bool:
+        """Follow on while progress moves (up to ``spin`` s without it, ``budget`` s in all);
+        whether the body is complete. ValueError if the progress word is garbage."""
+        at, buf = self._at, self._buf
+        if self._native is not None:
+            self.done = self._native.step(buf[at:at + self.length],
+                                          buf[self._progress_at:self._progress_at + 8], spin, budget)
+            return self.done == self.length
+        since = start = time.monotonic()
+        while self.done < self.length:
+            p = self._mem.load(self._progress_at, ACQUIRE)
+            if not self.done <= p <= self.length:
+                raise ValueError(f"progress word {p} is outside [{self.done}, {self.length}]")
+            now = time.monotonic()
+            if p > self.done:
+                if self._body is not None:
+                    self._body[self.done:p] = buf[at + self.done:at + p]
+                self.done, since = p, now
+            elif now - since > spin or now - start > budget:
+                break
+        return self.done == self.length
+
+    def take(self) -> bytes | None:
+        """The completed copy (once; None when not copying)."""
+        if self._native is not None:
+            return self._native.take()
+        if self.done < self.length or self._taken:
+            raise ValueError("FollowedBody.take: the body is not complete, or was taken")
+        self._taken = True
+        body, self._body = self._body, None
+        return None if body is None else bytes(body)
+
+
 def require_native_flush():
     """The native write-back/invalidate module, or a clear error when it was not built."""
     if _native is None:

@@ -32,7 +32,8 @@ from .channel import KIND_RPC, FlushServerChannel, ServerChannel, layout, server
 from .doorbell import WaitStrategy, resolve
 from .errors import (ERRORS, DeadlineExceeded, Internal, InvalidArgument, ResourceExhausted, RpcError,
                      StatusCode, Unimplemented)
-from .heap import EXTENT, FOLLOW_HEADER, FOLLOW_MIN, OFFSET, HeapAccess, ServerHeap
+from .heap import (EXTENT, FOLLOW_HEADER, FOLLOW_MIN, FOLLOW_SPIN_S, FOLLOW_STALL_S, FOLLOW_STEP_S,
+                   OFFSET, HeapAccess, ServerHeap)
 from .service import add_service, stream_item
 from .streams import STREAM_WINDOW, RequestStream
 from .memory import ACQ_REL
@@ -296,6 +297,8 @@ class Server:
         self._credits: dict[tuple, list] = {}  # per stream: [credit left, event set on credit]
         self._inbound: dict[tuple, RequestStream] = {}  # request streams being read, per call
         self._heap_waiting: list[tuple] = []  # ALLOCs the full heap could not serve yet
+        #: followed requests whose bodies their clients are still writing, per call
+        self._following: dict[tuple[int, int, int], _Following] = {}
         self._oneway_ids = itertools.count(1)
         self._peers: dict[int, Peer] = {}  # per slot, so a request costs no Peer allocation
         #: method name's bytes -> (fn, mode, decode, name) for the native dispatcher
@@ -439,7 +442,7 @@ class Server:
 
     def _note_drained(self) -> None:
         """While draining: end the grace early once no call runs and no reply waits for room."""
-        if not self._tasks and not self._backlog:
+        if not self._tasks and not self._backlog and not self._following:
             self._grace_over.set()
 
     async def _stop(self) -> None:
@@ -451,6 +454,7 @@ class Server:
             self._grace_timer.cancel()
         self._chan.close()  # state CLOSED + wake every client
         self._reader.cancel()
+        self._following.clear()  # their steps find nothing to do
         tasks = list(self._tasks.values())
         for t in tasks:
             _cancel(t)
@@ -507,7 +511,7 @@ class Server:
             # this process, which needs the loop to run): the next request is looked for a
             # moment longer without loop turns, by the ring itself (its requests' deadlines
             # then count from the clock reading above, at most that moment early)
-            lone = not (self._tasks or self._backlog or chan.peers_in_process)
+            lone = not (self._tasks or self._backlog or self._following or chan.peers_in_process)
             if not n and lone and hot_s and not (idle and self.strategy.park):
                 n = poll_within(on_request, 256, hot_s)
             if self._backlog:
@@ -522,7 +526,8 @@ class Server:
                 # Nothing else of ours needs the loop: look for the next request at once (a loop
                 # turn costs an epoll_wait, on the next call's path), yet turn it at least
                 # every _TURN_EVERY_S of serving.
-                if self._tasks or self._backlog or chan.peers_in_process or now - turned >= _TURN_EVERY_S:
+                if (self._tasks or self._backlog or self._following or chan.peers_in_process
+                        or now - turned >= _TURN_EVERY_S):
                     await asyncio.sleep(0)
                     turned = time.monotonic()
             elif ring.readable():
@@ -530,8 +535,9 @@ class Server:
                 # dead (housekeeping then unblocks it). Poll gently once it is known stuck.
                 await asyncio.sleep(0.001 if stuck_at == ring.head_position else 0)
             else:
-                # replies waiting for a full response ring: come back soon to retry them
-                wait = 0.0005 if self._backlog else housekeeping_every
+                # replies waiting for a full response ring, bodies being followed: come back
+                # soon to retry them
+                wait = 0.0005 if self._backlog or self._following else housekeeping_every
                 idle = not await chan.bell.wait_async(ring.readable, self.strategy, wait, idle)
 
     def _housekeeping(self, now: float) -> int | None:
@@ -553,6 +559,8 @@ class Server:
         handlers, drop its replies, free its heap extents, tell the on_disconnect callbacks."""
         if self._heap is not None:
             self._heap_waiting = [w for w in self._heap_waiting if w[1:3] != (slot, gen)]
+            for key in [k for k in self._following if k[:2] == (slot, gen)]:
+                self._end_following(key)
             if self._heap.release_owner(slot, gen):
                 self._heap_freed()
         queue = self._backlog.get(slot)
@@ -617,14 +625,20 @@ class Server:
             chan.seen[slot] = f.gen
             if seen is not None:  # a new holder already: its predecessor left unseen
                 self._departed(slot, seen)
-        if f.flags & fr.FOLLOW:  # only responses are followed
-            self._drop()
+        if f.flags & fr.FOLLOW:  # a unary request's body, or a response's
+            if f.kind == fr.REQUEST and f.flags & fr.HEAP and not f.flags & fr.STREAM:
+                self._follow_request(f)
+            else:
+                self._drop()
             return
         if f.kind != fr.REQUEST:
             if f.kind == fr.CANCEL:
-                task = self._tasks.get((slot, f.gen, f.call_id))
+                key = (slot, f.gen, f.call_id)
+                task = self._tasks.get(key)
                 if task is not None:
                     _cancel(task)
+                elif key in self._following:
+                    self._end_following(key)
                 elif self._heap_waiting:
                     self._heap_waiting = [w for w in self._heap_waiting
                                           if w[1:4] != (slot, f.gen, f.call_id)]
@@ -716,7 +730,7 @@ class Server:
             finally:
                 _current_call.reset(token)
             if type(arg) is memoryview and m.view_arg:  # the body was lent: answer, then take it back
-                self._lent_reply(f, arg, result)
+                self._lent_reply(f, arg, result, fr.IN_PLACE if extent >= 0 and f.flags & fr.FOLLOW else 0)
                 return
             if type(result) is CoroutineType:  # a plain function that returned a coroutine
                 self._eager_reply(f, result, call)
@@ -741,15 +755,16 @@ class Server:
         """The native dispatcher's async handler suspended (see _suspended)."""
         self._suspended(coro, step, f, f.slot, ctx, eager)
 
-    def _lent_reply(self, f: fr.Frame, body: memoryview, result: Any) -> None:
-        """Reply to a call whose handler read its body in place, then end the handler's view."""
+    def _lent_reply(self, f: fr.Frame, body: memoryview, result: Any, hint: int = 0) -> None:
+        """Reply to a call whose handler read its body in place, then end the handler's view.
+        ``hint``: IN_PLACE, for a followed request (see frame.IN_PLACE)."""
         try:
             if inspect.iscoroutine(result):  # it could go on reading the body after we reuse it
                 result.close()
                 raise TypeError(f"handler for {f.method!r} takes a memoryview (lent only while "
                                 f"a plain function runs) but returned a coroutine: make it an "
                                 f"`async def` (it then gets a copy)")
-            self._reply(f, result, held=True)  # a view of the body is copied out here
+            self._reply(f, result, held=True, hint=hint)  # a view of the body is copied out here
         except Exception as exc:
             self._fail(f, exc)
         finally:
@@ -1039,10 +1054,10 @@ class Server:
             detail = f"{type(exc).__name__}: {exc}" if self.error_details else "the handler failed"
             self._error(f, StatusCode.INTERNAL, detail)
 
-    def _reply(self, f: fr.Frame, result: Any, held: bool = False) -> None:
+    def _reply(self, f: fr.Frame, result: Any, held: bool = False, hint: int = 0) -> None:
         """Answer ``f`` with ``result``: straight into the ring when it fits and nothing waits
         ahead of it, else through :meth:`_send`. ``held``: the caller knows the slot is still
-        the sender's (a plain handler just ran inline)."""
+        the sender's (a plain handler just ran inline); ``hint``: flags for the caller."""
         if f.call_id == fr.NO_REPLY:
             return
         if type(result) is bytes:
@@ -1054,7 +1069,7 @@ class Server:
                 self._error(f, StatusCode.INTERNAL, f"cannot encode the result: {exc.message}")
                 return
         chan, slot = self._chan, f.slot
-        head = fr.HEADER.pack(fr.RESPONSE, flags, 0, slot, f.gen, f.call_id, 0.0, 0)
+        head = fr.HEADER.pack(fr.RESPONSE, flags | hint, 0, slot, f.gen, f.call_id, 0.0, 0)
         if slot not in self._backlog and (held or chan.slot_generation(slot) == f.gen):
             ring = chan.responses[slot]
             if (fr.HEADER_SIZE + len(body) <= ring.max_payload and len(body) < self._follow_min
@@ -1225,6 +1240,83 @@ class Server:
         self._error(f, StatusCode.INVALID_ARGUMENT, "request body is not in a heap extent of its own")
         return None
 
+    def _follow_request(self, f: fr.Frame) -> None:
+        """A request whose body its client writes into the heap after sending the frame:
+        followed a step at a time between the server's other work (never waiting long for
+        one client), then dispatched with its bytes (or, to a method that lends its body, a
+        view of the complete extent). Its extent is kept until then, even if its owner leaves."""
+        heap = self._heap
+        if heap is not None and self._follow_min != sys.maxsize and len(f.body) == EXTENT.size:
+            offset, length = EXTENT.unpack(f.body)
+            key = (f.slot, f.gen, f.call_id)
+            if heap.owned(offset, FOLLOW_HEADER + length, f.slot, f.gen) and key not in self._following:
+                lends = type(f.body) is memoryview
+                f.body = b""  # (a view of the ring's record, which is reused once we return)
+                heap.lend(offset)
+                self._following[key] = _Following(f, offset, length, lends, self._polled_at,
+                                                  heap.access.follower(offset, length, copy=not lends))
+                self._follow_step(key)
+                return
+        self._drop()
+        self._error(f, StatusCode.INVALID_ARGUMENT, "request body is not in a heap extent of its own")
+
+    def _follow_step(self, key: tuple[int, int, int]) -> None:
+        """Take what the client has written of a followed request (following on while it
+        writes, for up to FOLLOW_STEP_S); dispatch it once whole, else come back next turn."""
+        following = self._following.get(key)
+        if following is None or self._closing:
+            return  # cancelled, its client departed, or the server closed
+        f, offset, length = following.frame, following.offset, following.length
+        try:
+            try:
+                whole = following.body.step(FOLLOW_SPIN_S, FOLLOW_STEP_S)
+            except ValueError as exc:  # garbage, or the client gave up writing
+                self._end_following(key, StatusCode.INVALID_ARGUMENT,
+                                    f"the request body was not written whole: {exc}")
+                return
+            now = time.monotonic()
+            deadline = following.arrived + f.timeout if f.timeout else None
+            if not whole:
+                if following.body.done > following.done:
+                    following.done, following.since = following.body.done, now
+                if deadline is not None and now >= deadline:
+                    self._end_following(key, StatusCode.DEADLINE_EXCEEDED,
+                                        "the deadline passed while the request body was written")
+                elif now - following.since > FOLLOW_STALL_S:
+                    self._end_following(key, StatusCode.UNAVAILABLE,
+                                        f"the client stopped writing its request body for {FOLLOW_STALL_S} s")
+                else:
+                    self._event_loop.call_soon(self._follow_step, key)
+                return
+            del self._following[key]
+            if deadline is not None:  # counted from the request's arrival, as any other's
+                f.timeout = deadline - self._polled_at
+            f.flags &= ~fr.HEAP  # (FOLLOW stays: a lent body's reply says IN_PLACE)
+            if not following.lends:
+                f.body = following.body.take()
+                self._heap.give_back(offset)
+                self._heap_freed()
+                self._dispatch_request(f)
+                return
+            f.body = self._heap.access.followed_view(offset, length)
+            carried = False
+            try:
+                carried = self._dispatch_request(f, offset)
+            finally:
+                if not carried:  # the handler is done with the lent body
+                    self._give_back(offset, f.body)
+        except Exception as exc:  # nothing a peer sends may stop the server
+            self._broken(exc)
+
+    def _end_following(self, key: tuple[int, int, int], code: int = 0, message: str = "") -> None:
+        """Stop following a request and free its extent; answer ``code`` (0: no answer, the
+        caller gave up or left)."""
+        following = self._following.pop(key)
+        self._heap.give_back(following.offset)
+        self._heap_freed()
+        if code:
+            self._error(following.frame, code, message)
+
     def _flush_backlog(self) -> None:
         """Retry responses that met a full response ring (backpressure, never loss)."""
         chan = self._chan
@@ -1258,6 +1350,19 @@ class Server:
         """``cxlrpc.methods``: the user's method names, sorted (not the reserved ones)."""
         return sorted(name for name in self._methods if not name.startswith(fr.RESERVED_PREFIX))
 
+
+
+class _Following:
+    """A followed request in progress: its frame, extent, and how far its body has come."""
+
+    __slots__ = ("frame", "offset", "length", "lends", "arrived", "body", "done", "since")
+
+    def __init__(self, frame: fr.Frame, offset: int, length: int, lends: bool, arrived: float,
+                 body: Any) -> None:
+        self.frame, self.offset, self.length, self.lends = frame, offset, length, lends
+        self.arrived = self.since = arrived  # the clock reading of the poll that found it
+        self.body = body  # a memory.FollowedBody
+        self.done = 0
 
 
 class _Resumed:
@@ -1360,12 +1465,13 @@ def _current_tasks() -> dict | None:
 def _first_step(coro: Any, eager: _EagerTask, loop: asyncio.AbstractEventLoop,
                 call: HandlerContext) -> Any:
     """In the handler's context, where ``context()`` becomes ``call``: ``coro.send(None)``
-    with ``eager`` as ``loop``'s current task (the reader's restored): what it yields, or
+    with ``eager`` as ``loop``'s current task (the reader's, if any, restored): what it yields, or
     _RETURNED with its result in ``eager.value`` (caught here, the StopIteration costs no
     traceback through the callers' frames)."""
     _current_call.set(call)
-    reader = _current_task(loop)
-    _leave_task(loop, reader)
+    reader = _current_task(loop)  # None in a loop callback (a followed request's last step)
+    if reader is not None:
+        _leave_task(loop, reader)
     _enter_task(loop, eager)
     try:
         return coro.send(None)
@@ -1374,4 +1480,5 @@ def _first_step(coro: Any, eager: _EagerTask, loop: asyncio.AbstractEventLoop,
         return _RETURNED
     finally:
         _leave_task(loop, eager)
-        _enter_task(loop, reader)
+        if reader is not None:
+            _enter_task(loop, reader)

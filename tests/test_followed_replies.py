@@ -40,15 +40,18 @@ def copies(request, monkeypatch) -> str:
 
 @pytest.fixture
 def published(monkeypatch) -> list[int]:
-    """The lengths of the bodies the server followed (HeapAccess.publish spied on)."""
+    """The lengths of the reply bodies the server followed (Server._push_followed spied on;
+    clients follow big requests through HeapAccess.publish too)."""
     lengths: list[int] = []
-    real = HeapAccess.publish
+    real = cxlrpc.Server._push_followed
 
-    def spy(self, offset, body):
-        lengths.append(len(body))
-        return real(self, offset, body)
+    def spy(self, slot, gen, ring, head, body):
+        pushed = real(self, slot, gen, ring, head, body)
+        if pushed:
+            lengths.append(len(body))
+        return pushed
 
-    monkeypatch.setattr(HeapAccess, "publish", spy)
+    monkeypatch.setattr(cxlrpc.Server, "_push_followed", spy)
     return lengths
 
 

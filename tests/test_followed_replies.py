@@ -1,8 +1,9 @@
 """Followed replies (cxlrpc.heap): a big response's frame goes first and the client copies its
 body out of the heap as the server writes it. Exact at every size around the threshold and the
 chunks, with the native copies and without; a stalled writer is an UNAVAILABLE error, not a
-hang; a garbage progress word is refused; requests may not claim the flag; no heap room, or
-memory without coherence, sends the reply the plain way."""
+hang; a garbage progress word is refused; a request may claim the flag only with a heap extent
+(tests/test_followed_requests.py); no heap room, or memory without coherence, sends the reply
+the plain way."""
 from __future__ import annotations
 
 import asyncio
@@ -223,7 +224,7 @@ async def test_a_server_whose_copy_fails_tells_the_client_at_once(name, monkeypa
 
 
 async def test_a_request_claiming_the_follow_flag_is_dropped(name):
-    """A request flagged FOLLOW (only replies are) is dropped, not served."""
+    """A request flagged FOLLOW without a heap extent (HEAP) is dropped, not served."""
     url = f"shm://{name}"
     async with _server(url) as server, cxlrpc.connect(url) as client:
         chan = client._chan

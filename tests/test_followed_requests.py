@@ -1,0 +1,302 @@
+"""Followed requests (cxlrpc.heap): a unary call's big body is written into its heap extent
+after its frame goes out, while the server copies it out a step at a time between its other
+work. Exact around the threshold for bytes, typed and lent handlers, blocking and asyncio
+clients, native and reference copies. A client that stops writing, fails mid-copy, gives up
+or leaves gets the server to free its extent and never holds up the server's other callers;
+garbage is refused; memory without coherence and one-way calls keep the plain way; a method
+that reads its body in place stops being followed."""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import threading
+import time
+
+import pytest
+
+import cxlrpc
+import cxlrpc.heap
+import cxlrpc.server
+from cxlrpc import frame as fr
+from cxlrpc import memory
+from cxlrpc.heap import EXTENT, FOLLOW_HEADER, FOLLOW_MIN, OFFSET, HeapAccess
+from cxlrpc.memory import FOLLOW_CHUNK, AtomicMemory, FollowedBody, publish_copy
+
+pytestmark = pytest.mark.timeout(120)
+MiB = 1 << 20
+SIZES = (FOLLOW_MIN - 1, FOLLOW_MIN, FOLLOW_MIN + 1, 5 * FOLLOW_CHUNK + 7, MiB + 13, 3 * MiB)
+FOLLOWED = [s for s in SIZES if s >= FOLLOW_MIN]
+
+
+@pytest.fixture(params=["native", "fallback"])
+def copies(request, monkeypatch) -> str:
+    """The followed copies with the native module, and without it (its Python reference)."""
+    if request.param == "native":
+        if memory._native is None:
+            pytest.skip("cxlrpc._flush was not built")
+    else:
+        monkeypatch.setattr(memory, "_native", None)
+    return request.param
+
+
+@pytest.fixture
+def followed(monkeypatch) -> list[tuple[str, int]]:
+    """(method, body length) of each request the server followed (Server._follow_request
+    spied on)."""
+    seen: list[tuple[str, int]] = []
+    real = cxlrpc.Server._follow_request
+
+    def spy(self, f):
+        seen.append((f.method, EXTENT.unpack(bytes(f.body))[1]))
+        return real(self, f)
+
+    monkeypatch.setattr(cxlrpc.Server, "_follow_request", spy)
+    return seen
+
+
+def _server(url: str, **opts) -> cxlrpc.Server:
+    server = cxlrpc.Server(url, **opts)
+
+    @server.method("echo")
+    async def echo(payload: bytes) -> bytes:
+        return payload
+
+    @server.method("digest")
+    def digest(payload: bytes) -> str:
+        return hashlib.sha256(payload).hexdigest()
+
+    @server.method("total")
+    def total(numbers: list[int]) -> int:  # a MessagePack body, decoded once whole
+        return sum(numbers)
+
+    @server.method("echo_view")
+    def echo_view(payload: memoryview) -> memoryview:  # reads its body in place
+        return payload
+
+    @server.method("size")
+    async def size(payload: bytes) -> int:
+        return len(payload)
+
+    return server
+
+
+async def _settled(server: cxlrpc.Server, timeout: float = 5.0) -> bool:
+    """Poll until the server follows nothing and its heap holds nothing (FREE frames lag)."""
+    deadline = time.monotonic() + timeout
+    while (server._heap.used or server._following) and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    return server._heap.used == 0 and not server._following
+
+
+async def test_followed_requests_are_exact_around_the_threshold(name, copies, followed):
+    url = f"shm://{name}"
+    async with _server(url) as server, cxlrpc.connect(url) as client:
+        for size in SIZES:
+            payload = os.urandom(size)
+            assert await client.call("echo", payload, timeout=30) == payload
+            assert await client.call("digest", payload, timeout=30) == hashlib.sha256(payload).hexdigest()
+            assert await client.call("echo_view", payload, timeout=30) == payload
+        numbers = list(range(100_000))  # ~290 KB of MessagePack
+        assert await client.call("total", numbers, timeout=30) == sum(numbers)
+        assert await _settled(server)
+    assert sorted(s for m, s in followed if m == "echo") == FOLLOWED
+    assert sorted(s for m, s in followed if m == "digest") == FOLLOWED
+    # the first big body to a method that reads in place is followed; its reply says so
+    assert [s for m, s in followed if m == "echo_view"] == FOLLOWED[:1]
+    assert [m for m, s in followed if m == "total"] == ["total"]
+
+
+async def test_a_blocking_client_follows_requests(name, followed):
+    url = f"shm://{name}"
+    async with _server(url) as server:
+        def blocking() -> bool:
+            with cxlrpc.connect_sync(url) as sync:
+                ok = True
+                for size in SIZES:
+                    payload = os.urandom(size)
+                    ok &= sync.call("echo", payload, timeout=30) == payload
+                    ok &= sync.call("echo_view", payload, timeout=30) == payload
+                return ok
+        assert await asyncio.to_thread(blocking)
+        assert await _settled(server)
+    assert sorted(s for m, s in followed if m == "echo") == FOLLOWED
+    assert [s for m, s in followed if m == "echo_view"] == FOLLOWED[:1]
+
+
+def _half(self, offset, body):  # a client that freezes half way (and never writes the rest)
+    at = self.start + offset
+    publish_copy(self.mem, self.buf, at, at + FOLLOW_HEADER, memoryview(body)[:len(body) // 2])
+
+
+async def test_a_client_that_stops_writing_is_unavailable_and_others_are_served(name, monkeypatch):
+    monkeypatch.setattr(cxlrpc.server, "FOLLOW_STALL_S", 2.0)
+    url = f"shm://{name}"
+    async with _server(url) as server, cxlrpc.connect(url) as client, \
+            cxlrpc.connect(url) as other:
+        with monkeypatch.context() as patched:
+            patched.setattr(HeapAccess, "publish", _half)
+            stalled = asyncio.ensure_future(client.call("size", bytes(MiB), timeout=30))
+            assert await _following(server)
+        # the server's loop is not held by the stalled body: other calls are answered meanwhile
+        for i in range(20):
+            assert await other.call("echo", b"%d" % i, timeout=10) == b"%d" % i
+        assert server._following and not stalled.done()
+        with pytest.raises(cxlrpc.Unavailable, match="stopped writing"):
+            await stalled
+        assert await _settled(server)
+        assert await client.call("size", bytes(MiB), timeout=10) == MiB
+
+
+async def test_a_client_whose_copy_fails_is_refused_at_once(name, monkeypatch):
+    def fails(mem, buf, progress_at, at, src):
+        buf[at:at + 100] = bytes(src[:100])
+        mem.store(progress_at, 100, memory.RELEASE)
+        raise MemoryError("the copy failed half way")
+
+    monkeypatch.setattr(cxlrpc.server, "FOLLOW_STALL_S", 60.0)  # not what ends it
+    url = f"shm://{name}"
+    async with _server(url) as server, cxlrpc.connect(url) as client:
+        with monkeypatch.context() as patched:
+            patched.setattr(cxlrpc.heap, "publish_copy", fails)
+            with pytest.raises(MemoryError):
+                await client.call("size", bytes(MiB), timeout=30)
+        assert await _settled(server, timeout=10)  # the aborted word, not the 60 s stall
+        assert await client.call("size", bytes(MiB), timeout=10) == MiB
+
+
+async def _following(server: cxlrpc.Server) -> bool:
+    deadline = time.monotonic() + 10
+    while not server._following and time.monotonic() < deadline:
+        await asyncio.sleep(0.001)
+    return bool(server._following)
+
+
+@pytest.mark.parametrize("cancels", [True, False], ids=["cancel", "deadline"])
+async def test_giving_up_on_a_followed_call_frees_its_extent(name, monkeypatch, cancels):
+    """The caller's CANCEL ends the following (a call without a deadline); without it, the
+    request's deadline does."""
+    monkeypatch.setattr(cxlrpc.server, "FOLLOW_STALL_S", 60.0)  # not what ends it
+    url = f"shm://{name}"
+    async with _server(url) as server, cxlrpc.connect(url) as client:
+        with monkeypatch.context() as patched:
+            patched.setattr(HeapAccess, "publish", lambda self, offset, body: None)
+            if cancels:
+                call = asyncio.ensure_future(client.call("size", bytes(MiB)))
+                assert await _following(server)
+                call.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await call
+            else:
+                patched.setattr(cxlrpc.Client, "_send_cancel", lambda self, call_id: None)
+                with pytest.raises(cxlrpc.DeadlineExceeded):
+                    await client.call("size", bytes(MiB), timeout=0.3)
+            assert await _settled(server, timeout=10)
+        assert await client.call("size", bytes(MiB), timeout=10) == MiB
+
+
+async def test_a_client_that_leaves_mid_body_gets_its_extent_freed(name, monkeypatch):
+    monkeypatch.setattr(cxlrpc.server, "FOLLOW_STALL_S", 60.0)  # not what ends it
+    url = f"shm://{name}"
+    async with _server(url) as server:
+        client = await cxlrpc.connect(url)
+        with monkeypatch.context() as patched:  # it never writes, and leaves without a CANCEL
+            patched.setattr(HeapAccess, "publish", lambda self, offset, body: None)
+            patched.setattr(cxlrpc.Client, "_send_cancel", lambda self, call_id: None)
+            try:
+                call = asyncio.ensure_future(client.call("size", bytes(MiB)))
+                assert await _following(server)
+                call.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await call
+                assert server._following  # nobody told the server
+            finally:
+                await client.close()
+        assert await _settled(server, timeout=10)
+
+
+async def test_garbage_followed_requests_are_refused(name):
+    url = f"shm://{name}"
+    async with _server(url) as server, cxlrpc.connect(url) as client:
+        chan, loop = client._chan, asyncio.get_running_loop()
+
+        async def answer(call_id: int, extent: bytes) -> None:
+            head = fr.HEADER.pack(fr.REQUEST, fr.RAW | fr.HEAP | fr.FOLLOW, 0, chan.slot, chan.gen,
+                                  call_id, 5.0, 4)
+            fut = loop.create_future()
+            client._pending[call_id] = (fut, None)
+            try:
+                assert chan.push((head, b"size", extent))
+                chan.server_bell.ring()
+                await asyncio.wait_for(fut, 10)
+            finally:
+                client._pending.pop(call_id, None)
+
+        # an extent the client was never granted
+        with pytest.raises(cxlrpc.InvalidArgument, match="not in a heap extent"):
+            await answer(4242, EXTENT.pack(0, MiB))
+        # a granted one, whose progress word says more than its length
+        alloc_id, alloc = client._alloc_request(FOLLOW_HEADER + MiB, 5.0)
+        (offset,) = OFFSET.unpack(await client._granted(alloc_id, alloc, None))
+        client._heap.check(offset, FOLLOW_HEADER + MiB)
+        client._heap.mem.store(client._heap.start + offset, MiB + 1, memory.RELEASE)
+        with pytest.raises(cxlrpc.InvalidArgument, match="not written whole"):
+            await answer(4243, EXTENT.pack(offset, MiB))
+        assert await _settled(server)
+        assert await client.call("size", bytes(MiB), timeout=10) == MiB
+
+
+async def test_no_coherence_or_one_way_calls_keep_the_plain_way(name, followed):
+    sim = f"sim://{name}s"
+    async with _server(sim, max_message_size=4 * MiB) as server, cxlrpc.connect(sim) as client:
+        for size in (FOLLOW_MIN, 3 * MiB):
+            payload = os.urandom(size)
+            assert await client.call("echo", payload, timeout=30) == payload
+        assert await _settled(server)
+    url = f"shm://{name}"
+    async with _server(url) as server, cxlrpc.connect(url) as client:
+        client.send_nowait("size", bytes(FOLLOW_MIN + 1))  # the ring takes it
+        assert await client.call("size", b"x", timeout=10) == 1  # after the one-way call
+        assert await _settled(server)
+    assert followed == []
+
+
+@pytest.mark.parametrize("copy", [True, False], ids=["copy", "wait"])
+def test_a_followed_body_is_taken_a_step_at_a_time(copies, copy):
+    length = 6 * FOLLOW_CHUNK + 123
+    src = os.urandom(length)
+    buf = bytearray(FOLLOW_HEADER + length)
+    mem = AtomicMemory(buf)
+    body = FollowedBody(mem, memoryview(buf), 0, FOLLOW_HEADER, length, copy)
+    assert not body.step(0.001, 0.01)  # nothing written yet: a short step, not a wait
+    assert body.done == 0
+    publish_copy(mem, memoryview(buf), 0, FOLLOW_HEADER, memoryview(src)[:2 * FOLLOW_CHUNK])
+    assert not body.step(0.001, 0.01) and body.done == 2 * FOLLOW_CHUNK
+    def rest() -> None:  # the writer goes on from there, a chunk at a time
+        for at in range(2 * FOLLOW_CHUNK, length, FOLLOW_CHUNK):
+            end = min(length, at + FOLLOW_CHUNK)
+            buf[FOLLOW_HEADER + at:FOLLOW_HEADER + end] = src[at:end]
+            mem.store(0, end, memory.RELEASE)
+            time.sleep(0.002)
+
+    writer = threading.Thread(target=rest)
+    writer.start()
+    deadline = time.monotonic() + 10
+    while not body.step(0.001, 0.01) and time.monotonic() < deadline:
+        pass
+    writer.join(10)
+    assert body.done == length
+    assert body.take() == (src if copy else None)
+    with pytest.raises(ValueError):
+        body.take()
+
+
+def test_a_garbage_progress_word_is_refused(copies):
+    buf = bytearray(FOLLOW_HEADER + 1000)
+    mem = AtomicMemory(buf)
+    body = FollowedBody(mem, memoryview(buf), 0, FOLLOW_HEADER, 1000, True)
+    mem.store(0, 1001, memory.RELEASE)
+    with pytest.raises(ValueError, match="outside"):
+        body.step(0.001, 0.01)
+    with pytest.raises(ValueError):
+        body.take()  # never complete

@@ -28,7 +28,7 @@ from .channel import KIND_RPC, ClientChannel, FlushClientChannel, client_channel
 from .doorbell import WaitStrategy, resolve
 from .errors import (DeadlineExceeded, InvalidArgument, ResourceExhausted, RpcError, StatusCode,
                      Unavailable, error_for)
-from .heap import EXTENT, FOLLOW_HEADER, FOLLOW_MIN, OFFSET, HeapAccess
+from .heap import EXTENT, FOLLOW_HEADER, FOLLOW_MIN, GRANT, OFFSET, HeapAccess
 from .service import S, stub
 from .streams import StreamCall
 from .region import Region, RegionError
@@ -95,6 +95,14 @@ class _Large(NamedTuple):
     def extent_size(self) -> int:
         """The heap bytes to ALLOC: a followed body's progress word comes first."""
         return FOLLOW_HEADER + len(self.body) if self.follow else len(self.body)
+
+
+def _grant(reply: bytes) -> tuple[int, bool]:
+    """What an ALLOC's reply grants: the extent's offset, and whether it is a spare."""
+    if len(reply) != GRANT.size:
+        raise InvalidArgument(f"the server's heap grant is {len(reply)} bytes, not {GRANT.size}")
+    offset, spare = GRANT.unpack(reply)
+    return offset, spare == 1
 
 
 def _chained(interceptors: tuple, last: Callable[[str, Any, dict], Any]) -> Callable[[str, Any, dict], Any]:
@@ -296,6 +304,9 @@ class _Base:
         self._follow_min, self._follow_max = sys.maxsize, 0
         self._followed: dict[int, bytes] = {}  # call id -> method name, of followed calls out
         self._in_place: set[bytes] = set()  # methods that read their bodies in place: not followed
+        #: an extent the server granted as a spare (cxlrpc.heap), kept for the next followed
+        #: request (no ALLOC round trip then): (offset, size)
+        self._spare: tuple[int, int] | None = None
 
     def _open(self) -> _Link:
         """Attach (claim a slot) and start the monitor: a connection not yet acknowledged."""
@@ -316,7 +327,7 @@ class _Base:
         geo, region = chan.geo, chan.region
         if geo.heap_size > FOLLOW_HEADER and not region.mem.flushing:
             self._follow_min = FOLLOW_MIN
-            self._follow_max = min(geo.heap_size - FOLLOW_HEADER, geo.max_message_size)
+            self._follow_max = min(geo.heap_size, geo.max_message_size) - FOLLOW_HEADER  # ALLOC's limit
         if _Caller is not None and isinstance(chan, ClientChannel):
             # through a proxy: the client stays collectable when dropped unclosed; bodies to
             # follow go to the reference
@@ -339,6 +350,7 @@ class _Base:
             self._chan = self._heap = self._caller = None
             self._frees.clear()  # extents of that server's heap
             self._allocs.clear()
+            self._spare = None
         return link
 
     def _set_gone(self, reason: str) -> None:
@@ -443,21 +455,43 @@ class _Base:
                                     f"not fit the request ring's limit {ring_limit}")
         return _Large(flags, method_len, prefix, body)
 
-    def _alloc_request(self, size: int, timeout: float) -> tuple[int, tuple]:
-        """An ALLOC frame asking the server for ``size`` bytes of heap: (its call id, parts)."""
+    def _alloc_request(self, size: int, timeout: float, spare: bool = False) -> tuple[int, tuple]:
+        """An ALLOC frame asking the server for ``size`` bytes of heap (as a spare, for a
+        followed request): (its call id, parts)."""
         chan = self._chan
         alloc_id = next(self._ids)
         self._allocs.add(alloc_id)
         head = fr.header(fr.ALLOC, fr.RAW, 0, chan.slot, chan.gen, alloc_id, timeout, b"")
-        return alloc_id, (head, OFFSET.pack(size))
+        return alloc_id, (head, GRANT.pack(size, spare))
 
-    def _staged(self, large: _Large, reply: bytes, call_id: int, timeout: float,
-                kind: int = fr.REQUEST) -> tuple[tuple, int]:
-        """Write the body into the extent the server granted (a followed one: zero its
-        progress word, the body comes after the frame); the record's parts and the extent's
-        offset (to give back if the record is never sent)."""
+    def _take_spare(self, large: _Large) -> tuple[int, int] | None:
+        """The spare extent for a followed request if it is big enough (one too small is
+        given back): (offset, size); None to ALLOC one."""
+        spare = self._spare
+        if spare is None or not large.follow:
+            return None
+        self._spare = None
+        if spare[1] >= large.extent_size:
+            return spare
+        self._give_back(spare[0])
+        return None
+
+    def _settle(self, chan: Any, offset: int, size: int, method: bytes, answered: bool) -> None:
+        """A spare extent once its call ended: kept if the call was answered (the server has
+        read the body) and no spare is kept yet, else given back (freed at once, or once the
+        server has stopped reading it)."""
+        if chan is not self._chan:
+            return  # its server's heap is gone (and its extents freed) with the connection
+        if answered and self._spare is None and method not in self._in_place:
+            self._spare = (offset, size)
+        else:
+            self._give_back(offset)
+
+    def _staged(self, large: _Large, offset: int, call_id: int, timeout: float,
+                kind: int = fr.REQUEST) -> tuple:
+        """Write the body into the extent at ``offset`` (a followed one: zero its progress
+        word, the body comes after the frame); the record's parts."""
         chan = self._chan
-        (offset,) = OFFSET.unpack(reply)
         try:
             if large.follow:
                 self._heap.check(offset, large.extent_size)
@@ -468,7 +502,7 @@ class _Base:
             raise InvalidArgument(f"the server granted a bad heap extent: {exc}") from exc
         flags = large.flags | fr.HEAP | (fr.FOLLOW if large.follow else 0)
         head = fr.HEADER.pack(kind, flags, 0, chan.slot, chan.gen, call_id, timeout, large.method_len)
-        return (head, large.prefix, EXTENT.pack(offset, len(large.body))), offset
+        return head, large.prefix, EXTENT.pack(offset, len(large.body))
 
     def _heap_body(self, f: fr.Frame, wanted: bool) -> bool:
         """An out-of-line reply: copy its body out (if ``wanted``; a followed one as the server
@@ -512,8 +546,8 @@ class _Base:
         the extent back; if it carries one, too."""
         if f.call_id in self._allocs:
             self._allocs.discard(f.call_id)
-            if f.kind == fr.RESPONSE and len(f.body) == OFFSET.size:
-                self._give_back(OFFSET.unpack(f.body)[0])
+            if f.kind == fr.RESPONSE and len(f.body) == GRANT.size:
+                self._give_back(GRANT.unpack(f.body)[0])
         elif f.flags & fr.HEAP:
             self._heap_body(f, wanted=False)
 
@@ -862,22 +896,35 @@ class Client(_Base):
     async def _call_large(self, call_id: int, large: _Large, timeout: float,
                           deadline: float | None, response_type: Any,
                           late: _LateReply | None) -> Any:
-        """A request through the heap: ALLOC an extent, write the body there, then call."""
+        """A request through the heap: ALLOC an extent (or take the spare), write the body
+        there, then call."""
         chan = self._chan
-        alloc_id, alloc = self._alloc_request(large.extent_size, timeout)
-        reply = await self._granted(alloc_id, alloc, deadline)
-        if self._gone is not None or self._chan is not chan:  # the extent is another server's
-            raise Unavailable(self._gone or "the connection was lost while the call waited for heap space")
-        parts, offset = self._staged(large, reply, call_id, timeout)
+        taken = self._take_spare(large)
+        if taken is not None:
+            (offset, size), spare = taken, True
+        else:
+            size = large.extent_size
+            alloc_id, alloc = self._alloc_request(size, timeout, large.follow)
+            reply = await self._granted(alloc_id, alloc, deadline)
+            if self._gone is not None or self._chan is not chan:  # the extent is another server's
+                raise Unavailable(self._gone or "the connection was lost while the call waited for heap space")
+            offset, spare = _grant(reply)
+        parts = self._staged(large, offset, call_id, timeout)
         if not large.follow:
             return await self._roundtrip(call_id, parts, deadline, response_type, unsent=offset, late=late)
-        heap = self._heap
-        self._followed[call_id] = large.prefix[:large.method_len]
+        heap, method = self._heap, large.prefix[:large.method_len]
+        self._followed[call_id] = method
+        answered = False
         try:
-            return await self._roundtrip(call_id, parts, deadline, response_type, unsent=offset, late=late,
-                                         then=lambda: heap.publish(offset, large.body))
+            result = await self._roundtrip(call_id, parts, deadline, response_type,
+                                           unsent=None if spare else offset, late=late,
+                                           then=lambda: heap.publish(offset, large.body))
+            answered = True
+            return result
         finally:
             del self._followed[call_id]
+            if spare:  # (the server frees any other extent once it has read it)
+                self._settle(chan, offset, size, method, answered)
 
     async def _granted(self, alloc_id: int, alloc: tuple, deadline: float | None) -> fr.Frame:
         """The ALLOC round trip. A caller that gives up first leaves the ALLOC known, so a
@@ -1032,7 +1079,8 @@ class Client(_Base):
         alloc_id, alloc = self._alloc_request(len(body), left)
         reply = await self._granted(alloc_id, alloc, call._deadline)
         self._stream_chan(call)  # the extent is another server's if the connection changed
-        parts, offset = self._staged(large, reply, call._call_id, 0.0, fr.ITEM)
+        offset, _ = _grant(reply)  # (not asked as a spare)
+        parts = self._staged(large, offset, call._call_id, 0.0, fr.ITEM)
         pushed = False
         try:
             await self._push_parts(parts, call._deadline)
@@ -1378,28 +1426,44 @@ class SyncClient(_Base):
             call_id = next(self._ids)
             parts = self._request(call_id, method, arg, timeout or 0.0, metadata, follow=True)
             deadline = None if timeout is None else time.monotonic() + timeout
-            unsent = publish = None
-            if type(parts) is _Large:  # through the heap: ALLOC an extent, write the body there
+            unsent = publish = kept = None
+            if type(parts) is _Large:  # through the heap: ALLOC an extent (or take the spare)
                 large = parts
-                alloc_id, alloc = self._alloc_request(large.extent_size, timeout or 0.0)
-                try:
-                    reply = self._decode_reply(self._roundtrip(alloc_id, alloc, deadline), None)
-                except DeadlineExceeded:
-                    raise  # a grant that comes later is given back (_granted_late)
-                except BaseException:
+                taken = self._take_spare(large)
+                if taken is not None:
+                    (offset, size), spare = taken, True
+                else:
+                    size = large.extent_size
+                    alloc_id, alloc = self._alloc_request(size, timeout or 0.0, large.follow)
+                    try:
+                        reply = self._decode_reply(self._roundtrip(alloc_id, alloc, deadline), None)
+                    except DeadlineExceeded:
+                        raise  # a grant that comes later is given back (_granted_late)
+                    except BaseException:
+                        self._allocs.discard(alloc_id)
+                        raise
                     self._allocs.discard(alloc_id)
-                    raise
-                self._allocs.discard(alloc_id)
-                parts, unsent = self._staged(large, reply, call_id, timeout or 0.0)
+                    offset, spare = _grant(reply)
+                parts = self._staged(large, offset, call_id, timeout or 0.0)
+                method = large.prefix[:large.method_len]
                 if large.follow:
-                    heap, offset = self._heap, unsent
+                    heap = self._heap
                     publish = lambda: heap.publish(offset, large.body)  # noqa: E731
-                    self._followed[call_id] = large.prefix[:large.method_len]
+                    self._followed[call_id] = method
+                if spare:  # settled below (the server frees any other extent once read)
+                    kept = (self._chan, offset, size, method)
+                else:
+                    unsent = offset
+            answered = False
             try:
-                return self._decode_reply(self._roundtrip(call_id, parts, deadline, unsent, publish),
-                                          response_type)
+                result = self._decode_reply(self._roundtrip(call_id, parts, deadline, unsent, publish),
+                                            response_type)
+                answered = True
+                return result
             finally:
                 self._followed.pop(call_id, None)
+                if kept is not None:
+                    self._settle(*kept, answered)
 
     def _roundtrip(self, call_id: int, parts: tuple | None, deadline: float | None,
                    unsent: int | None = None, then: Callable[[], None] | None = None) -> fr.Frame:

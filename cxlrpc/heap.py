@@ -13,6 +13,9 @@ the body a chunk at a time after a progress word (the extent's first FOLLOW_HEAD
 the client copies each chunk out as it lands, so the two copies overlap instead of adding up.
 A big request is followed the same way, writer and reader swapped (its extent ALLOCed first);
 the server takes it a step at a time between its other work, never waiting long for one client.
+A followed request's extent may be granted as a *spare* (SPARE_MAX, SPARE_SHARE): the server
+never frees one on its own; once read it is the client's again, which keeps one for its next
+followed request (no ALLOC round trip then) and FREEs the others; its departure frees them all.
 """
 from __future__ import annotations
 
@@ -23,7 +26,8 @@ from .allocator import PoolAllocator
 from .memory import RELEASE, AtomicMemory, FollowedBody, copy_bytes, follow_copy, publish_copy, to_bytes
 
 EXTENT = struct.Struct("<QQ")  # offset, length: the body of a HEAP frame
-OFFSET = struct.Struct("<Q")   # ALLOC's size, its reply's offset, FREE's offset
+OFFSET = struct.Struct("<Q")   # FREE's offset (and a CREDIT's count)
+GRANT = struct.Struct("<QQ")   # ALLOC's size and whether a spare is asked; its grant's offset and if it is one
 UNIT = 4096
 FOLLOW_HEADER = 64  # a followed extent: its progress word (u64), then from here its body
 #: Responses from this size up are followed; below it the heap's allocation and FREE cost more
@@ -41,6 +45,13 @@ FOLLOW_ABORTED = (1 << 64) - 1  # a progress word past any length: the writer ga
 #: coming (up to FOLLOW_SPIN_S between them), for at most FOLLOW_STEP_S before it serves others.
 FOLLOW_SPIN_S = 50e-6
 FOLLOW_STEP_S = 1e-3
+#: A client asks for its followed requests' extents as spares: granted up to SPARE_MAX bytes
+#: each while they add up to at most the heap beyond max_message_size (the default heap adds
+#: 1/SPARE_SHARE of it: 8 MiB to the default 64 MiB), so that a body of max_message_size still
+#: fits. A spare is its client's again once the server has read its body, to write its next
+#: followed request into at once.
+SPARE_MAX = (2 << 20) + FOLLOW_HEADER
+SPARE_SHARE = 8
 
 
 class HeapAccess:
@@ -127,18 +138,29 @@ class HeapAccess:
 class ServerHeap:
     """The server's allocator over the heap, with each extent's owner (slot, generation)."""
 
-    def __init__(self, access: HeapAccess) -> None:
+    def __init__(self, access: HeapAccess, spare_budget: int = 0) -> None:
         self.access = access
         self._alloc = PoolAllocator(access.size, UNIT)
         self._owners: dict[int, tuple[int, int, int]] = {}  # offset -> (slot, gen, length)
         self._lent: set[int] = set()  # extents a handler still reads: kept past their owner
+        self._kept: dict[int, int] = {}  # offset -> length, of extents granted as spares
+        self._spare_budget = spare_budget
+        self.kept_bytes = 0
 
-    def alloc(self, slot: int, gen: int, length: int) -> int | None:
-        """An extent of ``length`` bytes for the connection, or None while the heap is full."""
+    def alloc(self, slot: int, gen: int, length: int, keep: bool = False) -> int | None:
+        """An extent of ``length`` bytes for the connection, or None while the heap is full;
+        granted as a spare if ``keep`` is asked, it is small enough and the budget allows."""
         offset = self._alloc.alloc(max(length, 1))
-        if offset is not None:
-            self._owners[offset] = (slot, gen, length)
+        if offset is None:
+            return None
+        self._owners[offset] = (slot, gen, length)
+        if keep and length <= SPARE_MAX and self.kept_bytes + length <= self._spare_budget:
+            self._kept[offset] = length
+            self.kept_bytes += length
         return offset
+
+    def is_spare(self, offset: int) -> bool:
+        return offset in self._kept
 
     def owned(self, offset: int, length: int, slot: int, gen: int) -> bool:
         """Was this extent (at least ``length`` bytes) handed to that connection, and is no
@@ -149,10 +171,14 @@ class ServerHeap:
 
     def free(self, offset: int, slot: int, gen: int) -> bool:
         """Free the connection's extent at ``offset``; False if it is not one of its own, or
-        a handler still reads it (it is freed by :meth:`give_back`, never under the handler)."""
+        a handler still reads it (it is freed by :meth:`give_back`, never under the handler;
+        a spare is freed then too: True)."""
         owner = self._owners.get(offset)
-        if owner is None or owner[:2] != (slot, gen) or offset in self._lent:
+        if owner is None or owner[:2] != (slot, gen):
             return False
+        if offset in self._lent:
+            return self._unkeep(offset)
+        self._unkeep(offset)
         del self._owners[offset]
         self._alloc.free(offset)
         return True
@@ -162,19 +188,31 @@ class ServerHeap:
         departs, until :meth:`give_back`."""
         self._lent.add(offset)
 
-    def give_back(self, offset: int) -> None:
-        """The handler is done with a lent extent: free it (its owner may be gone)."""
+    def give_back(self, offset: int) -> bool:
+        """The server is done with a lent extent: free it (its owner may be gone), but a
+        spare, which is its client's again; whether it was freed."""
         self._lent.discard(offset)
-        if self._owners.pop(offset, None) is not None:
-            self._alloc.free(offset)
+        if offset in self._kept or self._owners.pop(offset, None) is None:
+            return False
+        self._alloc.free(offset)
+        return True
 
     def release_owner(self, slot: int, gen: int) -> int:
-        """Free everything a departed connection held, but what is lent; how many extents."""
-        mine = [off for off, (s, g, _) in self._owners.items()
-                if (s, g) == (slot, gen) and off not in self._lent]
-        for offset in mine:
-            self.free(offset, slot, gen)
-        return len(mine)
+        """Free everything a departed connection held, but what is lent (freed when given
+        back); how many extents."""
+        freed = 0
+        for offset in [off for off, (s, g, _) in self._owners.items() if (s, g) == (slot, gen)]:
+            lent = offset in self._lent
+            if self.free(offset, slot, gen) and not lent:
+                freed += 1
+        return freed
+
+    def _unkeep(self, offset: int) -> bool:
+        length = self._kept.pop(offset, None)
+        if length is None:
+            return False
+        self.kept_bytes -= length
+        return True
 
     @property
     def used(self) -> int:

@@ -33,7 +33,7 @@ from .doorbell import WaitStrategy, resolve
 from .errors import (ERRORS, DeadlineExceeded, Internal, InvalidArgument, ResourceExhausted, RpcError,
                      StatusCode, Unimplemented)
 from .heap import (EXTENT, FOLLOW_HEADER, FOLLOW_MIN, FOLLOW_SPIN_S, FOLLOW_STALL_S, FOLLOW_STEP_S,
-                   OFFSET, HeapAccess, ServerHeap)
+                   GRANT, OFFSET, SPARE_SHARE, HeapAccess, ServerHeap)
 from .service import add_service, stream_item
 from .streams import STREAM_WINDOW, RequestStream
 from .memory import ACQ_REL
@@ -256,13 +256,15 @@ class Server:
         if request_capacity is None:  # one shared ring, or (flush) one per client
             request_capacity = 4 << 20 if self.coherence == HARDWARE else 1 << 20
         #: Largest request or response body; bodies too big for a ring go through the heap
-        #: (``heap_size`` bytes, by default ``max_message_size``: one such body at a time).
+        #: (``heap_size`` bytes, by default ``max_message_size``: one such body at a time,
+        #: plus, with coherence, an eighth more for clients' spare extents: cxlrpc.heap).
         self.max_message_size = max_message_size
+        if heap_size is None:
+            heap_size = max_message_size + (max_message_size // SPARE_SHARE if self.coherence == HARDWARE else 0)
         #: the largest body through the heap: max_message_size, or a smaller heap's size
         self._body_limit = max_message_size
         self.geometry = layout(slots, request_capacity, response_capacity, self.coherence,
-                               max_message_size if heap_size is None else heap_size,
-                               max_message_size)
+                               heap_size, max_message_size)
         self.size = max(size or 0, self.geometry.size)
         self.strategy = resolve(doorbell)
         self.client_timeout = client_timeout
@@ -383,10 +385,13 @@ class Server:
             self._chan = server_channel(self._region, self.geometry, self.poll_interval)
             geo = self.geometry
             if geo.heap_size:
+                following = not self._region.mem.flushing
+                # spares take what the heap has beyond one body of max_message_size
                 self._heap = ServerHeap(HeapAccess(self._region.buf, self._region.mem, geo.heap,
-                                                   geo.heap_size))
+                                                   geo.heap_size),
+                                        max(0, geo.heap_size - self.max_message_size) if following else 0)
                 self._body_limit = min(self.max_message_size, geo.heap_size)
-                if not self._region.mem.flushing:
+                if following:
                     self._follow_min = FOLLOW_MIN
         except BaseException:
             self._stop_beating()
@@ -846,8 +851,8 @@ class Server:
         """A handler (or the task that finished it) that read its body in the heap is done:
         end its view and free the extent."""
         _take_back(view)
-        self._heap.give_back(extent)
-        self._heap_freed()
+        if self._heap.give_back(extent):
+            self._heap_freed()
 
     def _suspended(self, coro: Any, step: Any, f: fr.Frame, slot: int, ctx: contextvars.Context,
                    eager: "_EagerTask") -> None:
@@ -1165,19 +1170,19 @@ class Server:
     # ------------------------------------------------------------------ heap
     def _alloc(self, f: fr.Frame) -> None:
         """A client asks for a heap extent to write a big request into."""
-        if len(f.body) != OFFSET.size or self._heap is None:
+        if len(f.body) != GRANT.size or self._heap is None:
             self._error(f, StatusCode.RESOURCE_EXHAUSTED if self._heap is None
                         else StatusCode.INVALID_ARGUMENT,
                         "this server has no heap (heap_size=0)" if self._heap is None
                         else "bad ALLOC frame")
             return
-        (size,) = OFFSET.unpack(f.body)
+        size, keep = GRANT.unpack(f.body)
         if not 0 < size <= self._body_limit:
             self._error(f, StatusCode.RESOURCE_EXHAUSTED, f"request of {size} bytes exceeds the "
                         f"server's {self._limit_setting()}")
             return
         deadline = time.monotonic() + f.timeout if f.timeout > 0 else None
-        self._heap_waiting.append((deadline, f.slot, f.gen, f.call_id, size))
+        self._heap_waiting.append((deadline, f.slot, f.gen, f.call_id, size, keep))
         self._heap_freed()
 
     def _limit_setting(self) -> str:
@@ -1201,20 +1206,20 @@ class Server:
             self._flush_backlog()
         heap, waiting = self._heap, self._heap_waiting
         while waiting:
-            _, slot, gen, call_id, size = waiting[0]
-            offset = heap.alloc(slot, gen, size)
+            _, slot, gen, call_id, size, keep = waiting[0]
+            offset = heap.alloc(slot, gen, size, keep == 1)
             if offset is None:
                 return
             waiting.pop(0)
             self._send(slot, gen, fr.header(fr.RESPONSE, fr.RAW, 0, slot, gen, call_id, 0.0, b""),
-                       OFFSET.pack(offset))
+                       GRANT.pack(offset, heap.is_spare(offset)))
 
     def _expire_heap_waiters(self, now: float) -> None:
         expired = [w for w in self._heap_waiting if w[0] is not None and w[0] <= now]
         if not expired:
             return
         self._heap_waiting = [w for w in self._heap_waiting if w not in expired]
-        for _, slot, gen, call_id, size in expired:
+        for _, slot, gen, call_id, size, _ in expired:
             self._send(slot, gen, fr.header(fr.ERROR, fr.RAW, int(StatusCode.DEADLINE_EXCEEDED),
                                             slot, gen, call_id, 0.0, b""),
                        f"the heap had no room for {size} bytes before the deadline".encode())
@@ -1244,7 +1249,8 @@ class Server:
         """A request whose body its client writes into the heap after sending the frame:
         followed a step at a time between the server's other work (never waiting long for
         one client), then dispatched with its bytes (or, to a method that lends its body, a
-        view of the complete extent). Its extent is kept until then, even if its owner leaves."""
+        view of the complete extent). Its extent is kept until then, even if its owner leaves;
+        after, it is the client's again (to write its next such request into, or to FREE)."""
         heap = self._heap
         if heap is not None and self._follow_min != sys.maxsize and len(f.body) == EXTENT.size:
             offset, length = EXTENT.unpack(f.body)
@@ -1294,8 +1300,8 @@ class Server:
             f.flags &= ~fr.HEAP  # (FOLLOW stays: a lent body's reply says IN_PLACE)
             if not following.lends:
                 f.body = following.body.take()
-                self._heap.give_back(offset)
-                self._heap_freed()
+                if self._heap.give_back(offset):  # (else it is the client's again)
+                    self._heap_freed()
                 self._dispatch_request(f)
                 return
             f.body = self._heap.access.followed_view(offset, length)
@@ -1312,8 +1318,8 @@ class Server:
         """Stop following a request and free its extent; answer ``code`` (0: no answer, the
         caller gave up or left)."""
         following = self._following.pop(key)
-        self._heap.give_back(following.offset)
-        self._heap_freed()
+        if self._heap.give_back(following.offset):
+            self._heap_freed()
         if code:
             self._error(following.frame, code, message)
 

@@ -344,7 +344,7 @@ def _check_decoded(data: bytes) -> None:
         return
     kind, flags, status, slot, gen, call_id, timeout, mlen = fr.HEADER.unpack_from(data)
     assert f.kind in fr._KINDS
-    assert not f.flags & ~(fr.RAW | fr.HEAP | fr.META | fr.STREAM)
+    assert not f.flags & ~(fr.RAW | fr.HEAP | fr.META | fr.STREAM | fr.FOLLOW | fr.IN_PLACE)
     assert len(f.method.encode()) == mlen <= fr.MAX_METHOD
     assert f.timeout >= 0
     body = fr.HEADER_SIZE + mlen

@@ -267,7 +267,7 @@ async def test_replies_leave_the_heap_to_requests_that_wait_for_it(name, publish
     """While an ALLOC waits for heap room, a reply that fits its ring takes the ring, even
     with room left for it in the heap: the big request needs that room, the reply does not."""
     url = f"shm://{name}"
-    async with _server(url, request_capacity=64 << 10, max_message_size=MiB) as server, \
+    async with _server(url, request_capacity=64 << 10, max_message_size=MiB, heap_size=MiB) as server, \
             cxlrpc.connect(url) as client:
         holder = await cxlrpc.connect(url)
         try:

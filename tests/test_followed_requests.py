@@ -12,6 +12,7 @@ import hashlib
 import os
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -20,7 +21,7 @@ import cxlrpc.heap
 import cxlrpc.server
 from cxlrpc import frame as fr
 from cxlrpc import memory
-from cxlrpc.heap import EXTENT, FOLLOW_HEADER, FOLLOW_MIN, OFFSET, HeapAccess
+from cxlrpc.heap import EXTENT, FOLLOW_HEADER, FOLLOW_MIN, GRANT, HeapAccess, ServerHeap
 from cxlrpc.memory import FOLLOW_CHUNK, AtomicMemory, FollowedBody, publish_copy
 
 pytestmark = pytest.mark.timeout(120)
@@ -81,12 +82,18 @@ def _server(url: str, **opts) -> cxlrpc.Server:
     return server
 
 
-async def _settled(server: cxlrpc.Server, timeout: float = 5.0) -> bool:
-    """Poll until the server follows nothing and its heap holds nothing (FREE frames lag)."""
+async def _settled(server: cxlrpc.Server, *clients: Any, timeout: float = 5.0) -> bool:
+    """Poll until the server follows nothing and its heap holds nothing but the clients'
+    spare extents (kept for their next followed request; FREE frames lag)."""
+    def settled() -> bool:
+        spares = {c._spare[0] for c in clients if c._spare is not None}
+        heap = server._heap
+        return not server._following and not heap._lent and set(heap._owners) == spares
+
     deadline = time.monotonic() + timeout
-    while (server._heap.used or server._following) and time.monotonic() < deadline:
+    while not settled() and time.monotonic() < deadline:
         await asyncio.sleep(0.01)
-    return server._heap.used == 0 and not server._following
+    return settled()
 
 
 async def test_followed_requests_are_exact_around_the_threshold(name, copies, followed):
@@ -99,7 +106,7 @@ async def test_followed_requests_are_exact_around_the_threshold(name, copies, fo
             assert await client.call("echo_view", payload, timeout=30) == payload
         numbers = list(range(100_000))  # ~290 KB of MessagePack
         assert await client.call("total", numbers, timeout=30) == sum(numbers)
-        assert await _settled(server)
+        assert await _settled(server, client)
     assert sorted(s for m, s in followed if m == "echo") == FOLLOWED
     assert sorted(s for m, s in followed if m == "digest") == FOLLOWED
     # the first big body to a method that reads in place is followed; its reply says so
@@ -124,6 +131,123 @@ async def test_a_blocking_client_follows_requests(name, followed):
     assert [s for m, s in followed if m == "echo_view"] == FOLLOWED[:1]
 
 
+@pytest.fixture
+def allocs(monkeypatch) -> list[tuple[int, bool]]:
+    """(size, spare asked) of each ALLOC the server read (Server._alloc spied on)."""
+    seen: list[tuple[int, bool]] = []
+    real = cxlrpc.Server._alloc
+
+    def spy(self, f):
+        size, spare = GRANT.unpack(bytes(f.body))
+        seen.append((size, bool(spare)))
+        return real(self, f)
+
+    monkeypatch.setattr(cxlrpc.Server, "_alloc", spy)
+    return seen
+
+
+async def test_a_spare_extent_saves_the_alloc_round_trip(name, allocs):
+    """The first followed request ALLOCs a spare; the next ones of its size or smaller are
+    written into it at once (no ALLOC); a bigger one gives it back for a new one; the
+    client's departure frees the one it keeps."""
+    url = f"shm://{name}"
+    async with _server(url) as server:
+        async with cxlrpc.connect(url) as client:
+            for i in range(5):
+                payload = os.urandom(MiB - i)  # the last body's bytes must not leak into this one
+                assert await client.call("digest", payload, timeout=30) == hashlib.sha256(payload).hexdigest()
+            assert allocs == [(FOLLOW_HEADER + MiB, True)]
+            assert client._spare is not None and server._heap.is_spare(client._spare[0])
+            bigger = os.urandom(2 * MiB)
+            assert await client.call("echo", bigger, timeout=30) == bigger
+            assert allocs[1:] == [(FOLLOW_HEADER + 2 * MiB, True)]
+            assert await _settled(server, client)  # the small spare freed, the new one kept
+
+            def blocking() -> bool:
+                with cxlrpc.connect_sync(url) as sync:
+                    ok = all(sync.call("size", bytes(MiB), timeout=30) == MiB for _ in range(3))
+                    return ok and sync._spare is not None
+            assert await asyncio.to_thread(blocking)
+            assert allocs[2:] == [(FOLLOW_HEADER + MiB, True)]  # one for the blocking client's three
+            assert server._heap.kept_bytes > 0
+        assert await _settled(server)  # both clients left: their spares are freed
+        assert server._heap.kept_bytes == 0
+
+
+async def test_no_spare_is_kept_from_a_body_read_in_place(name):
+    """A handler that reads its body in place may hold the extent past its reply (an async
+    one gives it back after): the client gives it back rather than write its next body there."""
+    url = f"shm://{name}"
+    async with _server(url) as server, cxlrpc.connect(url) as client:
+        payload = os.urandom(MiB)
+        assert await client.call("echo_view", payload, timeout=30) == payload
+        assert client._spare is None
+        assert await _settled(server, client)
+
+
+async def test_a_call_given_up_keeps_no_spare_the_server_still_reads(name, monkeypatch):
+    """A caller that gives up (here its CANCEL is lost) gives its extent back: the server may
+    still be reading it, so its next call asks for another rather than write into that one."""
+    monkeypatch.setattr(cxlrpc.server, "FOLLOW_STALL_S", 60.0)
+    url = f"shm://{name}"
+    async with _server(url) as server, cxlrpc.connect(url) as client:
+        with monkeypatch.context() as patched:
+            patched.setattr(HeapAccess, "publish", lambda self, offset, body: None)
+            patched.setattr(cxlrpc.Client, "_send_cancel", lambda self, call_id: None)
+            call = asyncio.ensure_future(client.call("size", bytes(MiB)))
+            assert await _following(server)
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+        assert client._spare is None
+        assert await client.call("size", bytes(MiB), timeout=10) == MiB
+        assert len(server._following) == 1  # the first is still followed, in its own extent
+
+
+async def test_spares_leave_room_for_a_body_of_max_message_size(name, allocs):
+    """Spares take only the heap beyond max_message_size: past that budget a followed
+    request's extent is freed by the server as before, and a body of max_message_size still
+    fits beside the spares kept."""
+    url = f"shm://{name}"
+    size = 2 * MiB
+    budget = MiB + MiB // 2  # one 1 MiB spare, not two
+    async with _server(url, max_message_size=size, heap_size=size + budget) as server, \
+            cxlrpc.connect(url) as a, cxlrpc.connect(url) as b:
+        assert await a.call("size", bytes(MiB), timeout=30) == MiB
+        assert await b.call("size", bytes(MiB), timeout=30) == MiB
+        assert allocs == [(FOLLOW_HEADER + MiB, True)] * 2  # both asked
+        assert a._spare is not None and b._spare is None  # the budget had room for one
+        assert 0 < server._heap.kept_bytes <= budget
+        assert await b.call("echo", b"x" * (size - FOLLOW_HEADER), timeout=30) == b"x" * (size - FOLLOW_HEADER)
+        assert await _settled(server, a, b)
+
+
+def test_a_spare_is_freed_after_the_server_reads_it_if_freed_meanwhile():
+    """The server's heap: a spare FREEd while its body is read is freed when given back;
+    one given back first stays its client's until its FREE or departure; spares stop at the
+    budget and at SPARE_MAX."""
+    buf = bytearray(16 * MiB)
+    heap = ServerHeap(HeapAccess(memoryview(buf), AtomicMemory(buf), 0, len(buf)), spare_budget=3 * MiB)
+    a = heap.alloc(1, 1, MiB, keep=True)
+    assert heap.is_spare(a)
+    heap.lend(a)
+    assert heap.free(a, 1, 1)  # taken: it goes once read
+    assert heap.used and not heap.is_spare(a)
+    assert heap.give_back(a) and heap.used == 0
+    b = heap.alloc(1, 1, MiB, keep=True)
+    heap.lend(b)
+    assert not heap.give_back(b) and heap.owned(b, MiB, 1, 1)  # read: the client's again
+    c = heap.alloc(1, 1, MiB, keep=True)
+    assert heap.is_spare(c) and heap.kept_bytes == 2 * MiB
+    assert not heap.is_spare(heap.alloc(2, 1, MiB + 1, keep=True))  # past the budget
+    assert not heap.is_spare(heap.alloc(2, 1, cxlrpc.heap.SPARE_MAX + 1, keep=True))
+    heap.lend(c)
+    assert heap.release_owner(1, 1) == 1  # b now; c once given back
+    assert heap.kept_bytes == 0 and not heap.owned(b, 1, 1, 1)
+    assert heap.give_back(c)
+    assert heap.release_owner(2, 1) == 2 and heap.used == 0
+
+
 def _half(self, offset, body):  # a client that freezes half way (and never writes the rest)
     at = self.start + offset
     publish_copy(self.mem, self.buf, at, at + FOLLOW_HEADER, memoryview(body)[:len(body) // 2])
@@ -144,7 +268,7 @@ async def test_a_client_that_stops_writing_is_unavailable_and_others_are_served(
         assert server._following and not stalled.done()
         with pytest.raises(cxlrpc.Unavailable, match="stopped writing"):
             await stalled
-        assert await _settled(server)
+        assert await _settled(server, client, other)
         assert await client.call("size", bytes(MiB), timeout=10) == MiB
 
 
@@ -161,7 +285,7 @@ async def test_a_client_whose_copy_fails_is_refused_at_once(name, monkeypatch):
             patched.setattr(cxlrpc.heap, "publish_copy", fails)
             with pytest.raises(MemoryError):
                 await client.call("size", bytes(MiB), timeout=30)
-        assert await _settled(server, timeout=10)  # the aborted word, not the 60 s stall
+        assert await _settled(server, client, timeout=10)  # the aborted word, not the 60 s stall
         assert await client.call("size", bytes(MiB), timeout=10) == MiB
 
 
@@ -191,7 +315,7 @@ async def test_giving_up_on_a_followed_call_frees_its_extent(name, monkeypatch, 
                 patched.setattr(cxlrpc.Client, "_send_cancel", lambda self, call_id: None)
                 with pytest.raises(cxlrpc.DeadlineExceeded):
                     await client.call("size", bytes(MiB), timeout=0.3)
-            assert await _settled(server, timeout=10)
+            assert await _settled(server, client, timeout=10)
         assert await client.call("size", bytes(MiB), timeout=10) == MiB
 
 
@@ -237,12 +361,13 @@ async def test_garbage_followed_requests_are_refused(name):
             await answer(4242, EXTENT.pack(0, MiB))
         # a granted one, whose progress word says more than its length
         alloc_id, alloc = client._alloc_request(FOLLOW_HEADER + MiB, 5.0)
-        (offset,) = OFFSET.unpack(await client._granted(alloc_id, alloc, None))
+        offset, spare = GRANT.unpack(await client._granted(alloc_id, alloc, None))
+        assert not spare  # (not asked for: the server frees it once done with it)
         client._heap.check(offset, FOLLOW_HEADER + MiB)
         client._heap.mem.store(client._heap.start + offset, MiB + 1, memory.RELEASE)
         with pytest.raises(cxlrpc.InvalidArgument, match="not written whole"):
             await answer(4243, EXTENT.pack(offset, MiB))
-        assert await _settled(server)
+        assert await _settled(server, client)
         assert await client.call("size", bytes(MiB), timeout=10) == MiB
 
 

@@ -106,7 +106,7 @@ async def test_past_max_message_size_names_the_setting(url):
 async def test_a_full_heap_is_backpressure_not_loss(url):
     """A 1 MiB heap, eight 700 KB round trips at once: each waits its turn for the heap."""
     async with _server(url, request_capacity=64 << 10, response_capacity=64 << 10,
-                       max_message_size=MiB) as server, cxlrpc.connect(url) as client:
+                       max_message_size=MiB, heap_size=MiB) as server, cxlrpc.connect(url) as client:
         payloads = [bytes([i]) * 700_000 for i in range(8)]
         replies = await asyncio.gather(*(client.call("echo", p, timeout=30) for p in payloads))
         assert replies == payloads
@@ -115,7 +115,7 @@ async def test_a_full_heap_is_backpressure_not_loss(url):
 
 async def test_a_deadline_spent_waiting_for_the_heap_leaks_nothing(url):
     async with _server(url, request_capacity=64 << 10, response_capacity=64 << 10,
-                       max_message_size=MiB) as server, cxlrpc.connect(url) as client:
+                       max_message_size=MiB, heap_size=MiB) as server, cxlrpc.connect(url) as client:
         # the first holds the heap for 0.2 s (its handler sleeps after the body was read: the
         # request extent is freed at once, so hold it with a big reply instead)
         big = asyncio.ensure_future(client.call("make", [MiB, 3], timeout=10))

@@ -11,7 +11,7 @@ import pytest
 
 import cxlrpc
 from cxlrpc import frame as fr
-from cxlrpc.heap import EXTENT, OFFSET
+from cxlrpc.heap import EXTENT, GRANT, OFFSET
 from procs import until
 
 pytestmark = pytest.mark.timeout(60)
@@ -29,7 +29,7 @@ async def _outcome(aw):
 
 def _holding_server(url: str, **opts) -> tuple[cxlrpc.Server, asyncio.Event, asyncio.Event, list]:
     """A server whose ``hold`` handler reads its lent heap body only after ``go`` is set."""
-    server = cxlrpc.Server(url, **{**SMALL, "max_message_size": MiB, **opts})
+    server = cxlrpc.Server(url, **{**SMALL, "max_message_size": MiB, "heap_size": MiB, **opts})
     entered, go, seen = asyncio.Event(), asyncio.Event(), []
 
     @server.method("hold")
@@ -89,7 +89,7 @@ async def test_an_extent_named_by_two_requests_is_not_freed_while_lent(url):
     async with server, cxlrpc.connect(url) as a, cxlrpc.connect(url) as b:
         loop = asyncio.get_running_loop()
         alloc_id, alloc = a._alloc_request(size, 10.0)
-        (offset,) = OFFSET.unpack(await a._roundtrip(alloc_id, alloc, None, None))
+        offset, _ = GRANT.unpack(await a._roundtrip(alloc_id, alloc, None, None))
         a._heap.write(offset, (mine,))
         chan = a._chan
         futs = {}

@@ -154,7 +154,7 @@ async def test_a_lent_extent_outlives_its_departed_caller_until_the_handler_ends
     """The heap keeps an extent a handler still reads after its caller left: another client's
     big request waits for room instead of being written over the bytes being read."""
     limit = 4 << 20 if url.startswith("shm") else 1 << 20
-    server = cxlrpc.Server(url, **sized_for(url, {"max_message_size": limit}))
+    server = cxlrpc.Server(url, **sized_for(url, {"max_message_size": limit, "heap_size": limit}))
     entered, go, digests = asyncio.Event(), asyncio.Event(), []
 
     @server.method("hold")

@@ -160,6 +160,7 @@ class ServerHeap:
         return offset
 
     def is_spare(self, offset: int) -> bool:
+        """Was the extent granted as a spare (and not FREEd since)?"""
         return offset in self._kept
 
     def owned(self, offset: int, length: int, slot: int, gen: int) -> bool:

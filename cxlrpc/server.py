@@ -1315,8 +1315,8 @@ class Server:
             self._broken(exc)
 
     def _end_following(self, key: tuple[int, int, int], code: int = 0, message: str = "") -> None:
-        """Stop following a request and free its extent; answer ``code`` (0: no answer, the
-        caller gave up or left)."""
+        """Stop following a request and give its extent back (freed, or its client's again if
+        a spare); answer ``code`` (0: no answer, the caller gave up or left)."""
         following = self._following.pop(key)
         if self._heap.give_back(following.offset):
             self._heap_freed()

@@ -1129,6 +1129,7 @@ class Client(_Base):
         self._direct = True
         try:
             poll, on_reply = self._chan.responses.poll, self._on_reply
+            yield_cpu = self._chan.bell.shared_cpu.yield_cpu
             now = time.perf_counter
             start = now() - waited
             spin_end = start + self.strategy.spin_s
@@ -1147,7 +1148,7 @@ class Client(_Base):
                         if t > yield_end:
                             self._direct_exhausted = True  # the reader should park at once
                             return
-                        os.sched_yield()
+                        yield_cpu()  # (moves off a CPU it finds shared)
                     await asyncio.sleep(0)
         finally:
             self._direct = False

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import os
 import select
 import socket
 import time
@@ -26,6 +25,7 @@ from typing import Callable
 
 from ..identity import host_identity
 from ..memory import RELAXED, SEQ_CST, Counter, fence
+from .placement import SharedCpu
 from .strategy import WaitStrategy
 
 _sender: socket.socket | None = None
@@ -104,6 +104,9 @@ class DoorbellReceiver:
         self._parked.store(0, SEQ_CST)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._waiter: asyncio.Future | None = None
+        #: the yields of the waits (and of the owner's own polling): a thread that finds its
+        #: CPU shared moves off it
+        self.shared_cpu = SharedCpu()
 
     def close(self) -> None:
         if self._loop is not None and not self._loop.is_closed():
@@ -171,8 +174,9 @@ class DoorbellReceiver:
             if t >= spin_end:
                 break
         yield_end = spin_end if idle and strategy.park else min(spin_end + strategy.yield_s, deadline)
+        yield_cpu = self.shared_cpu.yield_cpu
         while now() < yield_end:
-            os.sched_yield()
+            yield_cpu()
             await sleep0(0)
             if ready():
                 return True
@@ -215,8 +219,9 @@ class DoorbellReceiver:
             if ready():
                 return True
         yield_end = spin_end if idle and strategy.park else min(spin_end + strategy.yield_s, deadline)
+        yield_cpu = self.shared_cpu.yield_cpu
         while now() < yield_end:
-            os.sched_yield()
+            yield_cpu()
             if ready():
                 return True
         remaining = deadline - now()

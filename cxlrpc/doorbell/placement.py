@@ -39,7 +39,10 @@ def move_off_this_cpu() -> int | None:
     cpu = _getcpu()
     if cpu not in allowed or len(allowed) < 2:
         return None
-    os.sched_setaffinity(0, allowed - {cpu})  # the kernel moves us at once, to the idlest
+    try:
+        os.sched_setaffinity(0, allowed - {cpu})  # the kernel moves us at once, to the idlest
+    except OSError:  # (those CPUs went offline, a cpuset changed meanwhile): stay
+        return None
     os.sched_setaffinity(0, allowed)
     return cpu
 

@@ -7,6 +7,7 @@ import os
 import pytest
 from hypothesis import settings
 
+from cxlrpc import memory
 from cxlrpc.region import unlink_shm
 
 # CI runs property tests with a fixed seed (a red CI must be reproducible, not a dice roll);
@@ -69,3 +70,15 @@ def image():
     from guest_vm import image_or_skip
 
     return image_or_skip(Path(tempfile.gettempdir()))
+
+
+@pytest.fixture(params=["native", "fallback"])
+def copies(request, monkeypatch) -> str:
+    """Followed bodies copied by the native module, and without it (its Python reference):
+    the tests of followed requests and replies run with both."""
+    if request.param == "native":
+        if memory._native is None:
+            pytest.skip("cxlrpc._flush was not built")
+    else:
+        monkeypatch.setattr(memory, "_native", None)
+    return request.param

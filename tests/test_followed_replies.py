@@ -28,17 +28,6 @@ MiB = 1 << 20
 SIZES = (FOLLOW_MIN - 1, FOLLOW_MIN, FOLLOW_MIN + 1, 5 * FOLLOW_CHUNK + 7, MiB + 13, 3 * MiB)
 
 
-@pytest.fixture(params=["native", "fallback"])
-def copies(request, monkeypatch) -> str:
-    """The followed copies with the native module, and without it (its Python reference)."""
-    if request.param == "native":
-        if memory._native is None:
-            pytest.skip("cxlrpc._flush was not built")
-    else:
-        monkeypatch.setattr(memory, "_native", None)
-    return request.param
-
-
 @pytest.fixture
 def published(monkeypatch) -> list[int]:
     """The lengths of the reply bodies the server followed (Server._push_followed spied on;

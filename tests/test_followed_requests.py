@@ -30,17 +30,6 @@ SIZES = (FOLLOW_MIN - 1, FOLLOW_MIN, FOLLOW_MIN + 1, 5 * FOLLOW_CHUNK + 7, MiB +
 FOLLOWED = [s for s in SIZES if s >= FOLLOW_MIN]
 
 
-@pytest.fixture(params=["native", "fallback"])
-def copies(request, monkeypatch) -> str:
-    """The followed copies with the native module, and without it (its Python reference)."""
-    if request.param == "native":
-        if memory._native is None:
-            pytest.skip("cxlrpc._flush was not built")
-    else:
-        monkeypatch.setattr(memory, "_native", None)
-    return request.param
-
-
 @pytest.fixture
 def followed(monkeypatch) -> list[tuple[str, int]]:
     """(method, body length) of each request the server followed (Server._follow_request

@@ -1250,7 +1250,8 @@ class Server:
         followed a step at a time between the server's other work (never waiting long for
         one client), then dispatched with its bytes (or, to a method that lends its body, a
         view of the complete extent). Its extent is kept until then, even if its owner leaves;
-        after, it is the client's again (to write its next such request into, or to FREE)."""
+        after, a spare is the client's again (to write its next such request into, or to
+        FREE), any other extent is freed."""
         heap = self._heap
         if heap is not None and self._follow_min != sys.maxsize and len(f.body) == EXTENT.size:
             offset, length = EXTENT.unpack(f.body)

@@ -38,6 +38,7 @@
 
 typedef struct {
     PyObject_HEAD
+    vectorcallfunc vectorcall; /* Dispatcher(view): the ring's handler, called per record */
     PyObject *server;    /* the reference and the slow paths */
     PyObject *buf;       /* the region's memoryview: the slots' state words are read in it */
     Py_ssize_t *slot_at; /* offset of each slot's state word */
@@ -48,13 +49,23 @@ typedef struct {
     PyObject *context_type, *no_metadata, *current_call, *ring_client, *encode_body;
     PyObject *loop, *current_task, *enter_task, *leave_task, *eager_type, *cancelled, *frame_type;
     PyObject *current_tasks; /* asyncio's loop -> current task dict, where its functions use one; or None */
+    PyObject *spare_eager;   /* a stand-in no handler kept (see first_step), or NULL */
+    PyObject *last_key;      /* the method name of the last request, or NULL */
     Py_ssize_t reply_limit;
     double polled_at;
+    double synced_at; /* the polled_at last written to server._polled_at (for the reference) */
     int enabled;
+    int detoured;     /* a request went to the server's own code since serve() began */
 } Dispatcher;
 
 static PyObject *s_on_request, *s_failed, *s_bad_request, *s_suspended, *s_coroutine, *s_reply,
-    *s_send, *s_broken, *s_push, *s_lent_reply, *s_toreadonly, *s_release;
+    *s_send, *s_broken, *s_push, *s_lent_reply, *s_toreadonly, *s_release, *s_polled_at;
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts); /* time.monotonic()'s clock */
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
 
 static inline uint16_t le16(const unsigned char *p) { return (uint16_t)(p[0] | p[1] << 8); }
 static inline uint32_t le32(const unsigned char *p) { return (uint32_t)le16(p) | (uint32_t)le16(p + 2) << 16; }
@@ -142,9 +153,20 @@ static Py_ssize_t *word_offsets(PyObject *buf, PyObject *offsets, Py_ssize_t n, 
     return at;
 }
 
-/* server.<name>(*args): a slow path; its result is dropped. */
+/* server.<name>(*args): a slow path; its result is dropped. The server's own code may leave
+ * work for the loop (a task, a reply held back, a body to follow): serve() then returns. */
 static int call_server(Dispatcher *d, PyObject *name, PyObject **args, size_t n) {
     PyObject *stack[6];
+    d->detoured = 1;
+    if (d->synced_at != d->polled_at) { /* the reference counts deadlines from server._polled_at */
+        PyObject *at = PyFloat_FromDouble(d->polled_at);
+        if (at == NULL || PyObject_SetAttr(d->server, s_polled_at, at) < 0) {
+            Py_XDECREF(at);
+            return -1;
+        }
+        Py_DECREF(at);
+        d->synced_at = d->polled_at;
+    }
     stack[0] = d->server;
     for (size_t i = 0; i < n; i++)
         stack[i + 1] = args[i];
@@ -337,6 +359,12 @@ static int swap_task(Dispatcher *d, PyObject *from, PyObject *to) {
     return 0;
 }
 
+/* Does a weak reference to ``obj`` exist (one kept by, say, a WeakKeyDictionary of tasks)? */
+static int weakly_held(PyObject *obj) {
+    Py_ssize_t at = Py_TYPE(obj)->tp_weaklistoffset;
+    return at > 0 && *(PyObject **)((char *)obj + at) != NULL;
+}
+
 /* A coroutine handler's first step, inline (Server._run_eagerly and _first_step): in a copy of
  * the current context where ``context()`` is ``call``, with a stand-in as the loop's current
  * task. Its result (a new reference), or NULL: with an error set to propagate, or without one
@@ -355,7 +383,8 @@ static PyObject *first_step(Dispatcher *d, Req *r, PyObject *coro, PyObject *cal
     if (token == NULL)
         goto left;
     Py_DECREF(token);
-    eager = PyObject_CallNoArgs(d->eager_type);
+    eager = d->spare_eager != NULL ? d->spare_eager : PyObject_CallNoArgs(d->eager_type);
+    d->spare_eager = NULL;
     if (eager == NULL)
         goto left;
     if (PyDict_CheckExact(d->current_tasks)) {
@@ -399,6 +428,10 @@ left:
     if (status == PYGEN_RETURN) {
         result = step;
         step = NULL;
+        if (Py_REFCNT(eager) == 1 && !weakly_held(eager)) { /* nobody kept it: the next call's */
+            d->spare_eager = eager;
+            eager = NULL;
+        }
     } else if (status == PYGEN_NEXT) { /* a task carries it on (and takes the stand-in's place) */
         PyObject *args[4] = {coro, step, ctx, eager};
         (void)call_with_frame(d, s_suspended, r, args, 4);
@@ -503,8 +536,14 @@ static int dispatch(Dispatcher *d, PyObject *view) {
         goto done;
     }
     Py_INCREF(peer);
-    if ((key = PyBytes_FromStringAndSize((const char *)p + HEADER_SIZE, mlen)) == NULL)
-        goto fail;
+    if (d->last_key != NULL && PyBytes_GET_SIZE(d->last_key) == (Py_ssize_t)mlen &&
+        memcmp(PyBytes_AS_STRING(d->last_key), p + HEADER_SIZE, mlen) == 0) {
+        key = Py_NewRef(d->last_key); /* (its hash is cached) */
+    } else {
+        if ((key = PyBytes_FromStringAndSize((const char *)p + HEADER_SIZE, mlen)) == NULL)
+            goto fail;
+        Py_XSETREF(d->last_key, Py_NewRef(key));
+    }
     entry = PyDict_GetItemWithError(d->methods, key);
     if (entry == NULL) {
         if (PyErr_Occurred())
@@ -628,14 +667,13 @@ out:
 }
 
 /* Dispatcher(view): one request record, as Server._on_request takes it. */
-static PyObject *dispatcher_call(Dispatcher *self, PyObject *args, PyObject *kwargs) {
-    PyObject *view;
-    if (kwargs != NULL && PyDict_GET_SIZE(kwargs)) {
-        PyErr_SetString(PyExc_TypeError, "Dispatcher(view) takes no keyword arguments");
+static PyObject *dispatcher_call(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    Dispatcher *self = (Dispatcher *)callable;
+    if (PyVectorcall_NARGS(nargsf) != 1 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames))) {
+        PyErr_SetString(PyExc_TypeError, "Dispatcher(view) takes one positional argument");
         return NULL;
     }
-    if (!PyArg_UnpackTuple(args, "Dispatcher", 1, 1, &view))
-        return NULL;
+    PyObject *view = args[0];
     if (self->server == NULL || self->backlog == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "Dispatcher is not initialised");
         return NULL;
@@ -656,6 +694,64 @@ static PyObject *dispatcher_call(Dispatcher *self, PyObject *args, PyObject *kwa
     if (rc < 0)
         return NULL;
     Py_RETURN_NONE;
+}
+
+/* serve(poll_within, seconds, until): the reader's hot loop (Server._serve), natively: batch
+ * after batch, each the request ring's ``poll_within(self, 256, seconds)`` with ``polled_at``
+ * read just before it, until one finds nothing, a request went to the server's own code (which
+ * may have left work for the loop), the dispatcher is disabled, or the clock passes ``until``
+ * (the loop's turn, housekeeping). The requests handed over; ``polled_at`` is the last reading. */
+static PyObject *dispatcher_serve(Dispatcher *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyFloat_Check(args[1]) || !PyFloat_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "serve(poll_within, seconds: float, until: float)");
+        return NULL;
+    }
+    if (self->server == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "Dispatcher is not initialised");
+        return NULL;
+    }
+    double until = PyFloat_AS_DOUBLE(args[2]);
+    PyObject *limit = PyLong_FromLong(256);
+    if (limit == NULL)
+        return NULL;
+    long long total = 0;
+    self->detoured = 0;
+    while (self->enabled && !self->detoured) {
+        double now = now_s();
+        self->polled_at = now;
+        if (now >= until)
+            break;
+        PyObject *pargs[3] = {(PyObject *)self, limit, args[1]};
+        PyObject *n = PyObject_Vectorcall(args[0], pargs, 3, NULL);
+        if (n == NULL) {
+            Py_DECREF(limit);
+            return NULL;
+        }
+        long long got = PyLong_AsLongLong(n);
+        Py_DECREF(n);
+        if (got == -1 && PyErr_Occurred()) {
+            Py_DECREF(limit);
+            return NULL;
+        }
+        if (got <= 0)
+            break;
+        total += got;
+    }
+    Py_DECREF(limit);
+    return PyLong_FromLongLong(total);
+}
+
+static PyMethodDef dispatcher_methods[] = {
+    {"serve", (PyCFunction)(void (*)(void))dispatcher_serve, METH_FASTCALL,
+     "serve(poll_within, seconds, until): poll batch after batch while nothing needs the loop."},
+    {NULL},
+};
+
+static PyObject *dispatcher_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    Dispatcher *self = (Dispatcher *)PyType_GenericNew(type, args, kwds);
+    if (self != NULL)
+        self->vectorcall = dispatcher_call; /* (it says when __init__ was not run) */
+    return (PyObject *)self;
 }
 
 static int dispatcher_init(Dispatcher *self, PyObject *args, PyObject *kwds) {
@@ -716,7 +812,7 @@ static int dispatcher_init(Dispatcher *self, PyObject *args, PyObject *kwds) {
 #define FIELDS(X) X(server) X(buf) X(seen) X(peers) X(backlog) X(methods) X(responses) X(chan) \
     X(context_type) X(no_metadata) X(current_call) X(ring_client) X(encode_body) X(loop) \
     X(current_task) X(enter_task) X(leave_task) X(eager_type) X(cancelled) X(frame_type) \
-    X(current_tasks)
+    X(current_tasks) X(spare_eager) X(last_key)
 
 static int dispatcher_traverse(Dispatcher *self, visitproc visit, void *arg) {
 #define VISIT(f) Py_VISIT(self->f);
@@ -756,14 +852,16 @@ static PyTypeObject DispatcherType = {
               "enter_task, leave_task, eager_type, cancelled, reply_limit, frame_type, current_tasks, parked_at, me): the request ring's "
               "handler, dispatching the common request shape in C (Server._dispatch is the reference).",
     .tp_basicsize = sizeof(Dispatcher),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .tp_new = PyType_GenericNew,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_new = dispatcher_new,
     .tp_init = (initproc)dispatcher_init,
     .tp_dealloc = (destructor)dispatcher_dealloc,
     .tp_traverse = (traverseproc)dispatcher_traverse,
     .tp_clear = (inquiry)dispatcher_clear,
-    .tp_call = (ternaryfunc)dispatcher_call,
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(Dispatcher, vectorcall),
     .tp_members = dispatcher_members,
+    .tp_methods = dispatcher_methods,
 };
 
 
@@ -776,7 +874,9 @@ static PyTypeObject DispatcherType = {
  * meanwhile goes to the client's own handler (Client._on_reply). */
 typedef struct {
     PyObject_HEAD
+    vectorcallfunc vectorcall; /* Caller(view): the reply ring's handler during the hot wait */
     PyObject *client, *methods, *push, *push_args, *ring_bell, *poll, *encode_body, *decode, *buf;
+    PyObject *idle_when; /* a tuple of the client's containers of calls in flight: all empty, or the reference */
     Py_ssize_t max_payload;
     Py_ssize_t bell_at; /* the server's doorbell word in the region */
     uint64_t me;        /* this host's identity, as a parked server writes it */
@@ -792,21 +892,14 @@ static PyObject *s_on_reply;
 static PyObject *caller_send(Caller *self, PyObject *mb, PyObject *const *args, double timeout, double hot,
                              double spin);
 
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
 /* Caller(view): a reply record polled during the hot wait. */
-static PyObject *caller_handle(Caller *self, PyObject *args, PyObject *kwargs) {
-    PyObject *view;
-    if (kwargs != NULL && PyDict_GET_SIZE(kwargs)) {
-        PyErr_SetString(PyExc_TypeError, "Caller(view) takes no keyword arguments");
+static PyObject *caller_handle(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    Caller *self = (Caller *)callable;
+    if (PyVectorcall_NARGS(nargsf) != 1 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames))) {
+        PyErr_SetString(PyExc_TypeError, "Caller(view) takes one positional argument");
         return NULL;
     }
-    if (!PyArg_UnpackTuple(args, "Caller", 1, 1, &view))
-        return NULL;
+    PyObject *view = args[0];
     if (self->client == NULL || self->decode == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "Caller is not initialised");
         return NULL;
@@ -853,7 +946,8 @@ static PyObject *caller_handle(Caller *self, PyObject *args, PyObject *kwargs) {
  * for the first ``spin`` of them, default all, then yielding the CPU between polls, as a wait
  * strategy's spin and yield phases do); (flags, body) when the request did not go
  * (too big for the ring, or the ring is full: the reference sends that body); NotImplemented
- * for a method not yet in the client's cache (the reference encodes its name). */
+ * for a method not yet in the client's cache (the reference encodes its name), or while any
+ * container of ``idle_when`` is not empty (other calls in flight: the reference orders them). */
 static PyObject *caller_call(Caller *self, PyObject *const *args, Py_ssize_t nargs) {
     if ((nargs != 6 && nargs != 7) || !PyLong_CheckExact(args[3]) || !PyBool_Check(args[5])) {
         PyErr_SetString(PyExc_TypeError,
@@ -878,6 +972,14 @@ static PyObject *caller_call(Caller *self, PyObject *const *args, Py_ssize_t nar
     }
     if (!PyBytes_CheckExact(mb) || PyBytes_GET_SIZE(mb) == 0 || PyBytes_GET_SIZE(mb) > MAX_METHOD)
         Py_RETURN_NOTIMPLEMENTED;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(self->idle_when); i++) {
+        Py_ssize_t len = PyObject_Length(PyTuple_GET_ITEM(self->idle_when, i));
+        if (len != 0) { /* other calls in flight (or their replies not yet taken): the reference */
+            if (len < 0)
+                return NULL;
+            Py_RETURN_NOTIMPLEMENTED;
+        }
+    }
     Py_INCREF(mb); /* held: encoding runs Python code */
     PyObject *out = caller_send(self, mb, args, timeout, hot, spin);
     Py_DECREF(mb);
@@ -989,8 +1091,15 @@ fail:
     return NULL;
 }
 
+static PyObject *caller_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    Caller *self = (Caller *)PyType_GenericNew(type, args, kwds);
+    if (self != NULL)
+        self->vectorcall = caller_handle;
+    return (PyObject *)self;
+}
+
 static int caller_init(Caller *self, PyObject *args, PyObject *kwds) {
-    PyObject *client, *methods, *push, *push_args, *ring_bell, *poll, *encode_body, *decode, *buf;
+    PyObject *client, *methods, *push, *push_args, *ring_bell, *poll, *encode_body, *decode, *buf, *idle_when;
     unsigned int slot;
     unsigned long gen;
     unsigned long long me;
@@ -999,9 +1108,9 @@ static int caller_init(Caller *self, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_TypeError, "Caller takes positional arguments only");
         return -1;
     }
-    if (!PyArg_ParseTuple(args, "OO!OO!OOOOIknO!nK", &client, &PyDict_Type, &methods, &push, &PyTuple_Type,
+    if (!PyArg_ParseTuple(args, "OO!OO!OOOOIknO!nKO!", &client, &PyDict_Type, &methods, &push, &PyTuple_Type,
                           &push_args, &ring_bell, &poll, &encode_body, &decode, &slot, &gen, &max_payload,
-                          &PyMemoryView_Type, &buf, &bell_at, &me))
+                          &PyMemoryView_Type, &buf, &bell_at, &me, &PyTuple_Type, &idle_when))
         return -1;
     if (slot > 0xFFFF || gen > 0xFFFFFFFFUL || max_payload < HEADER_SIZE || PyTuple_GET_SIZE(push_args) > MAX_PUSH_ARGS) {
         PyErr_SetString(PyExc_ValueError, "Caller: slot, generation, ring limit or push arguments out of range");
@@ -1013,7 +1122,7 @@ static int caller_init(Caller *self, PyObject *args, PyObject *kwds) {
     }
 #define KEEP(field) Py_XSETREF(self->field, Py_NewRef(field))
     KEEP(client); KEEP(methods); KEEP(push); KEEP(push_args); KEEP(ring_bell); KEEP(poll); KEEP(encode_body);
-    KEEP(decode); KEEP(buf);
+    KEEP(decode); KEEP(buf); KEEP(idle_when);
 #undef KEEP
     self->bell_at = bell_at;
     self->me = me;
@@ -1024,7 +1133,7 @@ static int caller_init(Caller *self, PyObject *args, PyObject *kwds) {
 }
 
 #define CALLER_FIELDS(X) X(client) X(methods) X(push) X(push_args) X(ring_bell) X(poll) X(encode_body) \
-    X(decode) X(buf) X(reply)
+    X(decode) X(buf) X(idle_when) X(reply)
 
 static int caller_traverse(Caller *self, visitproc visit, void *arg) {
 #define VISIT(f) Py_VISIT(self->f);
@@ -1059,16 +1168,17 @@ static PyTypeObject CallerType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "cxlrpc._dispatch.Caller",
     .tp_doc = "Caller(client, methods, push, push_args, ring_bell, poll, encode_body, decode, slot, gen, "
-              "max_payload, buf, bell_at, me): a connection's calls of the common shape in C (Client.call is the "
+              "max_payload, buf, bell_at, me, idle_when): a connection's calls of the common shape in C (Client.call is the "
               "reference); called with a record, it is the reply ring's handler.",
     .tp_basicsize = sizeof(Caller),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .tp_new = PyType_GenericNew,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_new = caller_new,
     .tp_init = (initproc)caller_init,
     .tp_dealloc = (destructor)caller_dealloc,
     .tp_traverse = (traverseproc)caller_traverse,
     .tp_clear = (inquiry)caller_clear,
-    .tp_call = (ternaryfunc)caller_handle,
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(Caller, vectorcall),
     .tp_methods = caller_methods,
 };
 
@@ -1090,6 +1200,7 @@ PyMODINIT_FUNC PyInit__dispatch(void) {
     INTERN(s_toreadonly, "toreadonly")
     INTERN(s_release, "release")
     INTERN(s_on_reply, "_on_reply")
+    INTERN(s_polled_at, "_polled_at")
 #undef INTERN
     if (PyType_Ready(&DispatcherType) < 0 || PyType_Ready(&CallerType) < 0)
         return NULL;

@@ -336,11 +336,16 @@ class _Base:
                                    chan.push_args(), bell.ring, chan.responses.poll, fr.encode_body,
                                    fr.decode, chan.slot, chan.gen,
                                    min(chan.requests.max_payload, fr.HEADER_SIZE + self._follow_min - 1),
-                                   chan.region.buf, bell.parked_at, bell.me)
+                                   chan.region.buf, bell.parked_at, bell.me, self._in_flight())
         self._heap = HeapAccess(region.buf, region.mem, geo.heap, geo.heap_size)
         self._finalizer = weakref.finalize(self, _collected, link, f"{type(self).__name__}({self.url!r})")
         self._finalizer.atexit = False  # at exit the server reclaims the slot by our PID
         return link
+
+    def _in_flight(self) -> tuple:
+        """The containers of work in flight that the native caller leaves to the reference
+        while any holds something (heap extents of replies read, not yet given back)."""
+        return (self._frees,)
 
     def _forget_link(self) -> _Link | None:
         """Take the connection away from the client (the caller ends it); ``_gone`` is set."""
@@ -663,7 +668,11 @@ class Client(_Base):
         self._direct_exhausted = False  # the direct poll spent the spin and yield budget
         #: calls whose reply this client handed over while their task has not run since
         self._woken: set[int] = set()
-        self._yielding = 0  #: callers that gave the loop a turn before calling and not yet resumed
+        #: callers that gave the loop a turn before calling and not yet resumed (one entry each)
+        self._yielding: list[None] = []
+
+    def _in_flight(self) -> tuple:
+        return (self._pending, self._woken, self._yielding, self._frees)
 
     async def open(self) -> "Client":
         """Connect (waiting for a server as ``wait_for_ready`` says): what ``connect()`` awaits."""
@@ -830,24 +839,16 @@ class Client(_Base):
         caller's CancelledError or DeadlineExceeded if the request never left: what the call
         did can then be undone. No task is made for it.
         """
-        if self._woken or self._yielding:
-            # a call answered in place never suspends: the tasks whose replies this client
-            # handed over, and those that gave way for them, run first (before anything is sent)
-            self._yielding += 1
-            try:
-                await asyncio.sleep(0)
-            finally:
-                self._yielding -= 1
-        if (self._caller is not None and on_late_reply is None and not metadata and not self._interceptors
-                and self._gone is None and not self._pending and not self._frees
-                and (timeout is None or timeout > 0)):
-            # the common shape, natively: out and, while no other call waits, its reply polled
-            # for in place (no future, no loop turn) for the first microseconds
+        caller = self._caller
+        if (caller is not None and on_late_reply is None and not metadata and not self._interceptors
+                and self._gone is None and (timeout is None or timeout > 0)):
+            # the common shape, natively: out and, while no other call is in flight, its reply
+            # polled for in place (no future, no loop turn) for the first microseconds
             call_id = next(self._ids)
             deadline = None if timeout is None else self._loop.time() + timeout
             try:  # _call_natively, inline
-                got = self._caller.call(method, arg, timeout or 0.0, call_id, self._hot_s,
-                                        response_type is None, self._hot_spin_s)
+                got = caller.call(method, arg, timeout or 0.0, call_id, self._hot_s,
+                                  response_type is None, self._hot_spin_s)
             except ClaimRevoked as exc:
                 raise self._revoked(exc) from exc
             if type(got) is bytes:
@@ -858,7 +859,22 @@ class Client(_Base):
                 return await self._roundtrip(call_id, None, deadline, response_type)
             if type(got) is tuple:  # not out (a body for the heap, a full ring): the reference
                 arg = _Encoded(*got)
-            # (NotImplemented: a method name not yet encoded, or a str subclass)
+            # (NotImplemented: other calls in flight, a method name not yet encoded, or a str
+            # subclass)
+        return await self._call_reference(method, arg, timeout, metadata, response_type, on_late_reply)
+
+    async def _call_reference(self, method: str, arg: Any, timeout: float | None,
+                              metadata: Mapping[str, str] | None, response_type: Any,
+                              on_late_reply: Callable[[Any], None] | None) -> Any:
+        """A call the native caller left to the reference (see ``call``)."""
+        if self._woken or self._yielding:
+            # a call answered in place never suspends: the tasks whose replies this client
+            # handed over, and those that gave way for them, run first (before anything is sent)
+            self._yielding.append(None)
+            try:
+                await asyncio.sleep(0)
+            finally:
+                self._yielding.pop()
         late = None if on_late_reply is None else _LateReply(on_late_reply, response_type)
         try:
             if self._interceptors:
@@ -1197,8 +1213,9 @@ class Client(_Base):
     def _fail_all(self, exc: RpcError) -> None:
         for call in list(self._streams.values()):
             call.fail(exc)
-        pending, self._pending = self._pending, {}
-        for fut, _ in pending.values():
+        pending = list(self._pending.values())  # (the native caller holds this dict)
+        self._pending.clear()
+        for fut, _ in pending:
             if not fut.done():
                 fut.set_exception(exc)
         late, self._late = self._late, {}
@@ -1404,7 +1421,7 @@ class SyncClient(_Base):
               metadata: Mapping[str, str] | None, response_type: Any) -> Any:
         failures = self._failures
         with self._lock:
-            if (self._caller is not None and self._gone is None and not metadata and not self._frees
+            if (self._caller is not None and self._gone is None and not metadata
                     and (timeout is None or timeout > 0)):
                 # the common shape, natively (see Client.call): its reply polled for in place
                 call_id = next(self._ids)

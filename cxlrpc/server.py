@@ -515,10 +515,15 @@ class Server:
             # nothing else of ours to run (no call in a task, no reply held back, no client in
             # this process, which needs the loop to run): the next request is looked for a
             # moment longer without loop turns, by the ring itself (its requests' deadlines
-            # then count from the clock reading above, at most that moment early)
+            # then count from the clock reading above, at most that moment early); natively,
+            # batch after batch until one of them needs the loop or its turn is due
             lone = not (self._tasks or self._backlog or self._following or chan.peers_in_process)
-            if not n and lone and hot_s and not (idle and self.strategy.park):
-                n = poll_within(on_request, 256, hot_s)
+            if lone and hot_s and not (idle and self.strategy.park):
+                if fast is not None:  # batch after batch natively, until the loop is needed
+                    n += fast.serve(poll_within, hot_s, min(turned + _TURN_EVERY_S, next_housekeeping))
+                    self._polled_at = now = fast.polled_at
+                elif not n:
+                    n = poll_within(on_request, 256, hot_s)
             if self._backlog:
                 self._flush_backlog()
             if now >= next_housekeeping:
@@ -539,11 +544,13 @@ class Server:
                 # The head record is claimed but not committed: its producer is mid-write, or
                 # dead (housekeeping then unblocks it). Poll gently once it is known stuck.
                 await asyncio.sleep(0.001 if stuck_at == ring.head_position else 0)
+                turned = time.monotonic()
             else:
                 # replies waiting for a full response ring, bodies being followed: come back
                 # soon to retry them
                 wait = 0.0005 if self._backlog or self._following else housekeeping_every
                 idle = not await chan.bell.wait_async(ring.readable, self.strategy, wait, idle)
+                turned = time.monotonic()
 
     def _housekeeping(self, now: float) -> int | None:
         """Reclaim dead clients' slots and unblock records their producers never committed.
@@ -1401,10 +1408,14 @@ class _Resumed:
 class _EagerTask:
     """The current task while a coroutine handler runs its first step inline: what it hands
     to ``asyncio.timeout`` or a TaskGroup there (cancel, cancelling, uncancel) goes to the
-    task that carries the handler on once it suspends. (No __init__: one is made per call.)"""
+    task that carries the handler on once it suspends. (Slots only: the native dispatcher
+    reuses one that no handler kept a reference to, so nothing of a call stays on it.)"""
 
-    task: asyncio.Task | None = None
-    value: Any = None  # the handler's result, when its first step returned
+    __slots__ = ("task", "value", "__weakref__")
+
+    def __init__(self) -> None:
+        self.task: asyncio.Task | None = None  # carries the handler on, once it suspends
+        self.value: Any = None  # the handler's result, when its first step returned
 
     def cancel(self, msg: Any = None) -> bool:
         return self.task.cancel(msg) if self.task is not None else False

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -520,6 +521,118 @@ async def test_method_names_of_a_str_subclass_and_big_typed_requests(name: str) 
 
 
 @native
+@native
+async def test_serve_polls_batch_after_batch_until_the_loop_is_needed(name: str) -> None:
+    """The native hot loop (Dispatcher.serve) polls the ring with itself as the handler until a
+    poll finds nothing, a request took the server's own code (it may have left work for the
+    loop), the dispatcher is off, or the loop's turn is due; each poll reads the clock first."""
+    server = make_server(f"shm://{name}")
+    async with server:
+        fast = server._fast
+        polls: list = []
+
+        def batches(*counts: int):
+            left = list(counts)
+
+            def poll_within(handler: Any, limit: int, seconds: float) -> int:
+                polls.append((handler, limit, seconds, fast.polled_at))
+                return left.pop(0)
+            return poll_within
+
+        start = time.monotonic()
+        assert fast.serve(batches(2, 3, 0, 5), 1e-5, start + 60.0) == 5  # up to the quiet poll
+        assert [p[:3] for p in polls] == [(fast, 256, 1e-5)] * 3
+        assert start <= polls[0][3] <= polls[1][3] <= polls[2][3] <= time.monotonic()
+
+        polls.clear()
+        garbage = memoryview(bytes(fr.HEADER_SIZE + 8))  # not a request: the reference drops it
+
+        def detour(handler: Any, limit: int, seconds: float) -> int:
+            polls.append(handler)
+            handler(garbage)
+            return 1
+        assert fast.serve(detour, 1e-5, time.monotonic() + 5.0) == 1
+        assert polls == [fast]  # the reference ran: the loop gets its turn
+
+        polls.clear()
+        before = time.monotonic()
+        assert fast.serve(batches(1), 1e-5, before - 1.0) == 0  # its turn is due: no poll
+        assert polls == [] and fast.polled_at >= before
+        fast.enabled = 0
+        try:
+            assert fast.serve(batches(1), 1e-5, time.monotonic() + 60.0) == 0
+        finally:
+            fast.enabled = 1
+        assert polls == []
+        with pytest.raises(TypeError):
+            fast.serve(batches(1), 1, 2.0)  # seconds and until are floats
+        async with cxlrpc.connect(f"shm://{name}") as client:  # the server goes on serving
+            assert await client.call("aecho", b"after") == b"after"
+
+
+@native
+async def test_the_native_caller_leaves_calls_to_the_reference_while_others_are_in_flight(
+        name: str) -> None:
+    """While a client has calls in flight (or replies handed over whose callers have not run,
+    callers giving way to them, or extents to give back), its native caller sends nothing and
+    answers NotImplemented: the reference keeps their order."""
+    server = make_server(f"shm://{name}")
+    async with server:
+        async with cxlrpc.connect(f"shm://{name}") as client:
+            assert await client.call("echo", b"warm") == b"warm"
+            caller = client._caller
+            for busy in (client._pending, client._woken, client._yielding, client._frees):
+                if isinstance(busy, dict):
+                    busy[-1] = None
+                elif isinstance(busy, set):
+                    busy.add(-1)
+                else:
+                    busy.append(-1)
+                try:
+                    assert caller.call("echo", b"x", 0.0, next(client._ids), 0.0, True) is NotImplemented
+                finally:
+                    busy.clear()
+            got = caller.call("echo", b"y", 0.0, next(client._ids), 5.0, True)
+            assert got == b"y" or got is None  # out (polled in place, or left to the reader)
+            calls = [client.call("aecho", b"%d" % i) for i in range(8)]  # concurrent: the reference
+            assert await asyncio.gather(*calls) == [b"%d" % i for i in range(8)]
+
+
+@native
+async def test_a_stand_in_task_a_handler_kept_is_not_lent_to_the_next_call(name: str) -> None:
+    """The native dispatcher reuses the current-task stand-in of a coroutine handler that
+    returned, unless the handler kept it (a reference, or a weak one as anyio's task states
+    keep): a later call never sees an earlier call's task."""
+    server = make_server(f"shm://{name}")
+    strong: list = []
+    weak: list = []
+
+    @server.method("keep")
+    async def keep() -> int:
+        strong.append(asyncio.current_task())
+        return len(strong)
+
+    @server.method("weak")
+    async def weak_keep() -> int:
+        weak.append(weakref.ref(asyncio.current_task()))
+        return len(weak)
+
+    @server.method("plain")
+    async def plain() -> str:
+        return type(asyncio.current_task()).__name__
+
+    async with server:
+        async with cxlrpc.connect(f"shm://{name}") as client:
+            for i in range(3):
+                assert await client.call("plain") == "_EagerTask"
+                assert await client.call("keep") == i + 1
+            for i in range(3):
+                assert await client.call("weak") == i + 1
+    assert len({id(t) for t in strong}) == 3
+    alive = [r() for r in weak]
+    assert all(t is None or alive.count(t) == 1 for t in alive)  # never the same live stand-in
+
+
 def test_native_types_refuse_use_before_init_and_keywords() -> None:
     """Made without __init__ (or called with keywords), the native types raise; they never
     dereference what they were not given."""

@@ -5,6 +5,7 @@ and only coherence="flush" is unavailable."""
 from setuptools import Extension, setup
 
 setup(ext_modules=[Extension("cxlrpc._flush", ["cxlrpc/_flush.c"], optional=True),
-                   Extension("cxlrpc._ring", ["cxlrpc/_ring.c"], optional=True),
+                   Extension("cxlrpc._ring", ["cxlrpc/_ring.c"], depends=["cxlrpc/_ring_api.h"], optional=True),
                    Extension("cxlrpc._frame", ["cxlrpc/_frame.c"], optional=True),
-                   Extension("cxlrpc._dispatch", ["cxlrpc/_dispatch.c"], optional=True)])
+                   Extension("cxlrpc._dispatch", ["cxlrpc/_dispatch.c"], depends=["cxlrpc/_ring_api.h"],
+                             optional=True)])

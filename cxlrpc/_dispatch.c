@@ -21,6 +21,9 @@
 #include <string.h>
 #include <time.h>
 #include <sched.h>
+#include "_ring_api.h"
+
+static cxlrpc_ring_api *ring_api; /* cxlrpc._ring's C API: polls with C handlers of records */
 
 #define HEADER_SIZE 28 /* <BBHHIQdH: kind flags status slot gen call_id timeout method_len */
 #define MAX_METHOD 255
@@ -59,7 +62,7 @@ typedef struct {
 } Dispatcher;
 
 static PyObject *s_on_request, *s_failed, *s_bad_request, *s_suspended, *s_coroutine, *s_reply,
-    *s_send, *s_broken, *s_push, *s_lent_reply, *s_toreadonly, *s_release, *s_polled_at;
+    *s_send, *s_broken, *s_push, *s_lent_reply, *s_toreadonly, *s_release, *s_polled_at, *s_poll_within, *s_poll;
 
 static double now_s(void) {
     struct timespec ts;
@@ -205,7 +208,9 @@ typedef struct {
     Py_ssize_t body_len;
     PyObject *body_obj; /* borrowed: a bytes copy already made, or NULL */
     PyObject *frame;    /* owned, once made */
-    PyObject *record;   /* borrowed: the record's view, as the ring handed it over */
+    PyObject *record;   /* borrowed: the record's view, as the ring handed it over; or NULL: */
+    PyObject *buf;      /* borrowed: the region's view, where the record begins at ``start`` */
+    Py_ssize_t start;
     Py_ssize_t body_at; /* where the body starts in it */
     PyObject *lent;     /* owned: the read-only view of the body lent to a plain handler, or NULL */
 } Req;
@@ -223,8 +228,11 @@ static PyObject *req_frame(Dispatcher *d, Req *r) {
     fields[5] = PyLong_FromUnsignedLongLong(r->call_id);
     fields[6] = PyFloat_FromDouble(r->timeout);
     fields[7] = Py_NewRef(r->method);
-    fields[8] = r->body_obj != NULL ? Py_NewRef(r->body_obj)
-                                    : PyBytes_FromStringAndSize((const char *)r->body, r->body_len);
+    /* (a handler that ran may have closed the region: a record handed over without a view of
+     * its own is then unmapped, and its body is not read) */
+    fields[8] = r->body_obj != NULL                 ? Py_NewRef(r->body_obj)
+                : r->record == NULL && !region_open(d) ? PyBytes_FromStringAndSize(NULL, 0)
+                                                       : PyBytes_FromStringAndSize((const char *)r->body, r->body_len);
     int ok = 1;
     for (int i = 0; i < 9; i++)
         ok &= fields[i] != NULL;
@@ -454,7 +462,8 @@ left:
 static PyObject *argument(Dispatcher *d, Req *r, PyObject *entry, long mode, PyObject **body, int *slow) {
     if (mode & VIEW_ARG && !(mode & IS_ASYNC) && r->flags & FLAG_RAW) {
         /* lent in place while the plain handler runs (Server._lent_reply takes it back) */
-        PyObject *slice = PySequence_GetSlice(r->record, r->body_at, r->body_at + r->body_len);
+        Py_ssize_t at = r->record != NULL ? r->body_at : r->start + r->body_at;
+        PyObject *slice = PySequence_GetSlice(r->record != NULL ? r->record : r->buf, at, at + r->body_len);
         if (slice == NULL)
             return NULL;
         r->lent = PyObject_CallMethodNoArgs(slice, s_toreadonly);
@@ -488,15 +497,12 @@ static PyObject *argument(Dispatcher *d, Req *r, PyObject *entry, long mode, PyO
     return NULL;
 }
 
-/* Dispatch one request record; 1: the reference must take it (nothing was done for it). */
-static int dispatch(Dispatcher *d, PyObject *view) {
+/* Dispatch one request record, ``p``/``n``: a view of it (``record``), or where it begins in the
+ * region's (``buf``, ``start``); 1: the reference must take it (nothing was done for it). */
+static int dispatch(Dispatcher *d, const unsigned char *p, Py_ssize_t n, PyObject *record, PyObject *buf,
+                    Py_ssize_t start) {
     if (!d->enabled || PyDict_GET_SIZE(d->backlog) || !region_open(d))
         return 1;
-    Py_buffer b;
-    if (PyObject_GetBuffer(view, &b, PyBUF_SIMPLE) < 0)
-        return -1;
-    const unsigned char *p = b.buf;
-    Py_ssize_t n = b.len;
     int rc = 1, slow = 0;
     PyObject *slot_obj = NULL, *key = NULL, *arg = NULL, *deadline = NULL, *call = NULL, *result = NULL;
     PyObject *peer = NULL, *entry = NULL; /* held: a decoder or handler may change the tables */
@@ -565,7 +571,9 @@ static int dispatch(Dispatcher *d, PyObject *view) {
     r.method = PyTuple_GET_ITEM(entry, 3);
     r.body = p + end;
     r.body_len = n - end;
-    r.record = view;
+    r.record = record;
+    r.buf = buf;
+    r.start = start;
     r.body_at = end;
     if (mode & TAKES_ARG) {
         arg = argument(d, &r, entry, mode, &body, &slow);
@@ -662,7 +670,38 @@ out:
     Py_XDECREF(arg);
     Py_XDECREF(key);
     Py_XDECREF(slot_obj);
-    PyBuffer_Release(&b);
+    return rc;
+}
+
+/* What follows dispatch(): the reference takes a record it did not (``rc`` 1), and what a record
+ * raised goes to the server's _broken (-1): nothing a peer sends may stop the reader. */
+static int dispatched(Dispatcher *self, int rc, PyObject *view) {
+    if (rc > 0) {
+        PyObject *a[1] = {view};
+        return call_server(self, s_on_request, a, 1);
+    }
+    if (rc < 0) {
+        PyObject *exc = caught(PyExc_Exception);
+        if (exc == NULL)
+            return -1;
+        PyObject *a[1] = {exc};
+        rc = call_server(self, s_broken, a, 1);
+        Py_DECREF(exc);
+    }
+    return rc;
+}
+
+/* The C handler of request records (cxlrpc._ring's C API): a view is made only for the reference. */
+static int dispatch_record(void *ctx, PyObject *buf, const unsigned char *p, Py_ssize_t n, Py_ssize_t start) {
+    Dispatcher *self = ctx;
+    int rc = dispatch(self, p, n, NULL, buf, start);
+    if (rc == 0)
+        return 0;
+    PyObject *view = NULL;
+    if (rc > 0 && (view = PySequence_GetSlice(buf, start, start + n)) == NULL)
+        return -1;
+    rc = dispatched(self, rc, view);
+    Py_XDECREF(view);
     return rc;
 }
 
@@ -678,34 +717,30 @@ static PyObject *dispatcher_call(PyObject *callable, PyObject *const *args, size
         PyErr_SetString(PyExc_RuntimeError, "Dispatcher is not initialised");
         return NULL;
     }
-    int rc = dispatch(self, view);
-    if (rc > 0) {
-        PyObject *a[1] = {view};
-        rc = call_server(self, s_on_request, a, 1);
-    } else if (rc < 0) {
-        /* nothing a peer sends may stop the reader (the reference's _on_request) */
-        PyObject *exc = caught(PyExc_Exception);
-        if (exc == NULL)
-            return NULL;
-        PyObject *a[1] = {exc};
-        rc = call_server(self, s_broken, a, 1);
-        Py_DECREF(exc);
-    }
-    if (rc < 0)
+    Py_buffer b;
+    if (PyObject_GetBuffer(view, &b, PyBUF_SIMPLE) < 0)
+        return NULL;
+    int rc = dispatch(self, b.buf, b.len, view, NULL, 0);
+    PyBuffer_Release(&b);
+    if (dispatched(self, rc, view) < 0)
         return NULL;
     Py_RETURN_NONE;
 }
 
-/* serve(poll_within, seconds, until): the reader's hot loop (Server._serve), natively: batch
- * after batch, each the request ring's ``poll_within(self, 256, seconds)`` with ``polled_at``
- * read just before it, until one finds nothing, a request went to the server's own code (which
- * may have left work for the loop), the dispatcher is disabled, or the clock passes ``until``
- * (the loop's turn, housekeeping). The requests handed over; ``polled_at`` is the last reading. */
+/* serve(ring, seconds, until): the reader's hot loop (Server._serve), natively: batch after
+ * batch, each the request ring's poll_within with this dispatcher as its handler (the ring's C
+ * API, else ``ring.poll_within(self, 256, seconds)``) with ``polled_at`` read just before it,
+ * until one finds nothing, a request went to the server's own code (which may have left work for
+ * the loop), the dispatcher is disabled, or the clock passes ``until`` (the loop's turn,
+ * housekeeping). The requests handed over; ``polled_at`` is the last reading. */
 static PyObject *dispatcher_serve(Dispatcher *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3 || !PyFloat_Check(args[1]) || !PyFloat_Check(args[2])) {
-        PyErr_SetString(PyExc_TypeError, "serve(poll_within, seconds: float, until: float)");
+        PyErr_SetString(PyExc_TypeError, "serve(ring, seconds: float, until: float)");
         return NULL;
     }
+    PyObject *ring = args[0];
+    int native = PyObject_TypeCheck(ring, ring_api->ring_type);
+    double seconds = PyFloat_AS_DOUBLE(args[1]);
     if (self->server == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "Dispatcher is not initialised");
         return NULL;
@@ -721,8 +756,12 @@ static PyObject *dispatcher_serve(Dispatcher *self, PyObject *const *args, Py_ss
         self->polled_at = now;
         if (now >= until)
             break;
-        PyObject *pargs[3] = {(PyObject *)self, limit, args[1]};
-        PyObject *n = PyObject_Vectorcall(args[0], pargs, 3, NULL);
+        PyObject *n = native ? ring_api->poll_within(ring, 256, seconds, dispatch_record, self) : Py_NewRef(Py_NotImplemented);
+        if (n == Py_NotImplemented) { /* the ring's Python method, with this as a Python handler */
+            Py_DECREF(n);
+            PyObject *pargs[4] = {ring, (PyObject *)self, limit, args[1]};
+            n = PyObject_VectorcallMethod(s_poll_within, pargs, 4, NULL);
+        }
         if (n == NULL) {
             Py_DECREF(limit);
             return NULL;
@@ -743,7 +782,7 @@ static PyObject *dispatcher_serve(Dispatcher *self, PyObject *const *args, Py_ss
 
 static PyMethodDef dispatcher_methods[] = {
     {"serve", (PyCFunction)(void (*)(void))dispatcher_serve, METH_FASTCALL,
-     "serve(poll_within, seconds, until): poll batch after batch while nothing needs the loop."},
+     "serve(ring, seconds, until): poll batch after batch while nothing needs the loop."},
     {NULL},
 };
 
@@ -875,7 +914,7 @@ static PyTypeObject DispatcherType = {
 typedef struct {
     PyObject_HEAD
     vectorcallfunc vectorcall; /* Caller(view): the reply ring's handler during the hot wait */
-    PyObject *client, *methods, *push, *push_args, *ring_bell, *poll, *encode_body, *decode, *buf;
+    PyObject *client, *methods, *push, *push_args, *ring_bell, *ring, *encode_body, *decode, *buf;
     PyObject *idle_when; /* a tuple of the client's containers of calls in flight: all empty, or the reference */
     Py_ssize_t max_payload;
     Py_ssize_t bell_at; /* the server's doorbell word in the region */
@@ -893,6 +932,55 @@ static PyObject *caller_send(Caller *self, PyObject *mb, PyObject *const *args, 
                              double spin);
 
 /* Caller(view): a reply record polled during the hot wait. */
+/* A reply record, ``p``/``n``: given as a view (``view``), or where it begins in the region's
+ * (``buf``, ``start``; a view is made only for the Python code it goes to). 0, or -1 on error. */
+static int caller_take(Caller *self, const unsigned char *p, Py_ssize_t n, PyObject *view, PyObject *buf,
+                       Py_ssize_t start) {
+    int ours = self->reply == NULL && n >= HEADER_SIZE && (p[0] == KIND_RESPONSE || p[0] == 3) &&
+               le16(p + 4) == self->slot && le32(p + 6) == self->gen && le64(p + 10) == self->expected;
+    if (ours && self->raw && p[0] == KIND_RESPONSE && p[1] == FLAG_RAW) {
+        /* what Client._answer returns of it, without a Frame: the body, when the header is a
+         * sound reply's (no method name, a timeout decode accepts); anything else goes to
+         * decode, which says why not */
+        double timeout;
+        uint64_t bits = le64(p + 18);
+        memcpy(&timeout, &bits, sizeof timeout);
+        if (le16(p + 26) == 0 && timeout >= 0) {
+            self->reply = PyBytes_FromStringAndSize((const char *)p + HEADER_SIZE, n - HEADER_SIZE);
+            return self->reply == NULL ? -1 : 0;
+        }
+    }
+    PyObject *made = NULL;
+    if (view == NULL && (view = made = PySequence_GetSlice(buf, start, start + n)) == NULL)
+        return -1;
+    int rc = 0;
+    if (ours) {
+        PyObject *f = PyObject_CallOneArg(self->decode, view);
+        if (f != NULL) {
+            self->reply = f;
+            goto done;
+        }
+        if (!PyErr_ExceptionMatches(PyExc_Exception)) {
+            rc = -1;
+            goto done;
+        }
+        PyErr_Clear(); /* garbage: the client's handler counts it dropped */
+    }
+    PyObject *stack[2] = {self->client, view};
+    PyObject *res = PyObject_VectorcallMethod(s_on_reply, stack, 2, NULL);
+    rc = res == NULL ? -1 : 0;
+    Py_XDECREF(res);
+done:
+    Py_XDECREF(made);
+    return rc;
+}
+
+/* The C handler of reply records during the hot wait (cxlrpc._ring's C API). */
+static int caller_record(void *ctx, PyObject *buf, const unsigned char *p, Py_ssize_t n, Py_ssize_t start) {
+    return caller_take((Caller *)ctx, p, n, NULL, buf, start);
+}
+
+/* Caller(view): a reply record polled during the hot wait (by a ring without the C API). */
 static PyObject *caller_handle(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     Caller *self = (Caller *)callable;
     if (PyVectorcall_NARGS(nargsf) != 1 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames))) {
@@ -907,37 +995,11 @@ static PyObject *caller_handle(PyObject *callable, PyObject *const *args, size_t
     Py_buffer b;
     if (PyObject_GetBuffer(view, &b, PyBUF_SIMPLE) < 0)
         return NULL;
-    const unsigned char *p = b.buf;
-    int ours = self->reply == NULL && b.len >= HEADER_SIZE && (p[0] == KIND_RESPONSE || p[0] == 3) &&
-               le16(p + 4) == self->slot && le32(p + 6) == self->gen && le64(p + 10) == self->expected;
-    if (ours && self->raw && p[0] == KIND_RESPONSE && p[1] == FLAG_RAW) {
-        /* what Client._answer returns of it, without a Frame: the body, when the header is a
-         * sound reply's (no method name, a timeout decode accepts); anything else goes to
-         * decode, which says why not */
-        double timeout;
-        uint64_t bits = le64(p + 18);
-        memcpy(&timeout, &bits, sizeof timeout);
-        if (le16(p + 26) == 0 && timeout >= 0) {
-            self->reply = PyBytes_FromStringAndSize((const char *)p + HEADER_SIZE, b.len - HEADER_SIZE);
-            PyBuffer_Release(&b);
-            if (self->reply == NULL)
-                return NULL;
-            Py_RETURN_NONE;
-        }
-    }
+    int rc = caller_take(self, b.buf, b.len, view, NULL, 0);
     PyBuffer_Release(&b);
-    if (ours) {
-        PyObject *f = PyObject_CallOneArg(self->decode, view);
-        if (f != NULL) {
-            self->reply = f;
-            Py_RETURN_NONE;
-        }
-        if (!PyErr_ExceptionMatches(PyExc_Exception))
-            return NULL;
-        PyErr_Clear(); /* garbage: the client's handler counts it dropped */
-    }
-    PyObject *stack[2] = {self->client, view};
-    return PyObject_VectorcallMethod(s_on_reply, stack, 2, NULL);
+    if (rc < 0)
+        return NULL;
+    Py_RETURN_NONE;
 }
 
 /* call(method, arg, timeout, call_id, hot, raw[, spin]): the reply Frame (with ``raw``, a RESPONSE
@@ -1059,9 +1121,14 @@ static PyObject *caller_send(Caller *self, PyObject *mb, PyObject *const *args, 
     if (limit == NULL)
         return NULL;
     PyObject *result = NULL;
+    int native = PyObject_TypeCheck(self->ring, ring_api->ring_type);
     do {
-        PyObject *pargs[2] = {(PyObject *)self, limit};
-        PyObject *n = PyObject_Vectorcall(self->poll, pargs, 2, NULL);
+        PyObject *n = native ? ring_api->poll(self->ring, 1024, caller_record, self) : Py_NewRef(Py_NotImplemented);
+        if (n == Py_NotImplemented) { /* the ring's Python method, with this as a Python handler */
+            Py_DECREF(n);
+            PyObject *pargs[3] = {self->ring, (PyObject *)self, limit};
+            n = PyObject_VectorcallMethod(s_poll, pargs, 3, NULL);
+        }
         if (n == NULL) {
             Py_CLEAR(self->reply); /* the record comes again, as a late reply */
             break;
@@ -1099,7 +1166,7 @@ static PyObject *caller_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
 }
 
 static int caller_init(Caller *self, PyObject *args, PyObject *kwds) {
-    PyObject *client, *methods, *push, *push_args, *ring_bell, *poll, *encode_body, *decode, *buf, *idle_when;
+    PyObject *client, *methods, *push, *push_args, *ring_bell, *ring, *encode_body, *decode, *buf, *idle_when;
     unsigned int slot;
     unsigned long gen;
     unsigned long long me;
@@ -1109,7 +1176,7 @@ static int caller_init(Caller *self, PyObject *args, PyObject *kwds) {
         return -1;
     }
     if (!PyArg_ParseTuple(args, "OO!OO!OOOOIknO!nKO!", &client, &PyDict_Type, &methods, &push, &PyTuple_Type,
-                          &push_args, &ring_bell, &poll, &encode_body, &decode, &slot, &gen, &max_payload,
+                          &push_args, &ring_bell, &ring, &encode_body, &decode, &slot, &gen, &max_payload,
                           &PyMemoryView_Type, &buf, &bell_at, &me, &PyTuple_Type, &idle_when))
         return -1;
     if (slot > 0xFFFF || gen > 0xFFFFFFFFUL || max_payload < HEADER_SIZE || PyTuple_GET_SIZE(push_args) > MAX_PUSH_ARGS) {
@@ -1121,7 +1188,7 @@ static int caller_init(Caller *self, PyObject *args, PyObject *kwds) {
         return -1;
     }
 #define KEEP(field) Py_XSETREF(self->field, Py_NewRef(field))
-    KEEP(client); KEEP(methods); KEEP(push); KEEP(push_args); KEEP(ring_bell); KEEP(poll); KEEP(encode_body);
+    KEEP(client); KEEP(methods); KEEP(push); KEEP(push_args); KEEP(ring_bell); KEEP(ring); KEEP(encode_body);
     KEEP(decode); KEEP(buf); KEEP(idle_when);
 #undef KEEP
     self->bell_at = bell_at;
@@ -1132,7 +1199,7 @@ static int caller_init(Caller *self, PyObject *args, PyObject *kwds) {
     return 0;
 }
 
-#define CALLER_FIELDS(X) X(client) X(methods) X(push) X(push_args) X(ring_bell) X(poll) X(encode_body) \
+#define CALLER_FIELDS(X) X(client) X(methods) X(push) X(push_args) X(ring_bell) X(ring) X(encode_body) \
     X(decode) X(buf) X(idle_when) X(reply)
 
 static int caller_traverse(Caller *self, visitproc visit, void *arg) {
@@ -1167,7 +1234,7 @@ static PyMethodDef caller_methods[] = {
 static PyTypeObject CallerType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "cxlrpc._dispatch.Caller",
-    .tp_doc = "Caller(client, methods, push, push_args, ring_bell, poll, encode_body, decode, slot, gen, "
+    .tp_doc = "Caller(client, methods, push, push_args, ring_bell, ring, encode_body, decode, slot, gen, "
               "max_payload, buf, bell_at, me, idle_when): a connection's calls of the common shape in C (Client.call is the "
               "reference); called with a record, it is the reply ring's handler.",
     .tp_basicsize = sizeof(Caller),
@@ -1201,6 +1268,11 @@ PyMODINIT_FUNC PyInit__dispatch(void) {
     INTERN(s_release, "release")
     INTERN(s_on_reply, "_on_reply")
     INTERN(s_polled_at, "_polled_at")
+    INTERN(s_poll_within, "poll_within")
+    INTERN(s_poll, "poll")
+    ring_api = PyCapsule_Import(CXLRPC_RING_API_CAPSULE, 0);
+    if (ring_api == NULL)
+        return NULL;
 #undef INTERN
     if (PyType_Ready(&DispatcherType) < 0 || PyType_Ready(&CallerType) < 0)
         return NULL;

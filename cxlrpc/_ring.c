@@ -15,6 +15,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
+#include "_ring_api.h"
 
 #define HEADER_SIZE 8
 #define CONTROL_SIZE 256
@@ -164,6 +165,10 @@ static void release_to(RingCore *r, uint64_t head, uint64_t pos) {
     store_rel(r, r->head_at, pos);
 }
 
+static PyObject *poll_records(RingCore *self, long long limit, PyObject *handler, cxlrpc_record_fn fn, void *ctx);
+static PyObject *poll_within_records(RingCore *self, PyObject *const *poll_args, long long limit, double seconds,
+                                     cxlrpc_record_fn fn, void *ctx);
+
 /* poll(handler, limit=2**30): RingBase._poll_py for coherent memory. */
 static PyObject *core_poll(RingCore *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     if (kwnames || self->flushing || nargs < 1 || nargs > 2 || (nargs == 2 && !PyLong_CheckExact(args[1])) ||
@@ -178,9 +183,14 @@ static PyObject *core_poll(RingCore *self, PyObject *const *args, Py_ssize_t nar
         else if (limit == -1 && PyErr_Occurred())
             return NULL;
     }
+    return poll_records(self, limit, args[0], NULL, NULL);
+}
+
+/* poll's work once its arguments are known: each data record goes to ``fn(ctx, ...)`` where
+ * one is given (a C handler), else to ``handler`` as a view of the region. */
+static PyObject *poll_records(RingCore *self, long long limit, PyObject *handler, cxlrpc_record_fn fn, void *ctx) {
     if (check_open(self) < 0)
         return NULL;
-    PyObject *handler = args[0];
     uint64_t head = self->head_local;
     uint64_t tail = load_acq(self, self->tail_at);
     if (tail == head) {
@@ -233,14 +243,19 @@ static PyObject *core_poll(RingCore *self, PyObject *const *args, Py_ssize_t nar
         }
         if (kind == KIND_DATA) {
             Py_ssize_t start = self->data + (Py_ssize_t)idx + HEADER_SIZE;
-            PyObject *view = PySequence_GetSlice(self->buf, start, start + (Py_ssize_t)length);
-            if (view == NULL)
-                return NULL;
-            PyObject *res = PyObject_CallOneArg(handler, view);
-            Py_DECREF(view);
-            if (res == NULL)
-                return NULL; /* as the reference: nothing released, the record comes again */
-            Py_DECREF(res);
+            if (fn != NULL) {
+                if (fn(ctx, self->buf, (const unsigned char *)self->base + start, (Py_ssize_t)length, start) < 0)
+                    return NULL; /* as the reference: nothing released, the record comes again */
+            } else {
+                PyObject *view = PySequence_GetSlice(self->buf, start, start + (Py_ssize_t)length);
+                if (view == NULL)
+                    return NULL;
+                PyObject *res = PyObject_CallOneArg(handler, view);
+                Py_DECREF(view);
+                if (res == NULL)
+                    return NULL; /* as the reference: nothing released, the record comes again */
+                Py_DECREF(res);
+            }
             if (check_open(self) < 0)
                 return NULL; /* the handler closed the region */
             if (self->head_local != head) {
@@ -267,14 +282,29 @@ static double now_s(void) {
 static PyObject *core_poll_within(RingCore *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     if (kwnames || self->flushing || nargs != 3 || !PyLong_CheckExact(args[1]) || !PyFloat_CheckExact(args[2]))
         return to_reference(self, s_within_py, args, nargs, kwnames);
-    double end = now_s() + PyFloat_AS_DOUBLE(args[2]);
+    return poll_within_records(self, args, 0, PyFloat_AS_DOUBLE(args[2]), NULL, NULL);
+}
+
+/* The C API's poll (see _ring_api.h): NotImplemented where the ring keeps to its reference. */
+static PyObject *api_poll(PyObject *ring, long long limit, cxlrpc_record_fn fn, void *ctx) {
+    RingCore *self = (RingCore *)ring;
+    if (self->flushing || !sane(self->head_local))
+        Py_RETURN_NOTIMPLEMENTED;
+    return poll_records(self, limit, NULL, fn, ctx);
+}
+
+/* poll_within's loop: with ``poll_args`` (handler, limit) as poll takes them, or with ``fn``, a
+ * C handler, and ``limit``. */
+static PyObject *poll_within_records(RingCore *self, PyObject *const *poll_args, long long limit, double seconds,
+                                     cxlrpc_record_fn fn, void *ctx) {
+    double end = now_s() + seconds;
     for (unsigned spins = 0;; spins++) {
         if (check_open(self) < 0)
             return NULL;
         if (load_acq(self, self->tail_at) != self->head_local) {
-            PyObject *n = core_poll(self, args, 2, NULL);
+            PyObject *n = fn != NULL ? api_poll((PyObject *)self, limit, fn, ctx) : core_poll(self, poll_args, 2, NULL);
             if (n == NULL || !PyLong_CheckExact(n) || PyLong_AsLong(n) != 0)
-                return n; /* payloads handed over, or an error */
+                return n; /* payloads handed over, an error, or NotImplemented (the reference's) */
             Py_DECREF(n); /* claimed, not committed yet (or garbage the poll dealt with) */
         }
         if ((spins & 63) == 63 && now_s() >= end)
@@ -283,6 +313,14 @@ static PyObject *core_poll_within(RingCore *self, PyObject *const *args, Py_ssiz
         __builtin_ia32_pause();
 #endif
     }
+}
+
+/* The C API's poll_within (see _ring_api.h). */
+static PyObject *api_poll_within(PyObject *ring, long long limit, double seconds, cxlrpc_record_fn fn, void *ctx) {
+    RingCore *self = (RingCore *)ring;
+    if (self->flushing)
+        Py_RETURN_NOTIMPLEMENTED;
+    return poll_within_records(self, NULL, limit, seconds, fn, ctx);
 }
 
 /* Get the buffers of ``parts`` (a sequence of bytes-likes) and their total length: 0, or -1 on
@@ -657,6 +695,8 @@ static PyTypeObject RingCoreType = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "cxlrpc._ring", "The rings' hot path in C.", -1, NULL};
 
+static cxlrpc_ring_api ring_api = {&RingCoreType, api_poll, api_poll_within};
+
 PyMODINIT_FUNC PyInit__ring(void) {
     if (PyType_Ready(&RingCoreType) < 0)
         return NULL;
@@ -684,6 +724,12 @@ PyMODINIT_FUNC PyInit__ring(void) {
     Py_INCREF(&RingCoreType);
     if (PyModule_AddObject(m, "RingCore", (PyObject *)&RingCoreType) < 0) {
         Py_DECREF(&RingCoreType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    PyObject *api = PyCapsule_New(&ring_api, CXLRPC_RING_API_CAPSULE, NULL);
+    if (api == NULL || PyModule_AddObject(m, "_C_API", api) < 0) {
+        Py_XDECREF(api);
         Py_DECREF(m);
         return NULL;
     }

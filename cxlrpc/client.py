@@ -12,6 +12,7 @@ its finalizer frees the slot and warns (``ResourceWarning``), as sockets do.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import os
 import sys
@@ -333,7 +334,7 @@ class _Base:
             # follow go to the reference
             bell = chan.server_bell
             self._caller = _Caller(weakref.proxy(self), self._methods, chan.requests.try_push_parts,
-                                   chan.push_args(), bell.ring, chan.responses.poll, fr.encode_body,
+                                   chan.push_args(), bell.ring, chan.responses, fr.encode_body,
                                    fr.decode, chan.slot, chan.gen,
                                    min(chan.requests.max_payload, fr.HEADER_SIZE + self._follow_min - 1),
                                    chan.region.buf, bell.parked_at, bell.me, self._in_flight())
@@ -386,18 +387,6 @@ class _Base:
         """Push a request as our slot's producer; Unavailable if the server reclaimed the slot."""
         try:
             return self._chan.push(parts)
-        except ClaimRevoked as exc:
-            raise self._revoked(exc) from exc
-
-    def _call_natively(self, method: str, arg: Any, timeout: float | None, call_id: int,
-                       raw: bool) -> Any:
-        """The native caller's call (see _dispatch.c): a raw reply's bytes (``raw``: no
-        response type), the reply Frame, None (out, its reply not here yet), (flags, body) (not
-        out) or NotImplemented (left to the reference). Client.call has it inline (a frame less
-        on its hot path)."""
-        try:
-            return self._caller.call(method, arg, timeout or 0.0, call_id, self._hot_s, raw,
-                                     self._hot_spin_s)
         except ClaimRevoked as exc:
             raise self._revoked(exc) from exc
 
@@ -846,7 +835,7 @@ class Client(_Base):
             # polled for in place (no future, no loop turn) for the first microseconds
             call_id = next(self._ids)
             deadline = None if timeout is None else self._loop.time() + timeout
-            try:  # _call_natively, inline
+            try:  # (see _dispatch.c: what each outcome means)
                 got = caller.call(method, arg, timeout or 0.0, call_id, self._hot_s,
                                   response_type is None, self._hot_spin_s)
             except ClaimRevoked as exc:
@@ -1413,20 +1402,29 @@ class SyncClient(_Base):
         """Call ``method`` with ``arg`` and optional ``metadata`` and wait for the reply (or
         raise an RpcError)."""
         if self._interceptors:
-            return _chained(self._interceptors, lambda method, arg, metadata: self._call(
-                method, arg, timeout, metadata, response_type))(method, arg, _own_metadata(metadata))
+            return self._intercepted(method, arg, timeout, metadata, response_type)
         return self._call(method, arg, timeout, metadata, response_type)
+
+    def _intercepted(self, method: str, arg: Any, timeout: float | None,
+                     metadata: Mapping[str, str] | None, response_type: Any) -> Any:
+        """A call through the interceptors (a closure of its own: ``call`` makes no cells)."""
+        return _chained(self._interceptors, lambda method, arg, metadata: self._call(
+            method, arg, timeout, metadata, response_type))(method, arg, _own_metadata(metadata))
 
     def _call(self, method: str, arg: Any, timeout: float | None,
               metadata: Mapping[str, str] | None, response_type: Any) -> Any:
         failures = self._failures
         with self._lock:
-            if (self._caller is not None and self._gone is None and not metadata
-                    and (timeout is None or timeout > 0)):
+            caller = self._caller
+            if caller is not None and self._gone is None and not metadata and (timeout is None or timeout > 0):
                 # the common shape, natively (see Client.call): its reply polled for in place
                 call_id = next(self._ids)
                 deadline = None if timeout is None else time.monotonic() + timeout
-                got = self._call_natively(method, arg, timeout, call_id, response_type is None)
+                try:
+                    got = caller.call(method, arg, timeout or 0.0, call_id, self._hot_s,
+                                      response_type is None, self._hot_spin_s)
+                except ClaimRevoked as exc:
+                    raise self._revoked(exc) from exc
                 if type(got) is bytes:
                     return got
                 if got is None:  # out; its reply comes later
@@ -1465,8 +1463,7 @@ class SyncClient(_Base):
                 parts = self._staged(large, offset, call_id, timeout or 0.0)
                 method = large.prefix[:large.method_len]
                 if large.follow:
-                    heap = self._heap
-                    publish = lambda: heap.publish(offset, large.body)  # noqa: E731
+                    publish = functools.partial(self._heap.publish, offset, large.body)  # (no cells in _call)
                     self._followed[call_id] = method
                 if spare:  # settled below (the server frees any other extent once read)
                     kept = (self._chan, offset, size, method)

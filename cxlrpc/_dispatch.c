@@ -91,10 +91,9 @@ static inline void put_le(unsigned char *p, uint64_t v, int n) {
         p[i] = (v >> (8 * i)) & 0xFF;
 }
 
-/* A frame header as bytes (frame.HEADER.pack's layout, little-endian). */
-static PyObject *header(unsigned kind, unsigned flags, unsigned slot, uint32_t gen, uint64_t call_id,
-                        double timeout, unsigned mlen) {
-    unsigned char h[HEADER_SIZE];
+/* A frame header into h[HEADER_SIZE] (frame.HEADER.pack's layout, little-endian). */
+static void fill_header(unsigned char *h, unsigned kind, unsigned flags, unsigned slot, uint32_t gen,
+                        uint64_t call_id, double timeout, unsigned mlen) {
     uint64_t tbits;
     memcpy(&tbits, &timeout, sizeof tbits);
     h[0] = (unsigned char)kind;
@@ -105,7 +104,50 @@ static PyObject *header(unsigned kind, unsigned flags, unsigned slot, uint32_t g
     put_le(h + 10, call_id, 8);
     put_le(h + 18, tbits, 8);
     put_le(h + 26, mlen, 2);
-    return PyBytes_FromStringAndSize((const char *)h, HEADER_SIZE);
+}
+
+/* ``ring``.try_push_parts of a header (``h``) and the bytes-likes ``parts`` then ``extra``: the
+ * rings' C API where it serves (no bytes or tuple made), else the ring's Python method. */
+static PyObject *push_record(PyObject *ring, const unsigned char *h, PyObject **parts, Py_ssize_t nparts,
+                             PyObject *const *extra, Py_ssize_t nextra) {
+    Py_buffer views[4];
+    PyObject *ok = Py_NewRef(Py_NotImplemented);
+    if (nparts <= 3 && PyObject_TypeCheck(ring, ring_api->ring_type)) {
+        Py_ssize_t got = 0;
+        views[0] = (Py_buffer){.buf = (void *)h, .len = HEADER_SIZE, .itemsize = 1, .readonly = 1};
+        for (; got < nparts; got++)
+            if (PyObject_GetBuffer(parts[got], &views[1 + got], PyBUF_SIMPLE) < 0)
+                break;
+        Py_DECREF(ok);
+        ok = got == nparts ? ring_api->push(ring, views, 1 + nparts, extra, nextra) : NULL;
+        for (Py_ssize_t i = 0; i < got; i++)
+            PyBuffer_Release(&views[1 + i]);
+        if (ok == NULL)
+            return NULL;
+    }
+    if (ok != Py_NotImplemented)
+        return ok;
+    Py_DECREF(ok);
+    PyObject *head = PyBytes_FromStringAndSize((const char *)h, HEADER_SIZE), *tuple = NULL;
+    if (head == NULL)
+        return NULL;
+    if (nparts == 1)
+        tuple = PyTuple_Pack(2, head, parts[0]);
+    else if (nparts == 2)
+        tuple = PyTuple_Pack(3, head, parts[0], parts[1]);
+    else
+        PyErr_SetString(PyExc_ValueError, "push_record: one or two parts after the header");
+    Py_DECREF(head);
+    if (tuple == NULL)
+        return NULL;
+    PyObject *stack[2 + MAX_PUSH_ARGS];
+    stack[0] = ring;
+    stack[1] = tuple;
+    for (Py_ssize_t i = 0; i < nextra && i < MAX_PUSH_ARGS; i++)
+        stack[2 + i] = extra[i];
+    ok = PyObject_VectorcallMethod(s_push, stack, 2 + (nextra < MAX_PUSH_ARGS ? nextra : MAX_PUSH_ARGS), NULL);
+    Py_DECREF(tuple);
+    return ok;
 }
 
 static int view_open(PyObject *buf) {
@@ -297,22 +339,14 @@ static int reply(Dispatcher *d, Req *r, PyObject *slot_obj, PyObject *result) {
         Py_DECREF(body);
         return -1;
     }
-    PyObject *head = header(KIND_RESPONSE, flags, slot, gen, call_id, 0.0, 0);
-    if (head == NULL) {
-        Py_DECREF(body);
-        return -1;
-    }
+    unsigned char h[HEADER_SIZE];
+    fill_header(h, KIND_RESPONSE, flags, slot, gen, call_id, 0.0, 0);
     int rc = -1, pushed = 0;
     int held_back = PyDict_Contains(d->backlog, slot_obj);
     if (held_back < 0)
         goto done;
     if (!held_back && HEADER_SIZE + length <= d->reply_limit && (Py_ssize_t)slot < PyList_GET_SIZE(d->responses)) {
-        PyObject *parts = PyTuple_Pack(2, head, body);
-        if (parts == NULL)
-            goto done;
-        PyObject *stack[2] = {PyList_GET_ITEM(d->responses, slot), parts};
-        PyObject *ok = PyObject_VectorcallMethod(s_push, stack, 2, NULL);
-        Py_DECREF(parts);
+        PyObject *ok = push_record(PyList_GET_ITEM(d->responses, slot), h, &body, 1, NULL, 0);
         if (ok == NULL)
             goto done;
         pushed = ok == Py_True;
@@ -330,12 +364,15 @@ static int reply(Dispatcher *d, Req *r, PyObject *slot_obj, PyObject *result) {
             Py_XDECREF(res);
         }
     } else { /* the heap, the backlog, or nobody left to answer */
-        PyObject *args[4] = {slot_obj, gen_obj, head, body};
-        rc = call_server(d, s_send, args, 4);
+        PyObject *head = PyBytes_FromStringAndSize((const char *)h, HEADER_SIZE);
+        if (head != NULL) {
+            PyObject *args[4] = {slot_obj, gen_obj, head, body};
+            rc = call_server(d, s_send, args, 4);
+            Py_DECREF(head);
+        }
     }
     Py_DECREF(gen_obj);
 done:
-    Py_DECREF(head);
     Py_DECREF(body);
     return rc;
 }
@@ -914,7 +951,7 @@ static PyTypeObject DispatcherType = {
 typedef struct {
     PyObject_HEAD
     vectorcallfunc vectorcall; /* Caller(view): the reply ring's handler during the hot wait */
-    PyObject *client, *methods, *push, *push_args, *ring_bell, *ring, *encode_body, *decode, *buf;
+    PyObject *client, *methods, *requests, *push_args, *ring_bell, *ring, *encode_body, *decode, *buf;
     PyObject *idle_when; /* a tuple of the client's containers of calls in flight: all empty, or the reference */
     Py_ssize_t max_payload;
     Py_ssize_t bell_at; /* the server's doorbell word in the region */
@@ -1080,30 +1117,19 @@ static PyObject *caller_send(Caller *self, PyObject *mb, PyObject *const *args, 
     Py_ssize_t mlen = PyBytes_GET_SIZE(mb);
     if (HEADER_SIZE + mlen + blen > self->max_payload) /* out of line: the reference */
         return encoded != NULL ? encoded : Py_BuildValue("(iO)", FLAG_RAW, body);
-    PyObject *head = header(KIND_REQUEST, flags, self->slot, self->gen, call_id, timeout, (unsigned)mlen);
-    PyObject *parts = NULL, *ok = NULL;
-    if (head == NULL || (parts = PyTuple_Pack(3, head, mb, body)) == NULL)
-        goto fail;
-    {
-        /* push(parts, *push_args): the request ring's native push, as ClientChannel.push calls it */
-        PyObject *stack[1 + MAX_PUSH_ARGS];
-        Py_ssize_t n = PyTuple_GET_SIZE(self->push_args);
-        stack[0] = parts;
-        for (Py_ssize_t i = 0; i < n; i++)
-            stack[1 + i] = PyTuple_GET_ITEM(self->push_args, i);
-        ok = PyObject_Vectorcall(self->push, stack, 1 + n, NULL);
-    }
+    unsigned char h[HEADER_SIZE];
+    fill_header(h, KIND_REQUEST, flags, self->slot, self->gen, call_id, timeout, (unsigned)mlen);
+    /* the request ring's try_push_parts((head, mb, body), *push_args), as ClientChannel.push calls it */
+    PyObject *parts[2] = {mb, body};
+    PyObject *ok = push_record(self->requests, h, parts, 2, &PyTuple_GET_ITEM(self->push_args, 0),
+                               PyTuple_GET_SIZE(self->push_args));
     if (ok == NULL)
         goto fail;
     if (ok != Py_True) { /* the ring is full: the reference waits for room */
         Py_DECREF(ok);
-        Py_DECREF(parts);
-        Py_DECREF(head);
         return encoded != NULL ? encoded : Py_BuildValue("(iO)", FLAG_RAW, body);
     }
     Py_CLEAR(ok);
-    Py_CLEAR(parts);
-    Py_CLEAR(head);
     Py_CLEAR(encoded);
     if (parked_here(self->buf, self->bell_at, self->me)) { /* Doorbell.ring sends */
         PyObject *rang = PyObject_CallNoArgs(self->ring_bell);
@@ -1151,9 +1177,6 @@ static PyObject *caller_send(Caller *self, PyObject *mb, PyObject *const *args, 
         Py_RETURN_NONE;
     return result;
 fail:
-    Py_XDECREF(ok);
-    Py_XDECREF(parts);
-    Py_XDECREF(head);
     Py_XDECREF(encoded);
     return NULL;
 }
@@ -1166,7 +1189,7 @@ static PyObject *caller_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
 }
 
 static int caller_init(Caller *self, PyObject *args, PyObject *kwds) {
-    PyObject *client, *methods, *push, *push_args, *ring_bell, *ring, *encode_body, *decode, *buf, *idle_when;
+    PyObject *client, *methods, *requests, *push_args, *ring_bell, *ring, *encode_body, *decode, *buf, *idle_when;
     unsigned int slot;
     unsigned long gen;
     unsigned long long me;
@@ -1175,7 +1198,7 @@ static int caller_init(Caller *self, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_TypeError, "Caller takes positional arguments only");
         return -1;
     }
-    if (!PyArg_ParseTuple(args, "OO!OO!OOOOIknO!nKO!", &client, &PyDict_Type, &methods, &push, &PyTuple_Type,
+    if (!PyArg_ParseTuple(args, "OO!OO!OOOOIknO!nKO!", &client, &PyDict_Type, &methods, &requests, &PyTuple_Type,
                           &push_args, &ring_bell, &ring, &encode_body, &decode, &slot, &gen, &max_payload,
                           &PyMemoryView_Type, &buf, &bell_at, &me, &PyTuple_Type, &idle_when))
         return -1;
@@ -1188,7 +1211,7 @@ static int caller_init(Caller *self, PyObject *args, PyObject *kwds) {
         return -1;
     }
 #define KEEP(field) Py_XSETREF(self->field, Py_NewRef(field))
-    KEEP(client); KEEP(methods); KEEP(push); KEEP(push_args); KEEP(ring_bell); KEEP(ring); KEEP(encode_body);
+    KEEP(client); KEEP(methods); KEEP(requests); KEEP(push_args); KEEP(ring_bell); KEEP(ring); KEEP(encode_body);
     KEEP(decode); KEEP(buf); KEEP(idle_when);
 #undef KEEP
     self->bell_at = bell_at;
@@ -1199,7 +1222,7 @@ static int caller_init(Caller *self, PyObject *args, PyObject *kwds) {
     return 0;
 }
 
-#define CALLER_FIELDS(X) X(client) X(methods) X(push) X(push_args) X(ring_bell) X(ring) X(encode_body) \
+#define CALLER_FIELDS(X) X(client) X(methods) X(requests) X(push_args) X(ring_bell) X(ring) X(encode_body) \
     X(decode) X(buf) X(idle_when) X(reply)
 
 static int caller_traverse(Caller *self, visitproc visit, void *arg) {
@@ -1234,7 +1257,7 @@ static PyMethodDef caller_methods[] = {
 static PyTypeObject CallerType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "cxlrpc._dispatch.Caller",
-    .tp_doc = "Caller(client, methods, push, push_args, ring_bell, ring, encode_body, decode, slot, gen, "
+    .tp_doc = "Caller(client, methods, requests, push_args, ring_bell, ring, encode_body, decode, slot, gen, "
               "max_payload, buf, bell_at, me, idle_when): a connection's calls of the common shape in C (Client.call is the "
               "reference); called with a record, it is the reply ring's handler.",
     .tp_basicsize = sizeof(Caller),

@@ -166,6 +166,9 @@ static void release_to(RingCore *r, uint64_t head, uint64_t pos) {
 }
 
 static PyObject *poll_records(RingCore *self, long long limit, PyObject *handler, cxlrpc_record_fn fn, void *ctx);
+static PyObject *push_spsc_views(RingCore *self, Py_buffer *views, Py_ssize_t n, uint64_t length);
+static PyObject *push_mpsc_views(RingCore *self, long producer, long tag, PyObject *claim, PyObject *revoked,
+                                 Py_buffer *views, Py_ssize_t n, uint64_t length);
 static PyObject *poll_within_records(RingCore *self, PyObject *const *poll_args, long long limit, double seconds,
                                      cxlrpc_record_fn fn, void *ctx);
 
@@ -404,7 +407,14 @@ static PyObject *core_push_spsc(RingCore *self, PyObject *const *args, Py_ssize_
     PyObject *result;
     if (take_parts(self, args, nargs, kwnames, views, &n, &length, &result))
         return result;
-    result = NULL;
+    result = push_spsc_views(self, views, n, length);
+    release_parts(views, n);
+    return result;
+}
+
+/* The SPSC push once the parts' buffers are taken (the caller releases them). */
+static PyObject *push_spsc_views(RingCore *self, Py_buffer *views, Py_ssize_t n, uint64_t length) {
+    PyObject *result = NULL;
     uint64_t cap = self->capacity, tail = self->tail_local;
     uint64_t size = HEADER_SIZE + ((length + 7) & ~7ULL);
     uint64_t idx = tail & self->mask, to_end = cap - idx;
@@ -435,7 +445,6 @@ static PyObject *core_push_spsc(RingCore *self, PyObject *const *args, Py_ssize_
     store_rel(self, self->tail_at, tail + need);
     result = Py_NewRef(Py_True);
 done:
-    release_parts(views, n);
     return result;
 }
 
@@ -555,7 +564,16 @@ static PyObject *core_push_mpsc(RingCore *self, PyObject *const *args, Py_ssize_
     PyObject *result;
     if (take_parts(self, args, nargs, kwnames, views, &n, &length, &result))
         return result;
-    result = NULL;
+    result = push_mpsc_views(self, producer, tag, claim, revoked, views, n, length);
+    release_parts(views, n);
+    return result;
+}
+
+/* The MPSC push once its arguments are checked and the parts' buffers taken (the caller
+ * releases them). */
+static PyObject *push_mpsc_views(RingCore *self, long producer, long tag, PyObject *claim, PyObject *revoked,
+                                 Py_buffer *views, Py_ssize_t n, uint64_t length) {
+    PyObject *result = NULL;
     uint64_t cap = self->capacity, mask = self->mask;
     uint64_t size = HEADER_SIZE + ((length + 7) & ~7ULL);
     uint64_t tail, idx, to_end, need, mine = NO_CLAIM; /* what our claim word holds, as we left it */
@@ -655,8 +673,37 @@ full:
     if (drop_claim(self, claim, mine) == 0)
         result = Py_NewRef(Py_False);
 done:
-    release_parts(views, n);
     return result;
+}
+
+/* The C API's push (see _ring_api.h): ``try_push_parts`` of buffers already taken, with
+ * ``extra`` the MPSC arguments after the parts (producer, tag, claim, revoked; none for SPSC).
+ * NotImplemented where the ring keeps to its reference (its Python method takes the parts). */
+static PyObject *api_push(PyObject *ring, Py_buffer *views, Py_ssize_t n, PyObject *const *extra, Py_ssize_t nextra) {
+    RingCore *self = (RingCore *)ring;
+    if (self->flushing || self->head_cache >= COUNTER_LIMIT || n > MAX_PARTS || nextra > 4 ||
+        (self->multi ? nextra < 2 || !PyLong_CheckExact(extra[0]) || !PyLong_CheckExact(extra[1])
+                     : nextra != 0 || !sane(self->tail_local)))
+        Py_RETURN_NOTIMPLEMENTED;
+    uint64_t length = 0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        length += (uint64_t)views[i].len;
+    if (check_open(self) < 0)
+        return NULL;
+    if (length > self->max_payload)
+        return too_long(self, length);
+    if (!self->multi)
+        return push_spsc_views(self, views, n, length);
+    int overflow = 0, overflow2 = 0;
+    long producer = PyLong_AsLongAndOverflow(extra[0], &overflow), tag = PyLong_AsLongAndOverflow(extra[1], &overflow2);
+    if ((producer == -1 || tag == -1) && PyErr_Occurred())
+        return NULL;
+    if (overflow || overflow2 || producer < 0 || producer > MAX_PRODUCER || tag < 0 || tag > TAG_MASK) {
+        PyErr_SetString(PyExc_ValueError, "producer id must fit in 16 bits and tag in 6");
+        return NULL;
+    }
+    return push_mpsc_views(self, producer, tag, nextra > 2 ? extra[2] : Py_None, nextra > 3 ? extra[3] : Py_None,
+                           views, n, length);
 }
 
 static PyMemberDef core_members[] = {
@@ -695,7 +742,7 @@ static PyTypeObject RingCoreType = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "cxlrpc._ring", "The rings' hot path in C.", -1, NULL};
 
-static cxlrpc_ring_api ring_api = {&RingCoreType, api_poll, api_poll_within};
+static cxlrpc_ring_api ring_api = {&RingCoreType, api_poll, api_poll_within, api_push};
 
 PyMODINIT_FUNC PyInit__ring(void) {
     if (PyType_Ready(&RingCoreType) < 0)

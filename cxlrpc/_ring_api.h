@@ -1,5 +1,6 @@
 /* The rings' C API for the native layers above them (cxlrpc._dispatch): polling with a C handler
- * of records, so that no memoryview is made for a record nobody looks at as an object. Exported
+ * of records and pushing buffers, so that no memoryview, header bytes or tuple of parts is made
+ * for a record nobody looks at as an object. Exported
  * by cxlrpc._ring as the capsule ``cxlrpc._ring._C_API``. */
 #ifndef CXLRPC_RING_API_H
 #define CXLRPC_RING_API_H
@@ -19,6 +20,11 @@ typedef struct {
      * its Python method with a Python handler then. */
     PyObject *(*poll)(PyObject *ring, long long limit, cxlrpc_record_fn fn, void *ctx);
     PyObject *(*poll_within)(PyObject *ring, long long limit, double seconds, cxlrpc_record_fn fn, void *ctx);
+    /* ring.try_push_parts of ``n`` buffers already taken (the caller releases them; a view
+     * may be a plain {buf, len} with no object), ``extra`` the MPSC arguments after the parts
+     * (producer, tag[, claim[, revoked]]; none for SPSC): True, False (full), NULL with an
+     * error set, or NotImplemented (a new reference): call the ring's Python method then. */
+    PyObject *(*push)(PyObject *ring, Py_buffer *views, Py_ssize_t n, PyObject *const *extra, Py_ssize_t nextra);
 } cxlrpc_ring_api;
 
 #define CXLRPC_RING_API_CAPSULE "cxlrpc._ring._C_API"

@@ -333,7 +333,7 @@ class _Base:
             # through a proxy: the client stays collectable when dropped unclosed; bodies to
             # follow go to the reference
             bell = chan.server_bell
-            self._caller = _Caller(weakref.proxy(self), self._methods, chan.requests.try_push_parts,
+            self._caller = _Caller(weakref.proxy(self), self._methods, chan.requests,
                                    chan.push_args(), bell.ring, chan.responses, fr.encode_body,
                                    fr.decode, chan.slot, chan.gen,
                                    min(chan.requests.max_payload, fr.HEADER_SIZE + self._follow_min - 1),
@@ -661,6 +661,8 @@ class Client(_Base):
         self._yielding: list[None] = []
 
     def _in_flight(self) -> tuple:
+        """Calls awaited, replies handed over to tasks not yet run, callers giving way to them,
+        and extents to give back: while any is there, calls go through the reference."""
         return (self._pending, self._woken, self._yielding, self._frees)
 
     async def open(self) -> "Client":

@@ -519,7 +519,7 @@ class Server:
             # batch after batch until one of them needs the loop or its turn is due
             lone = not (self._tasks or self._backlog or self._following or chan.peers_in_process)
             if lone and hot_s and not (idle and self.strategy.park):
-                if fast is not None:  # batch after batch natively, until the loop is needed
+                if fast is not None:
                     n += fast.serve(ring, hot_s, min(turned + _TURN_EVERY_S, next_housekeeping))
                     self._polled_at = now = fast.polled_at
                 elif not n:

@@ -521,7 +521,6 @@ async def test_method_names_of_a_str_subclass_and_big_typed_requests(name: str) 
 
 
 @native
-@native
 async def test_serve_polls_batch_after_batch_until_the_loop_is_needed(name: str) -> None:
     """The native hot loop (Dispatcher.serve) polls the ring with itself as the handler (through
     the rings' C API, or here a ring's Python poll_within) until a poll finds nothing, a request
@@ -542,10 +541,8 @@ async def test_serve_polls_batch_after_batch_until_the_loop_is_needed(name: str)
                     return self.poll(handler)
                 return self.left.pop(0)
 
-        batches = Ring
-
         start = time.monotonic()
-        assert fast.serve(batches(2, 3, 0, 5), 1e-5, start + 60.0) == 5  # up to the quiet poll
+        assert fast.serve(Ring(2, 3, 0, 5), 1e-5, start + 60.0) == 5  # up to the quiet poll
         assert [p[:3] for p in polls] == [(fast, 256, 1e-5)] * 3
         assert start <= polls[0][3] <= polls[1][3] <= polls[2][3] <= time.monotonic()
 
@@ -560,16 +557,16 @@ async def test_serve_polls_batch_after_batch_until_the_loop_is_needed(name: str)
 
         polls.clear()
         before = time.monotonic()
-        assert fast.serve(batches(1), 1e-5, before - 1.0) == 0  # its turn is due: no poll
+        assert fast.serve(Ring(1), 1e-5, before - 1.0) == 0  # its turn is due: no poll
         assert polls == [] and fast.polled_at >= before
         fast.enabled = 0
         try:
-            assert fast.serve(batches(1), 1e-5, time.monotonic() + 60.0) == 0
+            assert fast.serve(Ring(1), 1e-5, time.monotonic() + 60.0) == 0
         finally:
             fast.enabled = 1
         assert polls == []
         with pytest.raises(TypeError):
-            fast.serve(batches(1), 1, 2.0)  # seconds and until are floats
+            fast.serve(Ring(1), 1, 2.0)  # seconds and until are floats
         async with cxlrpc.connect(f"shm://{name}") as client:  # the server goes on serving
             assert await client.call("aecho", b"after") == b"after"
 

@@ -953,6 +953,7 @@ typedef struct {
     vectorcallfunc vectorcall; /* Caller(view): the reply ring's handler during the hot wait */
     PyObject *client, *methods, *requests, *push_args, *ring_bell, *ring, *encode_body, *decode, *buf;
     PyObject *idle_when; /* a tuple of the client's containers of calls in flight: all empty, or the reference */
+    PyObject *turn_when; /* a tuple of its containers of tasks owed a loop turn: all empty, or the call has had it */
     Py_ssize_t max_payload;
     Py_ssize_t bell_at; /* the server's doorbell word in the region */
     uint64_t me;        /* this host's identity, as a parked server writes it */
@@ -1039,18 +1040,20 @@ static PyObject *caller_handle(PyObject *callable, PyObject *const *args, size_t
     Py_RETURN_NONE;
 }
 
-/* call(method, arg, timeout, call_id, hot, raw[, spin]): the reply Frame (with ``raw``, a RESPONSE
+/* call(method, arg, timeout, call_id, hot, raw[, spin[, turned]]): the reply Frame (with ``raw``, a RESPONSE
  * flagged RAW alone is its body's bytes, as Client._answer would return them); None once the
  * request is out but its reply has not come within ``hot`` seconds (polled for without a pause
  * for the first ``spin`` of them, default all, then yielding the CPU between polls, as a wait
  * strategy's spin and yield phases do); (flags, body) when the request did not go
  * (too big for the ring, or the ring is full: the reference sends that body); NotImplemented
- * for a method not yet in the client's cache (the reference encodes its name), or while any
- * container of ``idle_when`` is not empty (other calls in flight: the reference orders them). */
+ * for a method not yet in the client's cache (the reference encodes its name), while any
+ * container of ``idle_when`` is not empty (other calls in flight: the reference orders them), or,
+ * unless ``turned`` (the call has given the loop its turn), any of ``turn_when``. */
 static PyObject *caller_call(Caller *self, PyObject *const *args, Py_ssize_t nargs) {
-    if ((nargs != 6 && nargs != 7) || !PyLong_CheckExact(args[3]) || !PyBool_Check(args[5])) {
-        PyErr_SetString(PyExc_TypeError,
-                        "call(method: str, arg, timeout: float, call_id: int, hot: float, raw: bool[, spin: float])");
+    if (nargs < 6 || nargs > 8 || !PyLong_CheckExact(args[3]) || !PyBool_Check(args[5]) ||
+        (nargs == 8 && !PyBool_Check(args[7]))) {
+        PyErr_SetString(PyExc_TypeError, "call(method: str, arg, timeout: float, call_id: int, hot: float, raw: bool"
+                                         "[, spin: float[, turned: bool]])");
         return NULL;
     }
     if (self->methods == NULL) {
@@ -1060,7 +1063,7 @@ static PyObject *caller_call(Caller *self, PyObject *const *args, Py_ssize_t nar
     if (!PyUnicode_CheckExact(args[0])) /* a str subclass (an enum's member): the reference */
         Py_RETURN_NOTIMPLEMENTED;
     double timeout = PyFloat_AsDouble(args[2]), hot = PyFloat_AsDouble(args[4]);
-    double spin = nargs == 7 ? PyFloat_AsDouble(args[6]) : hot;
+    double spin = nargs >= 7 ? PyFloat_AsDouble(args[6]) : hot;
     if ((timeout == -1.0 || hot == -1.0 || spin == -1.0) && PyErr_Occurred())
         return NULL;
     PyObject *mb = PyDict_GetItemWithError(self->methods, args[0]);
@@ -1071,12 +1074,16 @@ static PyObject *caller_call(Caller *self, PyObject *const *args, Py_ssize_t nar
     }
     if (!PyBytes_CheckExact(mb) || PyBytes_GET_SIZE(mb) == 0 || PyBytes_GET_SIZE(mb) > MAX_METHOD)
         Py_RETURN_NOTIMPLEMENTED;
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(self->idle_when); i++) {
-        Py_ssize_t len = PyObject_Length(PyTuple_GET_ITEM(self->idle_when, i));
-        if (len != 0) { /* other calls in flight (or their replies not yet taken): the reference */
-            if (len < 0)
-                return NULL;
-            Py_RETURN_NOTIMPLEMENTED;
+    int turned = nargs == 8 && args[7] == Py_True;
+    for (int t = 0; t < 2 - turned; t++) {
+        PyObject *containers = t == 0 ? self->idle_when : self->turn_when;
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(containers); i++) {
+            Py_ssize_t len = PyObject_Length(PyTuple_GET_ITEM(containers, i));
+            if (len != 0) { /* other calls in flight, or tasks owed a turn: the reference */
+                if (len < 0)
+                    return NULL;
+                Py_RETURN_NOTIMPLEMENTED;
+            }
         }
     }
     Py_INCREF(mb); /* held: encoding runs Python code */
@@ -1189,7 +1196,8 @@ static PyObject *caller_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
 }
 
 static int caller_init(Caller *self, PyObject *args, PyObject *kwds) {
-    PyObject *client, *methods, *requests, *push_args, *ring_bell, *ring, *encode_body, *decode, *buf, *idle_when;
+    PyObject *client, *methods, *requests, *push_args, *ring_bell, *ring, *encode_body, *decode, *buf, *idle_when,
+        *turn_when;
     unsigned int slot;
     unsigned long gen;
     unsigned long long me;
@@ -1198,9 +1206,10 @@ static int caller_init(Caller *self, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_TypeError, "Caller takes positional arguments only");
         return -1;
     }
-    if (!PyArg_ParseTuple(args, "OO!OO!OOOOIknO!nKO!", &client, &PyDict_Type, &methods, &requests, &PyTuple_Type,
+    if (!PyArg_ParseTuple(args, "OO!OO!OOOOIknO!nKO!O!", &client, &PyDict_Type, &methods, &requests, &PyTuple_Type,
                           &push_args, &ring_bell, &ring, &encode_body, &decode, &slot, &gen, &max_payload,
-                          &PyMemoryView_Type, &buf, &bell_at, &me, &PyTuple_Type, &idle_when))
+                          &PyMemoryView_Type, &buf, &bell_at, &me, &PyTuple_Type, &idle_when, &PyTuple_Type,
+                          &turn_when))
         return -1;
     if (slot > 0xFFFF || gen > 0xFFFFFFFFUL || max_payload < HEADER_SIZE || PyTuple_GET_SIZE(push_args) > MAX_PUSH_ARGS) {
         PyErr_SetString(PyExc_ValueError, "Caller: slot, generation, ring limit or push arguments out of range");
@@ -1212,7 +1221,7 @@ static int caller_init(Caller *self, PyObject *args, PyObject *kwds) {
     }
 #define KEEP(field) Py_XSETREF(self->field, Py_NewRef(field))
     KEEP(client); KEEP(methods); KEEP(requests); KEEP(push_args); KEEP(ring_bell); KEEP(ring); KEEP(encode_body);
-    KEEP(decode); KEEP(buf); KEEP(idle_when);
+    KEEP(decode); KEEP(buf); KEEP(idle_when); KEEP(turn_when);
 #undef KEEP
     self->bell_at = bell_at;
     self->me = me;
@@ -1223,7 +1232,7 @@ static int caller_init(Caller *self, PyObject *args, PyObject *kwds) {
 }
 
 #define CALLER_FIELDS(X) X(client) X(methods) X(requests) X(push_args) X(ring_bell) X(ring) X(encode_body) \
-    X(decode) X(buf) X(idle_when) X(reply)
+    X(decode) X(buf) X(idle_when) X(turn_when) X(reply)
 
 static int caller_traverse(Caller *self, visitproc visit, void *arg) {
 #define VISIT(f) Py_VISIT(self->f);
@@ -1258,7 +1267,7 @@ static PyTypeObject CallerType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "cxlrpc._dispatch.Caller",
     .tp_doc = "Caller(client, methods, requests, push_args, ring_bell, ring, encode_body, decode, slot, gen, "
-              "max_payload, buf, bell_at, me, idle_when): a connection's calls of the common shape in C (Client.call is the "
+              "max_payload, buf, bell_at, me, idle_when, turn_when): a connection's calls of the common shape in C (Client.call is the "
               "reference); called with a record, it is the reply ring's handler.",
     .tp_basicsize = sizeof(Caller),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,

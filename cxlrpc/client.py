@@ -337,7 +337,8 @@ class _Base:
                                    chan.push_args(), bell.ring, chan.responses, fr.encode_body,
                                    fr.decode, chan.slot, chan.gen,
                                    min(chan.requests.max_payload, fr.HEADER_SIZE + self._follow_min - 1),
-                                   chan.region.buf, bell.parked_at, bell.me, self._in_flight())
+                                   chan.region.buf, bell.parked_at, bell.me, self._in_flight(),
+                                   self._owed_turns())
         self._heap = HeapAccess(region.buf, region.mem, geo.heap, geo.heap_size)
         self._finalizer = weakref.finalize(self, _collected, link, f"{type(self).__name__}({self.url!r})")
         self._finalizer.atexit = False  # at exit the server reclaims the slot by our PID
@@ -347,6 +348,10 @@ class _Base:
         """The containers of work in flight that the native caller leaves to the reference
         while any holds something (heap extents of replies read, not yet given back)."""
         return (self._frees,)
+
+    def _owed_turns(self) -> tuple:
+        """The containers of tasks owed a loop turn before a call goes natively (none here)."""
+        return ()
 
     def _forget_link(self) -> _Link | None:
         """Take the connection away from the client (the caller ends it); ``_gone`` is set."""
@@ -661,9 +666,14 @@ class Client(_Base):
         self._yielding: list[None] = []
 
     def _in_flight(self) -> tuple:
-        """Calls awaited, replies handed over to tasks not yet run, callers giving way to them,
-        and extents to give back: while any is there, calls go through the reference."""
-        return (self._pending, self._woken, self._yielding, self._frees)
+        """Calls awaited and extents to give back: while any is there, calls go through the
+        reference."""
+        return (self._pending, self._frees)
+
+    def _owed_turns(self) -> tuple:
+        """Replies handed over to tasks not yet run, and callers giving way to them: a call
+        gives the loop a turn first (see ``call``)."""
+        return (self._woken, self._yielding)
 
     async def open(self) -> "Client":
         """Connect (waiting for a server as ``wait_for_ready`` says): what ``connect()`` awaits."""
@@ -830,7 +840,7 @@ class Client(_Base):
         caller's CancelledError or DeadlineExceeded if the request never left: what the call
         did can then be undone. No task is made for it.
         """
-        caller = self._caller
+        caller, turned = self._caller, False
         if (caller is not None and on_late_reply is None and not metadata and not self._interceptors
                 and self._gone is None and (timeout is None or timeout > 0)):
             # the common shape, natively: out and, while no other call is in flight, its reply
@@ -840,6 +850,17 @@ class Client(_Base):
             try:  # (see _dispatch.c: what each outcome means)
                 got = caller.call(method, arg, timeout or 0.0, call_id, self._hot_s,
                                   response_type is None, self._hot_spin_s)
+                if got is NotImplemented and (self._woken or self._yielding):
+                    # other tasks are owed a turn: give it, then call natively if nothing else
+                    # is in flight (tasks sharing a client take turns at native cost)
+                    # (its timeout counts from there, as the reference's does)
+                    turned = True
+                    await self._give_way()
+                    caller = self._caller
+                    if caller is not None and self._gone is None:
+                        deadline = None if timeout is None else self._loop.time() + timeout
+                        got = caller.call(method, arg, timeout or 0.0, call_id, self._hot_s,
+                                          response_type is None, self._hot_spin_s, True)
             except ClaimRevoked as exc:
                 raise self._revoked(exc) from exc
             if type(got) is bytes:
@@ -852,20 +873,25 @@ class Client(_Base):
                 arg = _Encoded(*got)
             # (NotImplemented: other calls in flight, a method name not yet encoded, or a str
             # subclass)
-        return await self._call_reference(method, arg, timeout, metadata, response_type, on_late_reply)
+        return await self._call_reference(method, arg, timeout, metadata, response_type, on_late_reply,
+                                          turned)
+
+    async def _give_way(self) -> None:
+        """One loop turn for the tasks whose replies this client handed over, and those that
+        gave way for them: a call answered in place never suspends, so they run first."""
+        self._yielding.append(None)
+        try:
+            await asyncio.sleep(0)
+        finally:
+            self._yielding.pop()
 
     async def _call_reference(self, method: str, arg: Any, timeout: float | None,
                               metadata: Mapping[str, str] | None, response_type: Any,
-                              on_late_reply: Callable[[Any], None] | None) -> Any:
-        """A call the native caller left to the reference (see ``call``)."""
-        if self._woken or self._yielding:
-            # a call answered in place never suspends: the tasks whose replies this client
-            # handed over, and those that gave way for them, run first (before anything is sent)
-            self._yielding.append(None)
-            try:
-                await asyncio.sleep(0)
-            finally:
-                self._yielding.pop()
+                              on_late_reply: Callable[[Any], None] | None, turned: bool = False) -> Any:
+        """A call the native caller left to the reference (see ``call``); ``turned``: it has
+        given way already."""
+        if not turned and (self._woken or self._yielding):
+            await self._give_way()  # (before anything is sent)
         late = None if on_late_reply is None else _LateReply(on_late_reply, response_type)
         try:
             if self._interceptors:

@@ -1,4 +1,5 @@
-"""Echo round trip: one server process and one client process per transport, per round."""
+"""Echo round trip: a server process and a client process per transport and round, timed in
+blocks that take turns with the other transports' (see BLOCKS)."""
 from __future__ import annotations
 
 import inspect
@@ -46,15 +47,23 @@ def _check(reply: bytes, payload: bytes) -> None:
         raise AssertionError(f"echo mismatch: sent {len(payload)} bytes, got {len(reply)}")
 
 
-async def _async_client(conn: Connection, t: Transport, address: str, plan: list, max_payload: int) -> None:
+def _payload(cache: dict[int, bytes], size: int) -> bytes:
+    """The (seeded) payload of ``size`` bytes, made once per client."""
+    if size not in cache:
+        cache[size] = np.random.default_rng(size).bytes(size)
+    return cache[size]
+
+
+async def _async_client(conn: Connection, t: Transport, address: str, max_payload: int) -> None:
     client = await resolve(t.opener)(address, max_payload=max_payload, **t.client_opts)
     try:
         conn.send(("ready", None))
-        conn.recv()  # go
-        call, clock, out = client.call, time.perf_counter_ns, {}
-        for size, n, warm in plan:
-            payload = np.random.default_rng(size).bytes(size)
-            _check(await call(payload), payload)
+        call, clock, payloads = client.call, time.perf_counter_ns, {}
+        while (msg := conn.recv())[0] == "block":
+            _, size, n, warm = msg
+            new, payload = size not in payloads, _payload(payloads, size)
+            if new:
+                _check(await call(payload), payload)
             for _ in range(warm):
                 await call(payload)
             samples = np.empty(n, dtype=np.int64)
@@ -63,22 +72,21 @@ async def _async_client(conn: Connection, t: Transport, address: str, plan: list
                 t0 = clock()
                 await call(payload)
                 samples[i] = clock() - t0
-            out[size] = (samples, clock() - start)
-            conn.send(("progress", size))
-        conn.send(("result", out))
+            conn.send(("block", (samples, clock() - start)))
     finally:
         await aclose(client)
 
 
-def _sync_client(conn: Connection, t: Transport, address: str, plan: list, max_payload: int) -> None:
+def _sync_client(conn: Connection, t: Transport, address: str, max_payload: int) -> None:
     client = resolve(t.opener)(address, max_payload=max_payload, **t.client_opts)
     try:
         conn.send(("ready", None))
-        conn.recv()  # go
-        call, clock, out = client.call, time.perf_counter_ns, {}
-        for size, n, warm in plan:
-            payload = np.random.default_rng(size).bytes(size)
-            _check(call(payload), payload)
+        call, clock, payloads = client.call, time.perf_counter_ns, {}
+        while (msg := conn.recv())[0] == "block":
+            _, size, n, warm = msg
+            new, payload = size not in payloads, _payload(payloads, size)
+            if new:
+                _check(call(payload), payload)
             for _ in range(warm):
                 call(payload)
             samples = np.empty(n, dtype=np.int64)
@@ -87,23 +95,22 @@ def _sync_client(conn: Connection, t: Transport, address: str, plan: list, max_p
                 t0 = clock()
                 call(payload)
                 samples[i] = clock() - t0
-            out[size] = (samples, clock() - start)
-            conn.send(("progress", size))
-        conn.send(("result", out))
+            conn.send(("block", (samples, clock() - start)))
     finally:
         client.close()
 
 
-def echo_client(conn: Connection, transport: str, address: str, plan: list, max_payload: int,
+def echo_client(conn: Connection, transport: str, address: str, max_payload: int,
                 loop: str = "uvloop") -> None:
-    """Client worker: open, report ready, wait for go, time every planned payload, send samples."""
+    """Client worker: open, report ready, then time each ``("block", size, calls, warm-up)``
+    asked for and send its samples back, until told to stop."""
     from .transports import BY_KEY
 
     t = BY_KEY[transport]
     if t.is_async:
-        run_loop(_async_client(conn, t, address, plan, max_payload), loop)
+        run_loop(_async_client(conn, t, address, max_payload), loop)
     else:
-        _sync_client(conn, t, address, plan, max_payload)
+        _sync_client(conn, t, address, max_payload)
 
 
 def start_server(t: Transport, max_payload: int, loop: str, **extra: Any) -> Worker:
@@ -118,22 +125,86 @@ def start_server(t: Transport, max_payload: int, loop: str, **extra: Any) -> Wor
     return w
 
 
-def measure_once(t: Transport, plan: list, max_payload: int, loop: str,
-                 on_progress: Callable[[Any], None]) -> dict[int, tuple[np.ndarray, int]]:
-    """One round of one transport: fresh server and client processes, all payloads."""
-    with start_server(t, max_payload, loop) as srv:
-        with Worker("bench.echo:echo_client", f"{t.key}-client", transport=t.key,
-                    address=srv.info["address"], plan=plan, max_payload=max_payload, loop=loop) as cli:
-            cli.start(timeout=60)
-            cli.send("go")
-            budget = 120 + sum(n + w for _, n, w in plan) * 0.05
-            return cli.expect("result", budget, on_progress)
+class EchoPair:
+    """One transport's server and client processes, alive for a round and timed a block of
+    calls at a time; a "pause" transport's pair is SIGSTOPped between its blocks."""
+
+    def __init__(self, t: Transport, max_payload: int, loop: str) -> None:
+        self.t, self.server, self.client = t, start_server(t, max_payload, loop), None
+        try:
+            self.client = Worker("bench.echo:echo_client", f"{t.key}-client", transport=t.key,
+                                 address=self.server.info["address"], max_payload=max_payload, loop=loop)
+            self.client.start(timeout=60)
+            self._rest()
+        except BaseException:
+            self.stop()
+            raise
+
+    def block(self, size: int, n: int, warm: int) -> tuple[np.ndarray, int]:
+        """``warm`` untimed calls then ``n`` timed ones: (samples in ns, wall time in ns)."""
+        for w in (self.server, self.client):
+            w.resume()
+        try:
+            self.client.send("block", size, n, warm)
+            return self.client.expect("block", 60 + (n + warm) * 0.05)
+        finally:
+            self._rest()
+
+    def _rest(self) -> None:
+        if self.t.idle == "pause":
+            for w in (self.server, self.client):
+                w.pause()
+
+    def stop(self) -> None:
+        for w in (self.client, self.server):
+            if w is not None:
+                w.stop()
+
+
+#: The echo section times each payload in this many blocks per transport and round, the
+#: transports' blocks taking turns: this VM's cross-core transfers run 2-5x slower for seconds
+#: at a time (the host moving its vCPUs), and turns let every transport see the same spells.
+BLOCKS = 6
+
+
+def _blocks(n: int, warm: int, k: int) -> list[tuple[int, int]]:
+    """``n`` timed calls in ``k`` blocks of (timed, warm-up); the first block warms as the plan
+    says, the others (after the peers idled during other transports' turns) with a few calls."""
+    k = max(1, min(k, n))
+    return [(n // k + (i < n % k), warm if i == 0 else max(3, warm // k)) for i in range(k)]
+
+
+def _round(pairs: list[EchoPair], plan: list, blocks: int, turn: int,
+           on_block: Callable[[], None], on_error: Callable[[EchoPair, WorkerError], None]) -> dict:
+    """One round's blocks, every payload in ``blocks`` turns of all ``pairs`` (order rotated
+    each turn); ``{key: {size: (samples, wall)}}`` of the pairs that did not fail."""
+    got: dict[str, dict[int, list]] = {p.t.key: {} for p in pairs}
+    live = list(pairs)
+    for size, n, warm in plan:
+        for b, (nb, wb) in enumerate(_blocks(n, warm, blocks)):
+            k = (turn + b) % max(1, len(live))
+            order = live[k:] + live[:k]
+            if b % 2:
+                order.reverse()
+            for pair in order:
+                try:
+                    got[pair.t.key].setdefault(size, []).append(pair.block(size, nb, wb))
+                except WorkerError as exc:
+                    live.remove(pair)
+                    del got[pair.t.key]
+                    pair.stop()
+                    on_error(pair, exc)
+                on_block()
+    return {key: {s: (np.concatenate([a for a, _ in parts]), sum(w for _, w in parts))
+                  for s, parts in sizes.items()} for key, sizes in got.items()}
 
 
 def run_echo(cfg: dict, progress: Any, log: Callable[[str], None]) -> dict:
-    """The echo section: every transport once per round (order rotated each round), all payloads."""
+    """The echo section: per round, fresh processes for every transport, whose blocks of calls
+    take turns (a "solo" transport's pair runs alone after them)."""
     sizes = tuple(SIZES) + ((HUGE,) if cfg["huge"] else ())
     plan = plan_for(sizes, cfg["quick"])
+    blocks = 2 if cfg["quick"] else BLOCKS
     max_payload = max(sizes)
     transports, skipped = [], {}
     for t in ECHO:
@@ -146,27 +217,37 @@ def run_echo(cfg: dict, progress: Any, log: Callable[[str], None]) -> dict:
         else:
             transports.append(t)
     rounds = cfg["rounds"]
-    task = progress.add_task("echo", total=rounds * len(transports) * len(plan))
+    per_round = sum(len(_blocks(n, w, blocks)) for _, n, w in plan)
+    task = progress.add_task("echo", total=rounds * len(transports) * per_round)
     raw: dict[str, dict[int, list]] = {t.key: {s: [] for s in sizes} for t in transports}
     errors: dict[str, list[str]] = {}
+
+    def failed(t: Transport, r: int, exc: WorkerError) -> None:
+        errors.setdefault(t.key, []).append(str(exc))
+        log(f"[red]echo {t.key} round {r + 1} failed: {str(exc).splitlines()[0]}")
+
+    groups = [[t for t in transports if t.idle != "solo"]] + [[t] for t in transports if t.idle == "solo"]
+    done = 0
     for r in range(rounds):
-        k = r % max(1, len(transports))
-        order = transports[k:] + transports[:k]
-        if r % 2:
-            order.reverse()
-        for t in order:
-            progress.update(task, description=f"echo r{r + 1}/{rounds} {t.key}")
-            done = []
+        for group in groups:
+            progress.update(task, description=f"echo r{r + 1}/{rounds} {'+'.join(t.key for t in group)}")
+            pairs = []
             try:
-                res = measure_once(t, plan, max_payload, cfg["loop"],
-                                   lambda s: (done.append(s), progress.advance(task)))
-            except WorkerError as exc:
-                errors.setdefault(t.key, []).append(str(exc))
-                log(f"[red]echo {t.key} round {r + 1} failed: {str(exc).splitlines()[0]}")
-                progress.advance(task, len(plan) - len(done))
-                continue
-            for s, (samples, wall) in res.items():
-                raw[t.key][s].append((samples, wall))
+                for t in group:
+                    try:
+                        pairs.append(EchoPair(t, max_payload, cfg["loop"]))
+                    except WorkerError as exc:
+                        failed(t, r, exc)
+                got = _round(pairs, plan, blocks, r, lambda: progress.advance(task),
+                             lambda pair, exc: failed(pair.t, r, exc))
+            finally:
+                for pair in pairs:
+                    pair.stop()
+            done += len(group) * per_round  # (a failed pair's blocks count as done)
+            progress.update(task, completed=done)
+            for key, per_size in got.items():
+                for s, res in per_size.items():
+                    raw[key][s].append(res)
     return summarize_echo(transports, raw, sizes, plan, skipped, errors)
 
 

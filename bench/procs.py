@@ -49,6 +49,7 @@ class Worker:
         self.proc = CTX.Process(target=_child_main, args=(target, child_conn, kwargs), name=name, daemon=True)
         self._child_conn = child_conn
         self.info: Any = None
+        self.paused = False
 
     @property
     def pid(self) -> int:
@@ -111,8 +112,25 @@ class Worker:
             raise WorkerError(f"{self.name}: expected {kind!r}, got {msg[0]!r}")
         return msg[1] if len(msg) > 1 else None
 
+    def pause(self) -> None:
+        """SIGSTOP the child: it takes no CPU until :meth:`resume` (for peers that busy-poll
+        while idle and keep no heartbeats, between their turns)."""
+        if self.proc.pid is not None and not self.paused and self.proc.is_alive():
+            os.kill(self.proc.pid, signal.SIGSTOP)
+            self.paused = True
+
+    def resume(self) -> None:
+        """SIGCONT a paused child."""
+        if self.paused:
+            self.paused = False
+            try:
+                os.kill(self.proc.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
     def stop(self, timeout: float = 10.0) -> None:
         """Ask the child to stop, then SIGTERM, then SIGKILL; idempotent."""
+        self.resume()
         if self.proc.pid is None:
             for c in (self.conn, self._child_conn):
                 c.close()

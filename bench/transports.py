@@ -24,6 +24,10 @@ class Transport:
     client_opts: dict[str, Any] = field(default_factory=dict)
     needs: str = ""  # module that must be importable, else the row is skipped
     hardware: str = ""  # a flush-mode row's hardware-coherence twin: the tables show its cost over that row
+    #: What its peers do between turns of the echo section: "sleep" (interleaved with the
+    #: others), "pause" (they busy-poll, without heartbeats: interleaved, SIGSTOPped between
+    #: turns) or "solo" (they busy-poll and beat heartbeats a pause would stop: run alone).
+    idle: str = "sleep"
 
     def address(self, n: int) -> str:
         """A fresh address for run-unique instance ``n`` (servers may rewrite it, e.g. port 0)."""
@@ -71,16 +75,16 @@ ECHO: tuple[Transport, ...] = (
     Transport("cxl-sync", "cxlrpc sync adaptive", "cxlrpc", _CXL_SRV, _CXL_SYNC, False, "shm",
               {"doorbell": "adaptive"}, {"doorbell": "adaptive"}, needs="cxlrpc"),
     Transport("cxl-aio-spin", "cxlrpc aio busy-spin", "cxlrpc", _CXL_SRV, _CXL_AIO, True, "shm",
-              {"doorbell": "busy-spin"}, {"doorbell": "busy-spin"}, needs="cxlrpc"),
+              {"doorbell": "busy-spin"}, {"doorbell": "busy-spin"}, needs="cxlrpc", idle="solo"),
     Transport("ring", "bare ring ping-pong", "cxlrpc", "bench.ring_pingpong:serve",
-              "bench.ring_pingpong:open_sync", False, "ring", needs="cxlrpc.ring"),
+              "bench.ring_pingpong:open_sync", False, "ring", needs="cxlrpc.ring", idle="pause"),
     Transport("grpc-aio-tcp", "grpc.aio TCP", "grpc", _G_AIO_SRV, _G_AIO, True, "tcp"),
     Transport("grpc-sync-tcp", "grpc sync TCP", "grpc", _G_SYNC_SRV, _G_SYNC, False, "tcp"),
     Transport("grpc-aio-unix", "grpc.aio unix", "grpc", _G_AIO_SRV, _G_AIO, True, "unix"),
     Transport("zmq-ipc", "zmq REQ/REP ipc", "ref", "bench.zmq_echo:serve", "bench.zmq_echo:open_sync",
               False, "ipc", needs="zmq"),
     Transport("iceoryx2", "iceoryx2 request-response", "ref", "bench.iceoryx2_echo:serve",
-              "bench.iceoryx2_echo:open_sync", False, "iox", needs="iceoryx2"),
+              "bench.iceoryx2_echo:open_sync", False, "iox", needs="iceoryx2", idle="pause"),
 )
 BY_KEY: dict[str, Transport] = {t.key: t for t in ECHO}
 

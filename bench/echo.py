@@ -1,5 +1,5 @@
-"""Echo round trip: a server process and a client process per transport and round, timed in
-blocks that take turns with the other transports' (see BLOCKS)."""
+"""Echo round trip: a server process and a client process per transport and round, each payload
+timed in blocks that take turns with the other transports' (bench.turns)."""
 from __future__ import annotations
 
 import inspect
@@ -14,6 +14,7 @@ from .grpc_echo import run_loop
 from .procs import Worker, WorkerError
 from .stats import cdf_points, change, median_of, pooled, summarize
 from .transports import ECHO, Transport, resolve
+from .turns import BLOCKS, SETTLE_NS, Pair, run_rounds
 
 KIB, MIB = 1024, 1024 * 1024
 SIZES = (64, 4 * KIB, 64 * KIB, MIB)
@@ -64,6 +65,9 @@ async def _async_client(conn: Connection, t: Transport, address: str, max_payloa
             new, payload = size not in payloads, _payload(payloads, size)
             if new:
                 _check(await call(payload), payload)
+            small, settled = _payload(payloads, 64), clock() + SETTLE_NS
+            while clock() < settled:
+                await call(small)
             for _ in range(warm):
                 await call(payload)
             samples = np.empty(n, dtype=np.int64)
@@ -87,6 +91,9 @@ def _sync_client(conn: Connection, t: Transport, address: str, max_payload: int)
             new, payload = size not in payloads, _payload(payloads, size)
             if new:
                 _check(call(payload), payload)
+            small, settled = _payload(payloads, 64), clock() + SETTLE_NS
+            while clock() < settled:
+                call(small)
             for _ in range(warm):
                 call(payload)
             samples = np.empty(n, dtype=np.int64)
@@ -125,86 +132,25 @@ def start_server(t: Transport, max_payload: int, loop: str, **extra: Any) -> Wor
     return w
 
 
-class EchoPair:
-    """One transport's server and client processes, alive for a round and timed a block of
-    calls at a time; a "pause" transport's pair is SIGSTOPped between its blocks."""
-
-    def __init__(self, t: Transport, max_payload: int, loop: str) -> None:
-        self.t, self.server, self.client = t, start_server(t, max_payload, loop), None
-        try:
-            self.client = Worker("bench.echo:echo_client", f"{t.key}-client", transport=t.key,
-                                 address=self.server.info["address"], max_payload=max_payload, loop=loop)
-            self.client.start(timeout=60)
-            self._rest()
-        except BaseException:
-            self.stop()
-            raise
-
-    def block(self, size: int, n: int, warm: int) -> tuple[np.ndarray, int]:
-        """``warm`` untimed calls then ``n`` timed ones: (samples in ns, wall time in ns)."""
-        for w in (self.server, self.client):
-            w.resume()
-        try:
-            self.client.send("block", size, n, warm)
-            return self.client.expect("block", 60 + (n + warm) * 0.05)
-        finally:
-            self._rest()
-
-    def _rest(self) -> None:
-        if self.t.idle == "pause":
-            for w in (self.server, self.client):
-                w.pause()
-
-    def stop(self) -> None:
-        for w in (self.client, self.server):
-            if w is not None:
-                w.stop()
-
-
-#: The echo section times each payload in this many blocks per transport and round, the
-#: transports' blocks taking turns: this VM's cross-core transfers run 2-5x slower for seconds
-#: at a time (the host moving its vCPUs), and turns let every transport see the same spells.
-BLOCKS = 6
-
-
-def _blocks(n: int, warm: int, k: int) -> list[tuple[int, int]]:
-    """``n`` timed calls in ``k`` blocks of (timed, warm-up); the first block warms as the plan
-    says, the others (after the peers idled during other transports' turns) with a few calls."""
-    k = max(1, min(k, n))
-    return [(n // k + (i < n % k), warm if i == 0 else max(3, warm // k)) for i in range(k)]
-
-
-def _round(pairs: list[EchoPair], plan: list, blocks: int, turn: int,
-           on_block: Callable[[], None], on_error: Callable[[EchoPair, WorkerError], None]) -> dict:
-    """One round's blocks, every payload in ``blocks`` turns of all ``pairs`` (order rotated
-    each turn); ``{key: {size: (samples, wall)}}`` of the pairs that did not fail."""
-    got: dict[str, dict[int, list]] = {p.t.key: {} for p in pairs}
-    live = list(pairs)
-    for size, n, warm in plan:
-        for b, (nb, wb) in enumerate(_blocks(n, warm, blocks)):
-            k = (turn + b) % max(1, len(live))
-            order = live[k:] + live[:k]
-            if b % 2:
-                order.reverse()
-            for pair in order:
-                try:
-                    got[pair.t.key].setdefault(size, []).append(pair.block(size, nb, wb))
-                except WorkerError as exc:
-                    live.remove(pair)
-                    del got[pair.t.key]
-                    pair.stop()
-                    on_error(pair, exc)
-                on_block()
-    return {key: {s: (np.concatenate([a for a, _ in parts]), sum(w for _, w in parts))
-                  for s, parts in sizes.items()} for key, sizes in got.items()}
+def _pair(t: Transport, max_payload: int, loop: str) -> Pair:
+    """``t``'s server and client processes, started, for a round of turns."""
+    server = start_server(t, max_payload, loop)
+    client = Worker("bench.echo:echo_client", f"{t.key}-client", transport=t.key,
+                    address=server.info["address"], max_payload=max_payload, loop=loop)
+    try:
+        client.start(timeout=60)
+        return Pair(t.key, t.idle, server, client)
+    except BaseException:
+        client.stop()
+        server.stop()
+        raise
 
 
 def run_echo(cfg: dict, progress: Any, log: Callable[[str], None]) -> dict:
-    """The echo section: per round, fresh processes for every transport, whose blocks of calls
-    take turns (a "solo" transport's pair runs alone after them)."""
+    """The echo section: per round, fresh processes for every transport, each payload timed in
+    blocks that take turns with the other transports' (bench.turns)."""
     sizes = tuple(SIZES) + ((HUGE,) if cfg["huge"] else ())
     plan = plan_for(sizes, cfg["quick"])
-    blocks = 2 if cfg["quick"] else BLOCKS
     max_payload = max(sizes)
     transports, skipped = [], {}
     for t in ECHO:
@@ -216,38 +162,14 @@ def run_echo(cfg: dict, progress: Any, log: Callable[[str], None]) -> dict:
             log(f"[yellow]skip {t.label}: {reason}")
         else:
             transports.append(t)
-    rounds = cfg["rounds"]
-    per_round = sum(len(_blocks(n, w, blocks)) for _, n, w in plan)
-    task = progress.add_task("echo", total=rounds * len(transports) * per_round)
-    raw: dict[str, dict[int, list]] = {t.key: {s: [] for s in sizes} for t in transports}
     errors: dict[str, list[str]] = {}
 
-    def failed(t: Transport, r: int, exc: WorkerError) -> None:
-        errors.setdefault(t.key, []).append(str(exc))
-        log(f"[red]echo {t.key} round {r + 1} failed: {str(exc).splitlines()[0]}")
+    def failed(key: str, r: int, exc: WorkerError) -> None:
+        errors.setdefault(key, []).append(str(exc))
+        log(f"[red]echo {key} round {r + 1} failed: {str(exc).splitlines()[0]}")
 
-    groups = [[t for t in transports if t.idle != "solo"]] + [[t] for t in transports if t.idle == "solo"]
-    done = 0
-    for r in range(rounds):
-        for group in groups:
-            progress.update(task, description=f"echo r{r + 1}/{rounds} {'+'.join(t.key for t in group)}")
-            pairs = []
-            try:
-                for t in group:
-                    try:
-                        pairs.append(EchoPair(t, max_payload, cfg["loop"]))
-                    except WorkerError as exc:
-                        failed(t, r, exc)
-                got = _round(pairs, plan, blocks, r, lambda: progress.advance(task),
-                             lambda pair, exc: failed(pair.t, r, exc))
-            finally:
-                for pair in pairs:
-                    pair.stop()
-            done += len(group) * per_round  # (a failed pair's blocks count as done)
-            progress.update(task, completed=done)
-            for key, per_size in got.items():
-                for s, res in per_size.items():
-                    raw[key][s].append(res)
+    raw = run_rounds(transports, lambda t: _pair(t, max_payload, cfg["loop"]), plan, cfg["rounds"],
+                     2 if cfg["quick"] else BLOCKS, progress, "echo", failed)
     return summarize_echo(transports, raw, sizes, plan, skipped, errors)
 
 

@@ -6,8 +6,9 @@ Every server and client is its own spawned process. Operations: put of a new key
 pool has touched before), get (zero-copy: lease the value and read one byte of it), get_into
 (copy into a preallocated buffer), get_alt (a zero-copy get right after a get_into of the same
 key, the get_into untimed) and exists,
-at 4 KiB, 64 KiB, 1 MiB and 16 MiB; batch_get of 32 x 1 MiB. Each backend runs once per round, rounds in
-rotated order, and the tables show the median across rounds, with changes vs the gRPC twin.
+at 4 KiB, 64 KiB, 1 MiB and 16 MiB; batch_get of 32 x 1 MiB. Per round, every backend's processes
+live together and each item is timed in blocks that take turns with the other backends'
+(bench.turns); the tables show the median across rounds, with changes vs the gRPC twin.
 """
 from __future__ import annotations
 
@@ -27,12 +28,14 @@ from .kv_backends import (BACKENDS, BY_KEY, KV_GRPC, KV_SHM, KV_SPIN, AsyncKV, B
                           quiet_stderr)
 from .procs import RUN_ID, Worker, WorkerError, wait_readable
 from .stats import change, median_of, pooled, summarize
+from .turns import BLOCKS, SETTLE_NS, Pair, run_rounds, split
 
 KIB, MIB = 1024, 1024 * 1024
 SIZES = (4 * KIB, 64 * KIB, MIB, 16 * MIB)
 OPS = ("put", "put_warm", "get", "get_into", "get_alt", "exists")
 BATCH = (32, MIB)  # batch_get of 32 values of 1 MiB
 KEYS_PER_SIZE = 4  # distinct keys per size, cycled (gets read pre-populated keys, put_warm overwrites others)
+SETTLE_KEY = f"get-{SIZES[0]}-0"  # what a block's settling calls ask exists of (bench.turns.SETTLE_NS)
 #: targets of the issue: zero-copy get p50 <= 2% of the twin's from 64 KiB (alone and alternating
 #: with get_into), get_into <= 8% from 1 MiB, a new 1 MiB key's put <= 8%
 TARGETS = (("get", 64 * KIB, 0.02), ("get_alt", 64 * KIB, 0.02), ("get_into", MIB, 0.08),
@@ -57,11 +60,13 @@ def ops_plan(quick: bool) -> list[dict[str, Any]]:
     return items
 
 
-def pool_for(items: list[dict]) -> int:
-    """Pool bytes that hold the prefilled keys, the warm puts' and every fresh put's value
+def pool_for(items: list[dict], blocks: int) -> int:
+    """Pool bytes that hold the prefilled keys, the warm puts' and every fresh put's value (its
+    timed and warm-up calls over ``blocks`` blocks, and the first calls that check results)
     under the 90% eviction watermark (nothing is evicted, so every backend does the same work)."""
     need = 2 * KEYS_PER_SIZE * sum(SIZES) + BATCH[0] * BATCH[1]
-    need += sum((it["n"] + it["warm"] + KEYS_PER_SIZE) * it["size"] for it in items if it["op"] == "put")
+    need += sum((it["n"] + sum(w for _, w in split(it["n"], it["warm"], blocks)) + KEYS_PER_SIZE) * it["size"]
+                for it in items if it["op"] == "put")
     return -(-int(need / 0.85) // MIB) * MIB
 
 
@@ -115,36 +120,59 @@ def _check(it: dict, got: Any, want: Any) -> None:
         raise AssertionError(f"{it['id']}: got {got!r}, expected {want!r}")
 
 
+class _Items:
+    """A client's timed items: each one's calls, made once (a put's fresh-key counter and the
+    cycling through keys go on from block to block)."""
+
+    def __init__(self, kv: Any, data: _Data, items: list[dict]) -> None:
+        self._kv, self._data = kv, data
+        self._by_id = {it["id"]: it for it in items}
+        self._made: dict[str, tuple] = {}
+        self.next: dict[str, int] = {}
+
+    def get(self, item_id: str) -> tuple[dict, Callable, list[tuple], list[Any], Callable | None, bool]:
+        """(item, function, argument tuples, expected results, untimed call before each, new?)."""
+        it, new = self._by_id[item_id], item_id not in self._made
+        if new:
+            self._made[item_id] = self._data.calls(self._kv, it)
+            self.next[item_id] = 0
+        return (it, *self._made[item_id], new)
+
+
 async def _ops_async(conn: Connection, b: Backend, address: Any, items: list[dict]) -> None:
     kv = await AsyncKV.open(b, address)
     try:
         data = _Data(items)
         for key, value in data.prefill():
             await kv.put(key, value)
+        calls, clock = _Items(kv, data, items), time.perf_counter_ns
         conn.send(("ready", None))
-        await wait_readable(conn)
-        conn.recv()  # go
-        clock, out = time.perf_counter_ns, {}
-        for it in items:
-            fn, args, want, before = data.calls(kv, it)
-            k = len(args)
-            for i in range(k):
-                _check(it, await fn(*args[i]), want[i])
-            for i in range(it["warm"]):
+        while True:
+            await wait_readable(conn)
+            if (msg := conn.recv())[0] != "block":
+                return
+            _, item_id, n, warm = msg
+            it, fn, args, want, before, new = calls.get(item_id)
+            k, at = len(args), calls.next[item_id]
+            if new:
+                for i in range(k):
+                    _check(it, await fn(*args[i]), want[i])
+            settled = clock() + SETTLE_NS
+            while clock() < settled:
+                await kv.exists(SETTLE_KEY)
+            for i in range(warm):
                 await fn(*args[i % k])
-            n = it["n"]
             samples = np.empty(n, dtype=np.int64)
             start = clock()
             for i in range(n):
-                a = args[i % k]
+                a = args[(at + i) % k]
                 if before is not None:
                     await before(*a)
                 t0 = clock()
                 await fn(*a)
                 samples[i] = clock() - t0
-            out[it["id"]] = (samples, clock() - start)
-            conn.send(("progress", it["id"]))
-        conn.send(("result", out))
+            calls.next[item_id] = (at + n) % k
+            conn.send(("block", (samples, clock() - start)))
     finally:
         await kv.close()
 
@@ -153,34 +181,37 @@ def _ops_sync(conn: Connection, kv: Any, items: list[dict]) -> None:
     data = _Data(items)
     for key, value in data.prefill():
         kv.put(key, value)
+    calls, clock = _Items(kv, data, items), time.perf_counter_ns
     conn.send(("ready", None))
-    conn.recv()  # go
-    clock, out = time.perf_counter_ns, {}
-    for it in items:
-        fn, args, want, before = data.calls(kv, it)
-        k = len(args)
-        for i in range(k):
-            _check(it, fn(*args[i]), want[i])
-        for i in range(it["warm"]):
+    while (msg := conn.recv())[0] == "block":
+        _, item_id, n, warm = msg
+        it, fn, args, want, before, new = calls.get(item_id)
+        k, at = len(args), calls.next[item_id]
+        if new:
+            for i in range(k):
+                _check(it, fn(*args[i]), want[i])
+        settled = clock() + SETTLE_NS
+        while clock() < settled:
+            kv.exists(SETTLE_KEY)
+        for i in range(warm):
             fn(*args[i % k])
-        n = it["n"]
         samples = np.empty(n, dtype=np.int64)
         start = clock()
         for i in range(n):
-            a = args[i % k]
+            a = args[(at + i) % k]
             if before is not None:
                 before(*a)
             t0 = clock()
             fn(*a)
             samples[i] = clock() - t0
-        out[it["id"]] = (samples, clock() - start)
-        conn.send(("progress", it["id"]))
-    conn.send(("result", out))
+        calls.next[item_id] = (at + n) % k
+        conn.send(("block", (samples, clock() - start)))
 
 
-def ops_client(conn: Connection, backend: str, address: Any, items: list[dict], loop: str = "uvloop",
-               log: str = "") -> None:
-    """Client worker: pre-populate, report ready, wait for go, time every item, send the samples."""
+def ops_client(conn: Connection, backend: str, address: Any, items: list[dict], pool_size: int,
+               loop: str = "uvloop", log: str = "") -> None:
+    """Client worker: pre-populate, report ready, then time each ``("block", item id, calls,
+    warm-up)`` asked for and send its samples back, until told to stop."""
     b = BY_KEY[backend]
     os.environ.update(b.client_env)
     if b.is_async:
@@ -195,7 +226,7 @@ def ops_client(conn: Connection, backend: str, address: Any, items: list[dict], 
         return
     quiet_stderr(log)
     try:
-        kv = MooncakeKV.open(address, segment=pool_for(items), local_buffer=64 * MIB, out_max=max(SIZES))
+        kv = MooncakeKV.open(address, segment=pool_size, local_buffer=64 * MIB, out_max=max(SIZES))
     except Exception as exc:
         raise RuntimeError(f"{exc}; log: {log_tail(log)}") from None
     try:
@@ -215,20 +246,24 @@ def _start_server(b: Backend, loop: str, pool_size: int, log: str) -> Worker:
     return w
 
 
-def measure_ops_once(b: Backend, items: list[dict], loop: str, log: str,
-                     on_progress: Callable[[Any], None]) -> dict[str, tuple[np.ndarray, int]]:
-    """One round of one backend: fresh server and client processes, every item."""
-    with _start_server(b, loop, pool_for(items), log) as srv:
-        with Worker("bench.kv:ops_client", f"{b.key}-client", backend=b.key, address=srv.info["address"],
-                    items=items, loop=loop, log=log) as cli:
-            cli.start(timeout=120)
-            cli.send("go")
-            budget = 120 + sum(it["n"] + it["warm"] for it in items) * 0.05
-            return cli.expect("result", budget, on_progress)
+def _ops_pair(b: Backend, items: list[dict], pool_size: int, loop: str, logs: list[str]) -> Pair:
+    """``b``'s server and (pre-populated) client processes, started, for a round of turns."""
+    log = f"/tmp/{RUN_ID}-{b.key}-{next_id()}.log"
+    logs.append(log)
+    server = _start_server(b, loop, pool_size, log)
+    client = Worker("bench.kv:ops_client", f"{b.key}-client", backend=b.key, address=server.info["address"],
+                    items=items, pool_size=pool_size, loop=loop, log=log)
+    try:
+        client.start(timeout=120)
+        return Pair(b.key, b.idle, server, client)
+    except BaseException:
+        client.stop()
+        server.stop()
+        raise
 
 
 def _rounds(backends: list, rounds: int) -> list[list]:
-    """Each round's order: rotated by one per round, reversed every other round (as in echo)."""
+    """Each round's order (the pods subsection's): rotated by one per round, reversed every other."""
     out = []
     for r in range(rounds):
         k = r % max(1, len(backends))
@@ -241,27 +276,21 @@ def _rounds(backends: list, rounds: int) -> list[list]:
 
 def run_ops(cfg: dict, progress: Any, log: Callable[[str], None], backends: list[Backend],
             logs: list[str]) -> dict:
+    """The per-operation subsection: per round, fresh processes for every backend, each item
+    timed in blocks that take turns with the other backends' (bench.turns)."""
     items = ops_plan(cfg["quick"])
     rounds = 1 if cfg["quick"] else cfg["rounds"]  # quick: one round keeps --quick under 2 min
-    task = progress.add_task("kv ops", total=rounds * len(backends) * len(items))
-    raw: dict[str, dict[str, list]] = {b.key: {it["id"]: [] for it in items} for b in backends}
+    blocks = 2 if cfg["quick"] else BLOCKS
+    pool_size = pool_for(items, blocks)
     errors: dict[str, list[str]] = {}
-    for r, order in enumerate(_rounds(backends, rounds)):
-        for b in order:
-            progress.update(task, description=f"kv ops r{r + 1}/{rounds} {b.key}")
-            path = f"/tmp/{RUN_ID}-{b.key}-{next_id()}.log"
-            logs.append(path)
-            done: list = []
-            try:
-                res = measure_ops_once(b, items, cfg["loop"], path,
-                                       lambda s: (done.append(s), progress.advance(task)))
-            except WorkerError as exc:
-                errors.setdefault(b.key, []).append(str(exc))
-                log(f"[red]kv ops {b.key} round {r + 1} failed: {str(exc).splitlines()[0]}")
-                progress.advance(task, len(items) - len(done))
-                continue
-            for item_id, sample in res.items():
-                raw[b.key][item_id].append(sample)
+
+    def failed(key: str, r: int, exc: WorkerError) -> None:
+        errors.setdefault(key, []).append(str(exc))
+        log(f"[red]kv ops {key} round {r + 1} failed: {str(exc).splitlines()[0]}")
+
+    raw = run_rounds(backends, lambda b: _ops_pair(b, items, pool_size, cfg["loop"], logs),
+                     [(it["id"], it["n"], it["warm"]) for it in items], rounds, blocks, progress,
+                     "kv ops", failed)
     return summarize_ops(backends, items, raw, errors)
 
 

@@ -44,6 +44,7 @@ class Backend:
     default: bool = True  # in the default run; others only when named with --transports
     coherence: str = "hardware"  # the kvservice server's layout ("flush": no cross-host coherence)
     hardware: str = ""  # a flush-mode row's hardware-coherence twin: the tables show its cost over that row
+    idle: str = "sleep"  # what its peers do between turns (bench.turns): "sleep", "pause" or "solo"
 
     def address(self, n: int) -> str:
         return {"shm": f"shm://{RUN_ID}-kv-{n}", "tcp": "127.0.0.1:0", "mooncake": "127.0.0.1"}[self.addr]
@@ -57,7 +58,7 @@ class Backend:
 KV_SHM = Backend("kv-shm", "kvservice aio adaptive", "kvservice", "bench.kv_backends:serve_kv", "shm", True,
                  rpc_options={"doorbell": "adaptive"})
 KV_SPIN = Backend("kv-shm-spin", "kvservice aio busy-spin", "kvservice", "bench.kv_backends:serve_kv", "shm",
-                  True, rpc_options={"doorbell": "busy-spin"}, default=False)
+                  True, rpc_options={"doorbell": "busy-spin"}, default=False, idle="solo")
 KV_SYNC = Backend("kv-shm-sync", "kvservice sync adaptive", "kvservice", "bench.kv_backends:serve_kv", "shm",
                   False, rpc_options={"doorbell": "adaptive"})
 KV_FLUSH = Backend("kv-shm-flush", "kvservice aio adaptive, flush mode", "kvservice", "bench.kv_backends:serve_kv",

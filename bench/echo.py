@@ -14,7 +14,7 @@ from .grpc_echo import run_loop
 from .procs import Worker, WorkerError
 from .stats import cdf_points, change, median_of, pooled, summarize
 from .transports import ECHO, Transport, resolve
-from .turns import BLOCKS, SETTLE_NS, Pair, run_rounds
+from .turns import BLOCKS, QUICK_BLOCKS, SETTLE_NS, Pair, run_rounds
 
 KIB, MIB = 1024, 1024 * 1024
 SIZES = (64, 4 * KIB, 64 * KIB, MIB)
@@ -169,7 +169,7 @@ def run_echo(cfg: dict, progress: Any, log: Callable[[str], None]) -> dict:
         log(f"[red]echo {key} round {r + 1} failed: {str(exc).splitlines()[0]}")
 
     raw = run_rounds(transports, lambda t: _pair(t, max_payload, cfg["loop"]), plan, cfg["rounds"],
-                     2 if cfg["quick"] else BLOCKS, progress, "echo", failed)
+                     QUICK_BLOCKS if cfg["quick"] else BLOCKS, progress, "echo", failed)
     return summarize_echo(transports, raw, sizes, plan, skipped, errors)
 
 

@@ -28,7 +28,7 @@ from .kv_backends import (BACKENDS, BY_KEY, KV_GRPC, KV_SHM, KV_SPIN, AsyncKV, B
                           quiet_stderr)
 from .procs import RUN_ID, Worker, WorkerError, wait_readable
 from .stats import change, median_of, pooled, summarize
-from .turns import BLOCKS, SETTLE_NS, Pair, run_rounds, split
+from .turns import BLOCKS, QUICK_BLOCKS, SETTLE_NS, Pair, run_rounds, split
 
 KIB, MIB = 1024, 1024 * 1024
 SIZES = (4 * KIB, 64 * KIB, MIB, 16 * MIB)
@@ -280,7 +280,7 @@ def run_ops(cfg: dict, progress: Any, log: Callable[[str], None], backends: list
     timed in blocks that take turns with the other backends' (bench.turns)."""
     items = ops_plan(cfg["quick"])
     rounds = 1 if cfg["quick"] else cfg["rounds"]  # quick: one round keeps --quick under 2 min
-    blocks = 2 if cfg["quick"] else BLOCKS
+    blocks = QUICK_BLOCKS if cfg["quick"] else BLOCKS
     pool_size = pool_for(items, blocks)
     errors: dict[str, list[str]] = {}
 

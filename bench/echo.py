@@ -137,13 +137,7 @@ def _pair(t: Transport, max_payload: int, loop: str) -> Pair:
     server = start_server(t, max_payload, loop)
     client = Worker("bench.echo:echo_client", f"{t.key}-client", transport=t.key,
                     address=server.info["address"], max_payload=max_payload, loop=loop)
-    try:
-        client.start(timeout=60)
-        return Pair(t.key, t.idle, server, client)
-    except BaseException:
-        client.stop()
-        server.stop()
-        raise
+    return Pair.started(t.key, t.idle, server, client, 60)
 
 
 def run_echo(cfg: dict, progress: Any, log: Callable[[str], None]) -> dict:

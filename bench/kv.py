@@ -253,13 +253,7 @@ def _ops_pair(b: Backend, items: list[dict], pool_size: int, loop: str, logs: li
     server = _start_server(b, loop, pool_size, log)
     client = Worker("bench.kv:ops_client", f"{b.key}-client", backend=b.key, address=server.info["address"],
                     items=items, pool_size=pool_size, loop=loop, log=log)
-    try:
-        client.start(timeout=120)
-        return Pair(b.key, b.idle, server, client)
-    except BaseException:
-        client.stop()
-        server.stop()
-        raise
+    return Pair.started(b.key, b.idle, server, client, 120)
 
 
 def _rounds(backends: list, rounds: int) -> list[list]:

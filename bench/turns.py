@@ -17,7 +17,7 @@ from .procs import Worker, WorkerError
 
 #: Blocks per timed unit, row and round: short enough that a spell of seconds falls on every
 #: row's blocks alike (with 6, one row's round could take 2 slow blocks and the next row's 4:
-#: 64 B p50 1.1 against 1.6 us, the same code), in few enough to keep the settling cheap.
+#: 64 B p50 1.1 against 1.6 us, the same code), and few enough that settling stays cheap.
 BLOCKS = 16
 #: Blocks in a --quick run.
 QUICK_BLOCKS = 3
@@ -35,6 +35,17 @@ class Pair:
         self.key, self.idle, self.server, self.client = key, idle, server, client
         self._rest()
 
+    @classmethod
+    def started(cls, key: str, idle: str, server: Worker, client: Worker, timeout: float) -> "Pair":
+        """Start ``client`` (``server`` is up) and pair them; both are stopped if that fails."""
+        try:
+            client.start(timeout=timeout)
+            return cls(key, idle, server, client)
+        except BaseException:
+            client.stop()
+            server.stop()
+            raise
+
     def block(self, unit: Hashable, n: int, warm: int) -> tuple[np.ndarray, int]:
         """``warm`` untimed calls then ``n`` timed ones of ``unit``."""
         for w in (self.server, self.client):
@@ -51,6 +62,7 @@ class Pair:
                 w.pause()
 
     def stop(self) -> None:
+        """End both processes (a paused one is resumed first)."""
         for w in (self.client, self.server):
             w.stop()
 

@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     console = Console() if sys.stdout.isatty() else Console(width=132)
     signal.signal(signal.SIGTERM, _on_term)
+    signal.signal(signal.SIGHUP, _on_term)  # a closed terminal: workers (own groups) stopped too
     cfg = {"quick": args.quick, "huge": args.huge, "rounds": args.rounds, "loop": args.loop,
            "transports": args.transports.split(",") if args.transports else None}
     data: dict[str, Any] = {"env": report.environment(args.loop), "config": {**cfg, "sections": list(args.sections)}}

@@ -23,8 +23,15 @@ class WorkerError(RuntimeError):
 
 
 def _child_main(target: str, conn: Connection, kwargs: dict[str, Any]) -> None:
-    """Child entry: ignore Ctrl-C (the parent drives shutdown), run ``module:function``."""
+    """Child entry: its own process group, Ctrl-C ignored (the parent drives shutdown), a
+    hang-up an exit (atexit cleanup runs), then ``module:function``.
+
+    In the run's group, a paused worker got the SIGHUP the kernel sends stopped processes of
+    an orphaned group when the shell that started the run in the background exited mid-turn.
+    """
+    os.setpgid(0, 0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, _exit_on_hangup)
     modname, fname = target.split(":")
     try:
         getattr(importlib.import_module(modname), fname)(conn, **kwargs)
@@ -34,6 +41,10 @@ def _child_main(target: str, conn: Connection, kwargs: dict[str, Any]) -> None:
         except Exception:
             pass
         raise SystemExit(1)
+
+
+def _exit_on_hangup(*_: object) -> None:
+    raise SystemExit(1)
 
 
 class Worker:

@@ -5,7 +5,8 @@ re-checks its ring before it sleeps; a producer, after publishing, fences and re
 ``parked`` and only then pays for a wake-up datagram.  Dekker's pattern on both sides means
 no wake-up is lost, and the fast path (consumer awake) costs a fence and a load.  The
 wake-up is a datagram on an abstract Unix socket named after the region's epoch: pollable
-(asyncio sleeps in epoll), gone when its owner dies, nothing to clean up.
+(asyncio sleeps in epoll), gone when its owner dies, nothing to clean up. It names the CPU it
+was sent from, so a consumer woken beside its producer moves off (``placement``).
 
 Only a producer of the consumer's own host identity can reach that socket, so only such a
 producer clears the word; a producer on another host leaves it alone (clearing it would
@@ -25,11 +26,13 @@ from typing import Callable
 
 from ..identity import host_identity
 from ..memory import RELAXED, SEQ_CST, Counter, fence
-from .placement import SharedCpu
+from .placement import SharedCpu, this_cpu
 from .strategy import WaitStrategy
 
 _sender: socket.socket | None = None
 _FIRST_POLL = 50e-6  # the remote-poll backoff starts here and doubles up to poll_interval
+#: A wake-up datagram of this many bytes names its sender's CPU (little-endian).
+WAKE_CPU_BYTES = 4
 
 
 def _send_socket() -> socket.socket:
@@ -39,6 +42,11 @@ def _send_socket() -> socket.socket:
         _sender.setblocking(False)
         atexit.register(_sender.close)  # one per process, closed at exit (no ResourceWarning)
     return _sender
+
+
+def wake_datagram(cpu: int) -> bytes:
+    """A wake-up naming the CPU it was sent from (one byte, 1, where that is unknown)."""
+    return cpu.to_bytes(WAKE_CPU_BYTES, "little") if cpu >= 0 else b"\x01"
 
 
 def wake_address(epoch: int, consumer: str) -> bytes:
@@ -78,7 +86,7 @@ class Doorbell:
         me = self._me
         if self._parked.load(RELAXED) == me and self._parked.cas(me, 0, SEQ_CST) == me:
             try:
-                _send_socket().sendto(b"\x01", self._address)
+                _send_socket().sendto(wake_datagram(this_cpu()), self._address)
             except OSError:
                 pass  # consumer gone (ECONNREFUSED) or a wake-up already queued (EAGAIN)
 
@@ -115,15 +123,21 @@ class DoorbellReceiver:
         self._sock.close()
         self._parked.store(0, SEQ_CST)
 
-    def _drain(self) -> None:
+    def _drain(self) -> int:
+        """Take the queued wake-ups; the CPU named by the last that named one (-1: none)."""
+        cpu = -1
         try:
-            while self._sock.recv(64):
-                pass
+            while data := self._sock.recv(64):
+                if len(data) == WAKE_CPU_BYTES:
+                    cpu = int.from_bytes(data, "little")
         except (BlockingIOError, OSError):
             pass
+        return cpu
 
     def _on_readable(self) -> None:
-        self._drain()
+        cpu = self._drain()
+        if cpu >= 0:
+            self.shared_cpu.woken_from(cpu)
         w = self._waiter
         if w is not None and not w.done():
             w.set_result(None)
@@ -232,7 +246,9 @@ class DoorbellReceiver:
         try:
             for step in self._steps(remaining, idle):
                 select.select([self._sock], [], [], step)
-                self._drain()
+                cpu = self._drain()
+                if cpu >= 0:
+                    self.shared_cpu.woken_from(cpu)
                 if ready() or self._park_begin(ready):
                     return True
         finally:

@@ -7,7 +7,8 @@ instead of ~3 (2 cores here), until the load balancer separates them, which it i
 for tasks that ran microseconds ago ("cache hot"). A ``sched_yield`` that returns late shows
 another runnable task on this CPU; after enough of them in a row the polling thread moves off
 the CPU: its affinity narrowed to the other CPUs it may use for one system call (the kernel
-moves it to the idlest), then given back whole. It stays where it landed.
+moves it to the idlest), then given back whole. It stays where it landed. A doorbell wake-up names the CPU it was sent
+from: woken on that CPU, a thread needs only one late yield more.
 """
 from __future__ import annotations
 
@@ -30,6 +31,11 @@ except (OSError, AttributeError):  # not glibc/musl with sched_getcpu: never mov
     _getcpu = None
 
 
+def this_cpu() -> int:
+    """The CPU the calling thread runs on (-1 where sched_getcpu is missing)."""
+    return _getcpu() if _getcpu is not None else -1
+
+
 def move_off_this_cpu() -> int | None:
     """Move the calling thread to another CPU of its affinity mask (the mask itself left as
     it was); the CPU it left, or None when it has nowhere to go."""
@@ -48,7 +54,8 @@ def move_off_this_cpu() -> int | None:
 
 
 class SharedCpu:
-    """Evidence, yield by yield, that a polling thread's CPU runs another task too."""
+    """Evidence that a polling thread's CPU runs another task too: yield by yield, or a
+    wake-up sent from this very CPU and one late yield after it."""
 
     __slots__ = ("late", "moved_at", "moves")
 
@@ -71,3 +78,13 @@ class SharedCpu:
             self.moved_at = end
             if move_off_this_cpu() is not None:
                 self.moves += 1
+
+    def woken_from(self, cpu: int) -> None:
+        """A doorbell wake-up was sent from ``cpu``. If that is this thread's CPU, the kernel
+        put the woken thread beside its waker (a socket wake-up is a "sync" one), where both
+        would poll by turns, each round trip ~25-50 us: the next late yield alone moves it,
+        with no rate limit (an idle period came between). Not a move at once: that takes
+        ~0.1 ms here, which the call that woke it would wait for, even when no other follows."""
+        if cpu >= 0 and cpu == this_cpu():
+            self.late = EVIDENCE - 1
+            self.moved_at = -MOVE_EVERY_S

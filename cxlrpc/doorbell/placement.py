@@ -7,8 +7,8 @@ instead of ~3 (2 cores here), until the load balancer separates them, which it i
 for tasks that ran microseconds ago ("cache hot"). A ``sched_yield`` that returns late shows
 another runnable task on this CPU; after enough of them in a row the polling thread moves off
 the CPU: its affinity narrowed to the other CPUs it may use for one system call (the kernel
-moves it to the idlest), then given back whole. It stays where it landed. A doorbell wake-up names the CPU it was sent
-from: woken on that CPU, a thread needs only one late yield more.
+moves it to the idlest), then given back whole. It stays where it landed. A doorbell wake-up
+names the CPU it was sent from: woken on that CPU, a thread needs only one late yield more.
 """
 from __future__ import annotations
 

@@ -30,6 +30,7 @@ from .doorbell import WaitStrategy, resolve
 from .errors import (DeadlineExceeded, InvalidArgument, ResourceExhausted, RpcError, StatusCode,
                      Unavailable, error_for)
 from .heap import EXTENT, FOLLOW_HEADER, FOLLOW_MIN, GRANT, OFFSET, HeapAccess
+from .process_heap import keep_freed_heap
 from .service import S, stub
 from .streams import StreamCall
 from .region import Region, RegionError
@@ -311,6 +312,7 @@ class _Base:
 
     def _open(self) -> _Link:
         """Attach (claim a slot) and start the monitor: a connection not yet acknowledged."""
+        keep_freed_heap()  # big replies land in fresh bytes objects: no page faults for them
         chan = _attach(self.url, self.poll_interval, self._stopped_beat)
         try:
             link = _Link(chan, self)

@@ -38,6 +38,7 @@ from .service import add_service, stream_item
 from .streams import STREAM_WINDOW, RequestStream
 from .memory import ACQ_REL
 from .memory import HARDWARE
+from .process_heap import keep_freed_heap
 from .region import Region, RegionError, coherence_for, parse_url
 
 Handler = Callable[..., Any]
@@ -367,6 +368,7 @@ class Server:
         """Create the region (replacing a stale one left by a dead server) and start serving."""
         if self._region is not None:
             raise RuntimeError("server already started")
+        keep_freed_heap()  # big requests land in fresh bytes objects: no page faults for them
         try:
             self._region = Region.acquire(self.url, self.size, KIND_RPC, self.mode,
                                           self.client_timeout + 1.0, self.coherence)

@@ -23,7 +23,7 @@ from cxlrpc.channel import read_geometry
 from cxlrpc.memory import ACQUIRE
 from cxlrpc.region import Region, parse_url, unlink_shm
 
-from procs import cpu_seconds, report, until
+from procs import cpu_seconds, report, timer_cpu_share, until
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -96,6 +96,7 @@ async def test_client_in_other_namespaces_is_served_fast_and_sees_server_death(u
     """A client in other PID/net/UTS namespaces: not reaped, busy and after-idle round trips
     near the local ones (no 100 ms wake-up timeouts), a local client undisturbed meanwhile,
     idle CPU low on both sides, and a killed server seen as Unavailable within 2 s."""
+    timers = await asyncio.to_thread(timer_cpu_share, 1000)  # a 1 kHz poll's price here
     server = Peer("server", url, isolated=False)
     remote = None
     try:
@@ -145,9 +146,10 @@ async def test_client_in_other_namespaces_is_served_fast_and_sees_server_death(u
         assert busy["p50_us"] < 2_000, busy
         assert local_p90_ms < 10, f"a local client suffered while a remote one was active: p90 {local_p90_ms:.1f} ms"
         # a 1 kHz timer alone costs ~1.9% of a core on this VM (each wake-up ~20 us of kernel
-        # time; more when the machine is busy); poll_interval= trades that against the
-        # after-idle latency. The bound catches a consumer that spins (tens of %), not noise.
-        assert client_cpu < 0.02 and server_cpu < 0.10, (client_cpu, server_cpu)
+        # time), 7.7% in a bad hour; poll_interval= trades that against the after-idle
+        # latency. The bounds, scaled by what a bare 1 kHz asyncio loop costs here, catch a
+        # consumer that spins (tens of %), not the machine's speed.
+        assert client_cpu < 0.02 + 2 * timers and server_cpu < 0.10 + 2 * timers, (client_cpu, server_cpu, timers)
         assert gone["detect_s"] <= 2.0, gone
         assert "UNAVAILABLE" in gone["error"]
     finally:

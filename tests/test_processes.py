@@ -11,7 +11,7 @@ import time
 import pytest
 
 import cxlrpc
-from procs import client_holding_slot, cpu_seconds, echo_server, stop, wakeups
+from procs import client_holding_slot, cpu_seconds, echo_server, stop, timer_cpu_share, wakeups
 
 
 async def test_async_and_blocking_clients_across_processes(url):
@@ -90,8 +90,10 @@ def test_idle_server_and_client_use_almost_no_cpu(url):
     """Parked, each side wakes only for its periodic duties (the server: housekeeping and its
     heartbeat thread, 0.1 s each; the client: its monitor thread, 0.1 s) and spends little
     CPU.  The wake-up count is the design's property; a bare asyncio wake-up alone costs
-    0.2-0.3 ms of CPU on this 2-core VM, so the CPU bound is set to catch polling and
-    spinning (a 1 ms poll costs >20 %), not the machine's speed."""
+    0.2-0.3 ms of CPU on this 2-core VM (1.4 ms in a bad hour), so the CPU bound is set to
+    catch spinning, not the machine's speed: 3% of a core plus twice what a bare asyncio loop
+    waking 20 times a second costs here (polling shows in the wake-up counts)."""
+    budget = 0.03 + 2 * timer_cpu_share(20)
     with echo_server(url) as proc:
         me = os.getpid()
 
@@ -111,8 +113,8 @@ def test_idle_server_and_client_use_almost_no_cpu(url):
         server_cpu, client_cpu, server_woke, client_woke = asyncio.run(idle_client())
     assert server_woke < 30, f"idle server woke {server_woke:.0f} times a second (design: ~20)"
     assert client_woke < 30, f"idle client woke {client_woke:.0f} times a second (design: ~10)"
-    assert server_cpu < 0.03, f"idle server used {server_cpu:.1%} of a CPU"
-    assert client_cpu < 0.03, f"idle client used {client_cpu:.1%} of a CPU"
+    assert server_cpu < budget, f"idle server used {server_cpu:.1%} of a CPU (budget {budget:.1%})"
+    assert client_cpu < budget, f"idle client used {client_cpu:.1%} of a CPU (budget {budget:.1%})"
 
 
 async def test_file_region(tmp_path):

@@ -83,4 +83,3 @@ def test_users_own_malloc_settings_are_left_alone(env: dict[str, str]) -> None:
                          text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
-

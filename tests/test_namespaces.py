@@ -97,6 +97,7 @@ async def test_client_in_other_namespaces_is_served_fast_and_sees_server_death(u
     near the local ones (no 100 ms wake-up timeouts), a local client undisturbed meanwhile,
     idle CPU low on both sides, and a killed server seen as Unavailable within 2 s."""
     timers = await asyncio.to_thread(timer_cpu_share, 1000)  # a 1 kHz poll's price here
+    deep_wake_s = await asyncio.to_thread(timer_cpu_share, 20) / 20  # one wake-up from idle
     server = Peer("server", url, isolated=False)
     remote = None
     try:
@@ -140,8 +141,10 @@ async def test_client_in_other_namespaces_is_served_fast_and_sees_server_death(u
                idle_cpu_server=round(server_cpu, 4), server_death_detect_s=round(gone["detect_s"], 2),
                connect_s=round(connected["connect_s"], 3))
         # ~1 ms of polling at most after idle (the old wake-up path cost ~102 ms), with slack
-        # for a noisy 2-core machine
-        assert statistics.median(after_idle_us) < busy["p50_us"] + 5_000, idle
+        # for a noisy 2-core machine: 5 ms, plus four wake-ups from idle at this machine's
+        # price (~0.25 ms each; ~1.4 ms in a bad hour, when calls after idle took 2-7 ms
+        # with the code of the day before as well)
+        assert statistics.median(after_idle_us) < busy["p50_us"] + 5_000 + 4e6 * deep_wake_s, (idle, deep_wake_s)
         assert max(after_idle_us) < 50_000, idle
         assert busy["p50_us"] < 2_000, busy
         assert local_p90_ms < 10, f"a local client suffered while a remote one was active: p90 {local_p90_ms:.1f} ms"

@@ -99,17 +99,22 @@ def client_holding_slot(url: str, call_slow: bool = False) -> mp.Process:
     return proc
 
 
+def _ran_s(schedstat: str) -> float:
+    """Seconds one thread ran, from its /proc schedstat file (ns resolution)."""
+    with open(schedstat) as f:
+        return int(f.read().split()[0]) / 1e9
+
+
 def cpu_seconds(pid: int) -> float:
     """CPU time all threads of a process ran, in ns-resolution (/proc schedstat; the stat
     file's clock ticks are 10 ms, too coarse for an idle budget of milliseconds)."""
-    total = 0
+    total = 0.0
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                total += int(f.read().split()[0])
+            total += _ran_s(f"/proc/{pid}/task/{tid}/schedstat")
         except FileNotFoundError:
             pass  # the thread ended meanwhile
-    return total / 1e9
+    return total
 
 
 def timer_cpu_share(rate_hz: float, seconds: float = 1.0) -> float:
@@ -117,15 +122,11 @@ def timer_cpu_share(rate_hz: float, seconds: float = 1.0) -> float:
     second: this machine's price of wake-ups, which idle budgets are scaled by. On one 2-core
     VM it moved within an hour from ~0.3 to ~1.4 ms per wake-up (20 a second: 3.0% of a
     core; 1,000 a second: 7.7%). Runs its own loop: call it where none is running."""
-    def ran() -> float:
-        with open("/proc/thread-self/schedstat") as f:
-            return int(f.read().split()[0]) / 1e9
-
     async def wake() -> float:
-        cpu0, t0 = ran(), time.monotonic()
+        cpu0, t0 = _ran_s("/proc/thread-self/schedstat"), time.monotonic()
         for _ in range(int(rate_hz * seconds)):
             await asyncio.sleep(1 / rate_hz)
-        return (ran() - cpu0) / (time.monotonic() - t0)
+        return (_ran_s("/proc/thread-self/schedstat") - cpu0) / (time.monotonic() - t0)
 
     return asyncio.run(wake())
 

@@ -1003,8 +1003,11 @@ class Client(_Base):
                 self._late[call_id] = late
             if deadline is not None:
                 timer = loop.call_at(deadline, _expire, fut)
-            if not self._direct and len(self._pending) == 1 and not chan.server_in_process:
-                await self._poll_directly(fut, waited=self._hot_s if parts is None else 0.0)
+            if not self._direct:
+                if len(self._pending) == 1 and not chan.server_in_process:
+                    await self._poll_directly(fut, waited=self._hot_s if parts is None else 0.0)
+                else:  # the reader dispatches our reply (it may rest after a direct-polled call)
+                    self._wake_reader()
             return await fut
         except (asyncio.CancelledError, DeadlineExceeded):
             gave_up = True
@@ -1082,9 +1085,7 @@ class Client(_Base):
         if call._closed:  # cancelled (or left) while it opened: the handler has no caller
             self._send_cancel(call_id)
             call._finish()
-        wake = self._reader_wake  # the reader may be resting after a direct-polled call:
-        if wake is not None and not wake.done():  # the stream's frames come through it
-            wake.set_result(None)
+        self._wake_reader()  # the stream's frames come through the reader
         return call
 
     async def _push_parts(self, parts: tuple, deadline: float | None) -> None:
@@ -1188,10 +1189,16 @@ class Client(_Base):
         finally:
             self._direct = False
             # Hand over to the reader only if calls remain (ours, if we gave up, or others'):
-            # waking it after every call would cost a few task switches per round trip.
-            wake = self._reader_wake
-            if (self._pending or self._streams) and wake is not None and not wake.done():
-                wake.set_result(None)
+            # waking it after every call would cost a few task switches per round trip. A call
+            # that waits for its reply later, without polling for it, wakes it then.
+            if self._pending or self._streams:
+                self._wake_reader()
+
+    def _wake_reader(self) -> None:
+        """Wake the reader task if it rests until a direct poll ends."""
+        wake = self._reader_wake
+        if wake is not None and not wake.done():
+            wake.set_result(None)
 
     def _on_reply(self, view: memoryview) -> None:
         f = self._own_reply(view)

@@ -280,6 +280,30 @@ def test_load_four_processes_nothing_lost_duplicated_or_mismatched_memory_flat(u
 
 
 # ----------------------------------------------------------------------------- ring full
+async def test_calls_that_met_a_full_ring_wake_a_resting_reader(url):
+    """The reader task rests while a caller polls the reply ring itself, and that caller wakes
+    it at its end only if calls remain. Two calls that then meet a full request ring are both
+    in flight once they go out, so neither polls for its reply: they wake the reader, and are
+    answered (they used to wait, replies in the ring, until their deadline)."""
+    with fault_server(url, slots=2, request_capacity=4096, response_capacity=4096):
+        async with cxlrpc.connect(url) as client:
+            assert await client.call("echo", b"warm", timeout=10) == b"warm"
+            client.send_nowait("slow_echo", [0.5, b""])  # holds the server's reader for 0.5 s
+            while True:  # then the request ring fills, to the last byte a call would take
+                try:
+                    client.send_nowait("echo", b"")
+                except cxlrpc.ResourceExhausted:
+                    break
+            client._direct = True  # a caller polls directly: the reader rests when it looks
+            deadline = time.monotonic() + 5
+            while client._reader_wake is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert client._reader_wake is not None
+            client._direct = False  # that caller ended with nothing in flight: no wake-up
+            replies = await asyncio.gather(*(client.call("echo", b"%d" % i, timeout=5) for i in range(2)))
+            assert replies == [b"0", b"1"]
+
+
 async def test_full_small_rings_are_backpressure_not_loss_or_deadlock(url):
     """With 4 KiB rings and a blocking slow handler, 200 calls from 2 clients all complete correctly after waiting on full rings."""
     with fault_server(url, slots=2, request_capacity=4096, response_capacity=4096):

@@ -29,15 +29,19 @@
 #define MAX_PRODUCER 0xFFFF
 #define TAG_MASK 0x3F
 #define COUNTER_LIMIT (1ULL << 62)
+#define PAD_CLEAN (1ULL << 63)
+#define HOT_SPAN 16384ULL /* record.py's; a quarter of rings under 64 KiB (hot_span) */
+#define NO_PADDING UINT64_MAX
 #define MAX_PARTS 8
 
 typedef struct {
     PyObject_HEAD
     PyObject *buf; /* the region's memoryview */
     char *base;
-    unsigned long long capacity, mask, max_payload;
+    unsigned long long capacity, mask, max_payload, hot_span;
     Py_ssize_t data, tail_at, head_at;
     unsigned long long head_local, tail_local, head_cache;
+    unsigned long long wrap_from; /* a producer's next look for an early wrap (see early_wrap) */
     Py_ssize_t dropped;
     int multi, flushing;
     size_t len; /* of the buffer */
@@ -119,6 +123,8 @@ static int core_init(RingCore *self, PyObject *args, PyObject *kwds) {
     self->capacity = capacity;
     self->mask = capacity - 1;
     self->max_payload = capacity / 2 - HEADER_SIZE;
+    self->hot_span = (unsigned long long)capacity / 4 < HOT_SPAN ? (unsigned long long)capacity / 4 : HOT_SPAN;
+    self->wrap_from = 0;
     self->data = offset + CONTROL_SIZE;
     self->tail_at = offset + TAIL_OFFSET;
     self->head_at = offset + HEAD_OFFSET;
@@ -158,11 +164,36 @@ static void zero_span(RingCore *r, uint64_t start, uint64_t end) {
     }
 }
 
-static void release_to(RingCore *r, uint64_t head, uint64_t pos) {
-    if (r->multi)
-        zero_span(r, head, pos);
+/* Release [head, pos) to the producers. An MPSC consumer zeroes it first (free space reads
+ * zero), except the body of the clean padding at ``clean`` (a producer's wrap over free space,
+ * zero already: up to a lap's worth of pages left untouched), or NO_PADDING. */
+static void release_to(RingCore *r, uint64_t head, uint64_t pos, uint64_t clean) {
+    if (r->multi) {
+        if (clean != NO_PADDING && clean >= head && clean < pos) {
+            zero_span(r, head, clean + HEADER_SIZE);
+            zero_span(r, (clean | r->mask) + 1, pos);
+        } else {
+            zero_span(r, head, pos);
+        }
+    }
     r->head_local = pos;
     store_rel(r, r->head_at, pos);
+}
+
+/* Should a record of ``size`` at ``tail`` (``idx`` in the buffer) go to the ring's start
+ * although it fits before the end? Yes when ``idx`` is hot_span or more and the consumer has
+ * taken everything (cxlrpc.ring.record): traffic keeps to the ring's first pages. The head is
+ * read at most once per hot_span of tail. */
+static int early_wrap(RingCore *r, uint64_t tail, uint64_t idx, uint64_t size) {
+    if (idx < r->hot_span || size > idx || (tail < r->wrap_from && r->wrap_from - tail <= r->hot_span))
+        return 0;
+    uint64_t head = load_acq(r, r->head_at);
+    if (head == tail) {
+        r->head_cache = head;
+        return 1;
+    }
+    r->wrap_from = tail + r->hot_span;
+    return 0;
 }
 
 static PyObject *poll_records(RingCore *self, long long limit, PyObject *handler, cxlrpc_record_fn fn, void *ctx);
@@ -213,7 +244,7 @@ static PyObject *poll_records(RingCore *self, long long limit, PyObject *handler
         Py_DECREF(res);
         return PyLong_FromLong(0);
     }
-    uint64_t pos = head;
+    uint64_t pos = head, clean = NO_PADDING;
     long long count = 0;
     while (pos < tail && count < limit) {
         uint64_t idx = pos & self->mask;
@@ -266,11 +297,20 @@ static PyObject *poll_records(RingCore *self, long long limit, PyObject *handler
                 return NULL;
             }
             count += 1;
+        } else {
+            uint64_t at = word & PAD_CLEAN && idx + size == cap ? pos : NO_PADDING;
+            if (pos == head) { /* a wrap at the head: freed at once, so producers see the room an
+                                * early wrap leaves behind it before the records after it are handled */
+                release_to(self, head, pos + size, at);
+                head = pos + size;
+            } else if (at != NO_PADDING) {
+                clean = at; /* (one per lap: it ends at the buffer's end) */
+            }
         }
         pos += size;
     }
     if (pos != head)
-        release_to(self, head, pos);
+        release_to(self, head, pos, clean);
     return PyLong_FromLongLong(count);
 }
 
@@ -418,7 +458,7 @@ static PyObject *push_spsc_views(RingCore *self, Py_buffer *views, Py_ssize_t n,
     uint64_t cap = self->capacity, tail = self->tail_local;
     uint64_t size = HEADER_SIZE + ((length + 7) & ~7ULL);
     uint64_t idx = tail & self->mask, to_end = cap - idx;
-    uint64_t need = size <= to_end ? size : to_end + size;
+    uint64_t need = size <= to_end && !early_wrap(self, tail, idx, size) ? size : to_end + size;
     if (self->head_cache > tail || tail + need - self->head_cache > cap) {
         uint64_t head = load_acq(self, self->head_at);
         if (!valid_head(self, head, tail)) {
@@ -436,7 +476,7 @@ static PyObject *push_spsc_views(RingCore *self, Py_buffer *views, Py_ssize_t n,
         }
     }
     if (need != size) {
-        store_rlx(self, self->data + idx, COMMITTED | (KIND_PADDING << 48) | (to_end - HEADER_SIZE));
+        store_rlx(self, self->data + idx, COMMITTED | PAD_CLEAN | (KIND_PADDING << 48) | (to_end - HEADER_SIZE));
         idx = 0;
     }
     store_rlx(self, self->data + idx, COMMITTED | (KIND_DATA << 48) | length);
@@ -583,7 +623,7 @@ static PyObject *push_mpsc_views(RingCore *self, long producer, long tag, PyObje
             goto full; /* garbage tail: the consumer resets it */
         idx = tail & mask;
         to_end = cap - idx;
-        need = size <= to_end ? size : to_end + size;
+        need = size <= to_end && !early_wrap(self, tail, idx, size) ? size : to_end + size;
         if (self->head_cache > tail || tail + need - self->head_cache > cap) {
             uint64_t head = load_acq(self, self->head_at);
             if (!valid_head(self, head, tail))
@@ -619,7 +659,7 @@ static PyObject *push_mpsc_views(RingCore *self, long producer, long tag, PyObje
         if (cas(self, (Py_ssize_t)data, 0, word) != 0 &&
             (call_slow(self, s_open, written, 1, revoked, NULL) < 0 || check_open(self) < 0))
             goto done;
-        uint64_t pad = COMMITTED | (KIND_PADDING << 48) | ((uint64_t)producer << 32) | (to_end - HEADER_SIZE);
+        uint64_t pad = COMMITTED | PAD_CLEAN | (KIND_PADDING << 48) | ((uint64_t)producer << 32) | (to_end - HEADER_SIZE);
         written[1][0] = data + idx, written[1][1] = tail, written[1][2] = pad;
         if (cas(self, (Py_ssize_t)(data + idx), 0, pad) != 0 &&
             (call_slow(self, s_open, written, 2, revoked, NULL) < 0 || check_open(self) < 0))
@@ -710,6 +750,7 @@ static PyMemberDef core_members[] = {
     {"_head_local", T_ULONGLONG, offsetof(RingCore, head_local), 0, "the consumer's own copy of its counter"},
     {"_tail_local", T_ULONGLONG, offsetof(RingCore, tail_local), 0, "an SPSC producer's own copy of its counter"},
     {"_head_cache", T_ULONGLONG, offsetof(RingCore, head_cache), 0, "the producer's last valid view of the head"},
+    {"_wrap_from", T_ULONGLONG, offsetof(RingCore, wrap_from), 0, "the tail from which the producer next looks for an early wrap"},
     {"dropped", T_PYSSIZET, offsetof(RingCore, dropped), 0, "corrupt records or counters the consumer discarded"},
     {NULL},
 };

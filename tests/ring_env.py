@@ -14,7 +14,7 @@ from hypothesis import event, strategies as st
 
 from cxlrpc.memory import RELEASE, AtomicMemory
 from cxlrpc.ring import ring_size
-from cxlrpc.ring.record import HEAD_OFFSET, KIND_DATA, KIND_PADDING, TAIL_OFFSET, make_header
+from cxlrpc.ring.record import HEAD_OFFSET, KIND_DATA, KIND_PADDING, TAIL_OFFSET, hot_span, make_header
 
 TAG = struct.Struct("<HII")  # producer id, sequence number, crc32 of the rest
 
@@ -78,19 +78,38 @@ class Env:
 
 
 class Model:
-    """What the ring must hold: records with the tail position after each, and counters."""
+    """What the ring must hold: records with the tail position after each, and counters.
+    ``early``: the producer wraps early (cxlrpc.ring.record), as the rings' own producers do."""
 
-    def __init__(self, cap: int, start: int = 0) -> None:
+    def __init__(self, cap: int, start: int = 0, early: bool = True) -> None:
         self.cap = cap
         self.q: deque[tuple[bytes, int]] = deque()
         self.head = self.tail = start
         self.uid = itertools.count(1)
+        self.early, self.span, self.wrap_from = early, hot_span(cap), 0
+        self._placed: dict[tuple[int, int], int] = {}  # decided since the head last moved
 
     def place(self, tail: int, n: int) -> int:
-        """Tail after appending an n-byte record at ``tail`` (wrap padding included)."""
-        size = rec_size(n)
-        to_end = self.cap - tail % self.cap
-        return tail + (size if size <= to_end else to_end + size)
+        """Tail after appending an n-byte record at ``tail`` (wrap padding included). Decided
+        once until the head moves, as the producer's own attempt decides it (an early wrap's
+        look at the head moves its next look on)."""
+        if (tail, n) not in self._placed:
+            size = rec_size(n)
+            idx = tail % self.cap
+            to_end = self.cap - idx
+            early = size <= to_end and self._wraps_early(tail, idx, size)
+            self._placed[tail, n] = tail + (size if size <= to_end and not early else to_end + size)
+        return self._placed[tail, n]
+
+    def _wraps_early(self, tail: int, idx: int, size: int) -> bool:
+        if (not self.early or idx < self.span or size > idx
+                or (tail < self.wrap_from and self.wrap_from - tail <= self.span)):
+            return False
+        if self.head == tail:
+            event("early wrap")
+            return True
+        self.wrap_from = tail + self.span
+        return False
 
     def fits(self, tail: int, n: int) -> bool:
         ok = self.place(tail, n) - self.head <= self.cap
@@ -110,6 +129,7 @@ class Model:
             return None
         data, end = self.q.popleft()
         self.head = end
+        self._placed.clear()
         return data
 
 

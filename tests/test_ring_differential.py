@@ -3,7 +3,7 @@ reference (_poll_py, SpscRing._try_push_parts_py, MpscRing._try_push_parts_py) o
 garbage states.
 
 Two rings are laid over two mmaps holding the same bytes (guard bytes on both sides of the
-ring), their private state (_head_local, _tail_local, _head_cache, dropped) is set to the same
+ring), their private state (_head_local, _tail_local, _head_cache, _wrap_from, dropped) is set to the same
 drawn values, the native method runs on one and the reference on the other, and everything
 observable is compared: return value or exception type, every byte of both mmaps (guards
 included), the private state, the delivered payloads, the claim word and the revoked() calls.
@@ -27,7 +27,7 @@ from cxlrpc.memory import AtomicMemory
 from cxlrpc.ring import MpscRing, SpscRing, base, ring_size
 from cxlrpc.ring.mpsc import NO_CLAIM
 from cxlrpc.ring.record import (COMMITTED, CONTROL_SIZE, HEAD_OFFSET, KIND_DATA,
-                                KIND_PADDING, TAIL_OFFSET)
+                                KIND_PADDING, PAD_CLEAN, TAIL_OFFSET)
 
 pytestmark = [pytest.mark.skipif(not base.NATIVE, reason="cxlrpc._ring not built"), pytest.mark.timeout(300)]
 
@@ -81,12 +81,14 @@ def header(kind: int, length: int, committed: bool, producer: int = 0, tag: int 
 
 @st.composite
 def data_area(draw, start: int, multi: bool) -> bytearray:
-    """A chain of records from ``start`` (wrapping, with end padding sometimes), then garbage."""
+    """A chain of records from ``start`` (wrapping, with end padding sometimes, clean or not,
+    over zero or garbage), then garbage."""
     area = bytearray(CAP) if multi or draw(st.booleans()) else bytearray(draw(st.binary(min_size=CAP, max_size=CAP)))
     idx = start & (CAP - 1) & ~7
     for _ in range(draw(st.integers(0, 12))):
         to_end = CAP - idx
         choice = draw(st.integers(0, 9))
+        dirty = not multi
         if choice == 0:  # wrap padding to the end
             w, size = header(KIND_PADDING, to_end - 8, True), to_end
         else:
@@ -95,14 +97,24 @@ def data_area(draw, start: int, multi: bool) -> bytearray:
             committed = draw(st.integers(0, 9)) > 0
             w = header(kind, length, committed, draw(st.integers(0, 3)), draw(st.integers(0, 3)))
             size = 8 + ((length + 7) & ~7)
+        if w >> 48 & 0xFF == KIND_PADDING:
+            w |= PAD_CLEAN if draw(st.booleans()) else 0
+            dirty = dirty or draw(st.integers(0, 3)) == 0  # garbage in its body
         area[idx:idx + 8] = w.to_bytes(8, "little")
         for j in range(idx + 8, min(CAP, idx + size)):
-            area[j] = (j * 37 + 11) & 0xFF if not multi else area[j]
+            area[j] = (j * 37 + 11) & 0xFF if dirty else area[j]
         idx = (idx + size) % CAP
     for _ in range(draw(st.integers(0, 3))):  # stray garbage words
         at = draw(st.integers(0, CAP // 8 - 1)) * 8
         area[at:at + 8] = draw(st.integers(0, U64)).to_bytes(8, "little")
     return area
+
+
+def wrap_from(tail: int):
+    """Where the producer next looks for an early wrap: from the start, at or near ``tail``
+    (the hot span is CAP // 4), far ahead, or anywhere."""
+    return st.one_of(st.just(0), st.sampled_from([-8, 0, 8, CAP // 4 - 8, CAP // 4, CAP // 4 + 8, 4 * CAP])
+                     .map(lambda d: max(0, min(U64, tail + d))), st.integers(0, U64))
 
 
 # ----------------------------------------------------------------------------- ring pairs
@@ -123,7 +135,7 @@ def make_pair(cls, tail_word: int, head_word: int, area: bytes, state: dict):
 
 
 def snapshot(ring, mm) -> tuple:
-    return (bytes(mm), ring._head_local, ring._tail_local, ring._head_cache, ring.dropped)
+    return (bytes(mm), ring._head_local, ring._tail_local, ring._head_cache, ring._wrap_from, ring.dropped)
 
 
 def outcome(fn):
@@ -142,7 +154,7 @@ def describe(a: tuple, b: tuple) -> str:
         where = lambda i: ("guard-before" if i < GUARD else "control" if i < DATA else
                            "data" if i < DATA + CAP else "guard-after")
         out.append(f"bytes differ at {len(diff)} offsets, first {diff[:4]} ({where(diff[0])})")
-    for name, x, y in zip(("_head_local", "_tail_local", "_head_cache", "dropped"), a[1:], b[1:]):
+    for name, x, y in zip(("_head_local", "_tail_local", "_head_cache", "_wrap_from", "dropped"), a[1:], b[1:]):
         if x != y:
             out.append(f"{name}: native {x} reference {y}")
     return "; ".join(out)
@@ -203,7 +215,7 @@ def test_poll_any(cls, data):
 def run_spsc_push(sane, data):
     tail_local, head_cache = data.draw(related(sane), "tail_local, head_cache")
     tail_word = data.draw(st.one_of(st.just(tail_local), counter(sane)), "tail word")
-    head_word = data.draw(st.one_of(st.just(head_cache), related(sane).map(lambda p: p[1]),
+    head_word = data.draw(st.one_of(st.just(head_cache), st.just(tail_local), related(sane).map(lambda p: p[1]),
                                     counter(sane)), "head word")
     area = data.draw(data_area(tail_local, False), "area")
     n = data.draw(st.sampled_from([0, 1, 5, 7, 8, 100, 200, 496, 504, 505]), "length")
@@ -211,7 +223,8 @@ def run_spsc_push(sane, data):
     rec = bytes((i * 7 + 3) & 0xFF for i in range(n))
     cuts = sorted(data.draw(st.lists(st.integers(0, n), min_size=nparts - 1, max_size=nparts - 1)))
     parts = tuple(rec[a:b] for a, b in zip([0] + cuts, cuts + [n]))
-    state = {"_tail_local": tail_local, "_head_cache": head_cache}
+    state = {"_tail_local": tail_local, "_head_cache": head_cache,
+             "_wrap_from": data.draw(wrap_from(tail_local), "wrap_from")}
     native, ref = make_pair(SpscRing, tail_word, head_word, area, state)
     res_n = outcome(lambda: native[0].try_push_parts(parts))
     res_r = outcome(lambda: SpscRing._try_push_parts_py(ref[0], parts))
@@ -233,6 +246,8 @@ def test_spsc_push_any(data):
 # ----------------------------------------------------------------------------- MPSC push
 def run_mpsc_push(sane, data):
     tail_word, head_word = data.draw(related(sane), "tail word, head word")
+    if data.draw(st.integers(0, 3)) == 0:
+        head_word = tail_word  # empty: the producer may wrap early
     head_cache = data.draw(st.one_of(st.just(head_word), counter(sane)), "head_cache")
     area = data.draw(data_area(tail_word, True), "area")
     # a consumer's padding or garbage where our header goes (tests the _open/_revoke callouts)
@@ -254,7 +269,8 @@ def run_mpsc_push(sane, data):
     # pads/garbles our header (at the first revoked() call) -> _revoke / _lost_commit paths
     bump_head = data.draw(st.sampled_from([None, 8, 64, 4096]), "claim.store moves head by")
     garble = data.draw(st.sampled_from([None, header(KIND_PADDING, 100, True), 0x77]), "revoked() garbles header")
-    native, ref = make_pair(MpscRing, tail_word, head_word, area, {"_head_cache": head_cache})
+    native, ref = make_pair(MpscRing, tail_word, head_word, area,
+                            {"_head_cache": head_cache, "_wrap_from": data.draw(wrap_from(tail_word), "wrap_from")})
     results = []
     for k, (ring, mm) in enumerate((native, ref)):
         cmm = mmap.mmap(-1, 4096)

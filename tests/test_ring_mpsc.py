@@ -27,7 +27,9 @@ from cxlrpc.ring.record import (
     KIND_DATA,
     KIND_PADDING,
     MAX_PRODUCER_ID,
+    PAD_CLEAN,
     TAIL_OFFSET,
+    hot_span,
     make_header,
 )
 
@@ -148,12 +150,81 @@ def test_max_payload_fits_empty_ring_at_every_position(cap: int) -> None:
     env = Env(cap)
     ring = env.ring
     big = payload(7, ring.max_payload)
-    for _ in range(cap // 8):
+    for pos in range(3 * cap, 4 * cap, 8):  # (an early wrap would take the tail back to the start)
+        env.store_counter(TAIL_OFFSET, pos)
+        env.store_counter(HEAD_OFFSET, pos)
+        ring.attach()
         assert ring.try_push(big, 3)
         assert ring.pop() == big
-        assert ring.try_push(b"", 4)  # advance the tail by one 8-byte slot
-        assert ring.pop() == b""
+        assert not any(env.buf[env.data:env.data + cap])  # consumed space reads zero
     assert env.guards_intact()
+
+
+def test_request_response_traffic_keeps_to_the_hot_span() -> None:
+    """Records pushed one at a time into an empty ring stay within its first hot_span bytes
+    (plus one record), and the data area reads zero after each is consumed."""
+    cap = 1 << 16
+    env = Env(cap)
+    ring = env.ring
+    span = hot_span(cap)
+    recs = [payload(i, n) for i, n in enumerate([4000, 100, 0, 9000, 4000, 16000, 50] * 20)]
+    for i, rec in enumerate(recs):
+        assert ring.try_push(rec, i % 3)
+        end = env.load_counter(TAIL_OFFSET) % cap
+        assert 0 < end <= span + rec_size(len(rec)) + rec_size(16000)
+        assert ring.pop() == rec
+        assert not any(env.buf[env.data:env.data + cap])
+    assert env.load_counter(TAIL_OFFSET) > cap  # it wrapped, early, over and over
+    assert env.guards_intact()
+
+
+def test_consumer_clears_all_it_passes_but_a_clean_wraps_body() -> None:
+    """The body of a producer's wrap padding (PAD_CLEAN, ending the buffer) is free space it
+    never wrote: the consumer leaves it as it is (pages untouched). Every other record it
+    passes reads zero after: data, a padding without the flag (a dead producer's claim, which
+    may hold its bytes), and a flagged one that does not end the buffer (garbage)."""
+    cap = 1 << 16
+    env = Env(cap)
+    ring = env.ring
+    mark = env.data + cap - 64
+    env.buf[mark] = 0x5A  # stands for bytes nobody clears (no one reads them either)
+    assert ring.try_push(payload(1, hot_span(cap)), 1) and ring.pop() is not None
+    assert ring.try_push(b"wrapped", 2)  # empty and past the span: wraps early
+    assert env.load_counter(TAIL_OFFSET) == cap + rec_size(7)
+    assert ring.pop() == b"wrapped"
+    assert env.buf[mark] == 0x5A
+    env.buf[mark] = 0
+    assert not any(env.buf[env.data:env.data + cap])
+    for word in (make_header(200, KIND_PADDING, 5, committed=True),
+                 make_header(200, KIND_PADDING, 5, committed=True) | PAD_CLEAN):
+        at = env.load_counter(TAIL_OFFSET)
+        idx = env.data + at % cap
+        env.buf[idx + 8:idx + 208] = b"\xee" * 200  # what the padding hides
+        env.mem.store(idx, word, RELEASE)
+        env.store_counter(TAIL_OFFSET, at + 208)
+        assert ring.try_push(b"after", 3)
+        assert ring.pop() == b"after"
+        assert not any(env.buf[env.data:env.data + cap])
+
+
+def test_a_wrap_at_the_head_is_freed_before_the_records_after_it() -> None:
+    """An early wrap leaves most of the ring behind its padding: the consumer frees the padding
+    as soon as it reaches it, before it hands over the records after it, so the other producers
+    see that room at once instead of a ring that looks full while those are handled."""
+    cap = 1 << 16
+    env = Env(cap)
+    ring = env.ring
+    assert ring.try_push(payload(1, hot_span(cap)), 1) and ring.pop() is not None
+    lap = (env.load_counter(TAIL_OFFSET) | (cap - 1)) + 1
+    assert ring.try_push(b"first", 2) and ring.try_push(b"second", 3)  # (the first wraps early)
+    seen = []
+
+    def handler(view: memoryview) -> None:
+        seen.append((bytes(view), env.load_counter(HEAD_OFFSET), ring.free_space()))
+
+    assert ring.poll(handler) == 2
+    assert seen == [(b"first", lap, cap - rec_size(5) - rec_size(6)),
+                    (b"second", lap, cap - rec_size(5) - rec_size(6))]
 
 
 def test_full_ring_rejects_and_stays_intact() -> None:
@@ -363,7 +434,7 @@ def test_dead_producer_unblock(cap, slots, before, length, mode, after) -> None:
     # records that fit before the dead claim (three large ones can overfill a 1 KiB ring)
     pre = [r for r in (payload(100 + i, n) for i, n in enumerate(before)) if ring.try_push(r, LIVE)]
     tail, head = env.load_counter(TAIL_OFFSET), env.load_counter(HEAD_OFFSET)
-    assume(Model(cap, tail).place(tail, length) - head <= cap)
+    assume(Model(cap, tail, early=False).place(tail, length) - head <= cap)  # (as dead_claim places it)
     wraps = dead_claim(env, length, mode)
     event(f"dead claim {mode}, wraps={wraps}")
     post = [r for r in (payload(200 + i, n) for i, n in enumerate(after)) if ring.try_push(r, LIVE)]
@@ -436,7 +507,9 @@ def fill_some(env: Env, model: Model, rng: random.Random, n: int) -> None:
     for _ in range(n):
         if rng.random() < 0.6:
             rec = payload(next(model.uid), rng.randrange(0, env.ring.max_payload + 1))
-            if env.ring.try_push(rec, rng.randrange(4)):
+            fits = model.fits(model.tail, len(rec))  # (as the attempt decides: it may look for an early wrap)
+            assert env.ring.try_push(rec, rng.randrange(4)) is fits
+            if fits:
                 model.push(rec)
         else:
             assert env.ring.pop() == model.pop()

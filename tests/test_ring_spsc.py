@@ -21,7 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from cxlrpc.memory import RELEASE, AtomicMemory
 from cxlrpc.ring import SpscRing, max_payload, ring_size
-from cxlrpc.ring.record import HEAD_OFFSET, TAIL_OFFSET
+from cxlrpc.ring.record import HEAD_OFFSET, TAIL_OFFSET, hot_span
 
 from ring_env import (CAPACITIES, aligned_counter, apply_data_garbage, checked_poll, data_garbage, far_from,
                       make_record, resolve, TAG, GUARD, Env as _Env, Model, payload, rec_size, sizes)
@@ -165,12 +165,56 @@ def test_max_payload_fits_empty_ring_at_every_position(cap: int) -> None:
     env = Env(cap)
     ring = env.ring
     big = payload(7, ring.max_payload)
-    for _ in range(cap // 8):
+    for pos in range(3 * cap, 4 * cap, 8):  # (an early wrap would take the tail back to the start)
+        env.store_counter(TAIL_OFFSET, pos)
+        env.store_counter(HEAD_OFFSET, pos)
+        ring.attach()
         assert ring.try_push(big)
         assert ring.pop() == big
-        assert ring.try_push(b"")  # advance the tail by one 8-byte slot
-        assert ring.pop() == b""
     assert env.guards_intact()
+
+
+@pytest.mark.parametrize("batch", [False, True])
+def test_request_response_traffic_keeps_to_the_hot_span(batch: bool) -> None:
+    """Records pushed one at a time into an empty ring stay within its first hot_span bytes
+    (plus one record): once the tail is that far in, the next record goes to the start."""
+    cap = 1 << 16
+    env = Env(cap)
+    ring = env.ring
+    span = hot_span(cap)
+    recs = [payload(i, n) for i, n in enumerate([4000, 100, 0, 9000, 4000, 16000, 50] * 20)]
+    for rec in recs:
+        assert (ring.try_push_batch([rec]) == 1) if batch else ring.try_push(rec)
+        end = env.load_counter(TAIL_OFFSET) % cap
+        assert 0 < end <= span + rec_size(len(rec)) + rec_size(16000)
+        assert ring.pop() == rec
+    assert env.load_counter(TAIL_OFFSET) > cap  # it wrapped, early, over and over
+    assert env.guards_intact()
+
+
+def test_no_early_wrap_while_the_consumer_is_behind() -> None:
+    """A producer past the hot span goes on in place while records wait: the start of the
+    ring may still hold them, and a batch keeps to one run of bytes."""
+    cap = 1 << 16
+    env = Env(cap)
+    ring = env.ring
+    span = hot_span(cap)
+    first, second = payload(1, span), payload(2, 500)
+    assert ring.try_push(first) and ring.try_push(second)
+    assert env.load_counter(TAIL_OFFSET) == rec_size(span) + rec_size(500)
+    assert ring.pop() == first  # one still waits: no early wrap
+    third = payload(3, 700)
+    assert ring.try_push(third)
+    assert env.load_counter(TAIL_OFFSET) == rec_size(span) + rec_size(500) + rec_size(700)
+    assert ring.pop_batch() == [second, third]
+    # empty now: the start again at the producer's next look, a hot_span after its last one
+    looked = rec_size(span)  # (where the second record found the first waiting)
+    while env.load_counter(TAIL_OFFSET) < cap:
+        before = env.load_counter(TAIL_OFFSET)
+        assert before < looked + span + rec_size(1)
+        assert ring.try_push(b"x")
+        assert ring.pop() == b"x"
+    assert before >= looked + span and env.load_counter(TAIL_OFFSET) == cap + rec_size(1)
 
 
 def test_full_ring_rejects_and_stays_intact() -> None:
@@ -333,7 +377,9 @@ def fill_some(env: Env, model: Model, rng: random.Random, n: int) -> None:
     for _ in range(n):
         if rng.random() < 0.6:
             rec = payload(next(model.uid), rng.randrange(0, env.ring.max_payload + 1))
-            if env.ring.try_push(rec):
+            fits = model.fits(model.tail, len(rec))  # (as the attempt decides: it may look for an early wrap)
+            assert env.ring.try_push(rec) is fits
+            if fits:
                 model.push(rec)
         else:
             assert env.ring.pop() == model.pop()

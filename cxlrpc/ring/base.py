@@ -14,8 +14,10 @@ from .record import (
     KIND_DATA,
     KIND_PADDING,
     LENGTH_MASK,
+    PAD_CLEAN,
     TAIL_OFFSET,
     check_capacity,
+    hot_span,
     max_payload,
 )
 
@@ -94,6 +96,8 @@ class RingBase(_Core):
         self.capacity = capacity
         self.mask = capacity - 1
         self.max_payload = max_payload(capacity)
+        self._hot_span = hot_span(capacity)
+        self._wrap_from = 0  # the tail from which the producer next looks for an early wrap
         self.data = offset + CONTROL_SIZE
         self._tail = mem.counter(offset + TAIL_OFFSET)
         self._head = mem.counter(offset + HEAD_OFFSET)
@@ -141,6 +145,22 @@ class RingBase(_Core):
         self._head.store(head, RELEASE)
         self.mem.writeback(self._head_at, 8)
 
+    def _early_wrap(self, tail: int, idx: int, size: int) -> bool:
+        """Producer: should a record of ``size`` at ``tail`` (``idx`` in the buffer) go to the
+        ring's start although it fits before the end? Yes when ``idx`` is the hot span or more
+        and the consumer has taken everything (see :mod:`cxlrpc.ring.record`); the head is read
+        at most once per hot span of tail."""
+        wrap_from = self._wrap_from
+        if (self._flushing or idx < self._hot_span or size > idx
+                or (tail < wrap_from and wrap_from - tail <= self._hot_span)):
+            return False
+        head = self._head.load(ACQUIRE)
+        if head == tail:
+            self._head_cache = head
+            return True
+        self._wrap_from = tail + self._hot_span
+        return False
+
     def valid_head(self, head: int, tail: int) -> bool:
         """A head a producer may trust: aligned, at most one lap behind ``tail``, not ahead."""
         return not head & 7 and tail - self.capacity <= head <= tail
@@ -175,6 +195,7 @@ class RingBase(_Core):
         mask, data, load = self.mask, self.data, self.mem.load
         buf = self.buf
         pos = head
+        clean = None  # where a clean padding starts (one per lap at most: it ends the buffer)
         count = 0
         while pos < tail and count < limit:
             idx = pos & mask
@@ -195,9 +216,16 @@ class RingBase(_Core):
                 if self._head_local != head:  # a nested poll moved the head under this one
                     raise RuntimeError("a handler polled the ring it was called from")
                 count += 1
+            else:
+                at = pos if word & PAD_CLEAN and idx + size == cap else None
+                if pos == head:  # a wrap at the head: freed at once, so producers see the room
+                    self._release(head, pos + size, at)  # an early wrap leaves behind it
+                    head = pos + size
+                elif at is not None:
+                    clean = at  # (one per lap: it ends at the buffer's end)
             pos += size
         if pos != head:
-            self._release(head, pos)
+            self._release(head, pos, clean)
         return count
 
     if _native is None:
@@ -228,9 +256,15 @@ class RingBase(_Core):
         self.poll(lambda view: out.append(bytes(view)), limit)
         return out
 
-    def _release(self, head: int, pos: int) -> None:
+    def _release(self, head: int, pos: int, clean: int | None = None) -> None:
+        """Free [head, pos) for the producers; an MPSC consumer zeroes it first, all but the
+        body of the clean padding at ``clean`` (zero already)."""
         if self._multi_producer:
-            self._zero(head, pos)
+            if clean is not None and head <= clean < pos:
+                self._zero(head, clean + HEADER_SIZE)
+                self._zero((clean | self.mask) + 1, pos)
+            else:
+                self._zero(head, pos)
         self._head_local = pos
         self._head.store(pos, RELEASE)
         if self._flushing:

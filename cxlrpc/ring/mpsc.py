@@ -20,6 +20,7 @@ from .record import (
     KIND_DATA,
     KIND_PADDING,
     LENGTH_MASK,
+    PAD_CLEAN,
     MAX_PRODUCER_ID,
     TAG_MASK,
     TAG_SHIFT,
@@ -83,7 +84,7 @@ class MpscRing(RingBase):
                 return self._give_up(claim, mine)  # garbage tail: the consumer resets it
             idx = tail & mask
             to_end = cap - idx
-            need = size if size <= to_end else to_end + size
+            need = size if size <= to_end and not self._early_wrap(tail, idx, size) else to_end + size
             if tail + need - self._head_cache > cap or self._head_cache > tail:
                 head = self._head.load(ACQUIRE)
                 if not self.valid_head(head, tail):
@@ -106,7 +107,7 @@ class MpscRing(RingBase):
             written = [(data, tail + to_end, word)]
             if cas(data, 0, word, ACQ_REL) != 0:
                 self._open(written, revoked)
-            pad = COMMITTED | (KIND_PADDING << 48) | (producer << 32) | (to_end - HEADER_SIZE)
+            pad = COMMITTED | PAD_CLEAN | (KIND_PADDING << 48) | (producer << 32) | (to_end - HEADER_SIZE)
             written.append((data + idx, tail, pad))
             if cas(data + idx, 0, pad, ACQ_REL) != 0:
                 self._open(written, revoked)

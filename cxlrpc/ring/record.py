@@ -10,6 +10,14 @@ A record is an 8-byte header word followed by the payload, padded to 8 bytes::
     bits 56..61  producer tag (MPSC: e.g. the low bits of the producer's connection generation,
                  so a record of a slot's previous holder is told from its current holder's)
     bit  62      COMMITTED: the payload is complete and may be read
+    bit  63      PAD_CLEAN (padding only): a producer's wrap over free space, whose body it never
+                 wrote; an MPSC consumer clears only its header (free space reads zero already)
+
+A producer wraps early, padding to the end of the buffer although its record would fit, when
+its tail is :func:`hot_span` or more into the buffer and the consumer has taken everything
+(not over memory without coherence, where a padding's span would be flushed whole): request
+and response traffic then keeps to the first pages of the ring, which stay in the caches, the
+TLB and, under a hypervisor, its page tables, instead of walking all of them.
 
 Header words are stored atomically (release on commit) through :mod:`cxlrpc.memory`.
 """
@@ -23,6 +31,9 @@ HEADER_SIZE = 8
 KIND_DATA = 1
 KIND_PADDING = 2
 COMMITTED = 1 << 62
+PAD_CLEAN = 1 << 63
+#: Early wraps start this far into the buffer (a quarter of it in rings under 64 KiB).
+HOT_SPAN = 16 << 10
 LENGTH_MASK = 0xFFFFFFFF
 MAX_PRODUCER_ID = 0xFFFF
 TAG_SHIFT = 56
@@ -63,3 +74,8 @@ def max_payload(capacity: int) -> int:
     """Largest payload a ring accepts: half the capacity, so an empty ring always fits one
     record wherever its tail stands (wrap padding included)."""
     return capacity // 2 - HEADER_SIZE
+
+
+def hot_span(capacity: int) -> int:
+    """How far into a ring of ``capacity`` a producer's tail goes before it wraps early."""
+    return min(HOT_SPAN, capacity // 4)

@@ -10,7 +10,7 @@ from typing import Iterable, Sequence
 
 from ..memory import ACQUIRE, RELAXED, RELEASE, AtomicMemory
 from .base import _native, RingBase, adoptable, sane
-from .record import COMMITTED, HEADER_SIZE, KIND_DATA, KIND_PADDING
+from .record import COMMITTED, HEADER_SIZE, KIND_DATA, KIND_PADDING, PAD_CLEAN
 
 
 class SpscRing(RingBase):
@@ -54,7 +54,7 @@ class SpscRing(RingBase):
         size = HEADER_SIZE + ((length + 7) & ~7)
         idx = tail & self.mask
         to_end = cap - idx
-        need = size if size <= to_end else to_end + size
+        need = size if size <= to_end and not self._early_wrap(tail, idx, size) else to_end + size
         if self._head_cache > tail or tail + need - self._head_cache > cap:
             if self._flushing:
                 self.mem.invalidate(self._head_at, 8)
@@ -73,7 +73,7 @@ class SpscRing(RingBase):
                 return -1
         store = self.mem.store
         if need != size:
-            store(self.data + idx, COMMITTED | (KIND_PADDING << 48) | (to_end - HEADER_SIZE), RELAXED)
+            store(self.data + idx, COMMITTED | PAD_CLEAN | (KIND_PADDING << 48) | (to_end - HEADER_SIZE), RELAXED)
             idx = 0
         store(self.data + idx, COMMITTED | (KIND_DATA << 48) | length, RELAXED)
         return tail + need

@@ -1,4 +1,6 @@
-"""Idle: server and client CPU use while no calls run, and latency of the first call after idling."""
+"""Idle: server and client CPU use while no calls run, the latency of the first call after
+idling, and the tail of the 4 KiB calls that follow it (a burst after idle: what walks pages
+the machine let go cold)."""
 from __future__ import annotations
 
 import asyncio
@@ -17,6 +19,8 @@ from .transports import BY_KEY, resolve
 
 TRANSPORTS = ("cxl-aio", "grpc-aio-tcp")
 PAYLOAD = 64
+#: The burst after each idle period: this many calls of BURST_PAYLOAD bytes.
+BURST, BURST_PAYLOAD = 625, 4096
 
 
 async def _client(conn: Connection, transport: str, address: str, server_pid: int, reps: int,
@@ -25,10 +29,11 @@ async def _client(conn: Connection, transport: str, address: str, server_pid: in
     client = await resolve(t.opener)(address, max_payload=1 << 20, **t.client_opts)
     try:
         call, clock, payload, me = client.call, time.perf_counter_ns, b"x" * PAYLOAD, os.getpid()
+        big = os.urandom(BURST_PAYLOAD)
         conn.send(("ready", None))
         conn.recv()  # go
         out: dict[str, list[float]] = {"server_cpu_pct": [], "client_cpu_pct": [], "first_call_us": [],
-                                       "busy_p50_us": []}
+                                       "busy_p50_us": [], "burst_p99_us": []}
         for _ in range(reps):
             busy = np.empty(300, dtype=np.int64)
             for i in range(busy.size):
@@ -42,11 +47,17 @@ async def _client(conn: Connection, transport: str, address: str, server_pid: in
             t0 = clock()
             await call(payload)
             first = clock() - t0
+            burst = np.empty(BURST, dtype=np.int64)
+            for i in range(BURST):
+                t0 = clock()
+                await call(big)
+                burst[i] = clock() - t0
             span = (w1 - w0) * CLK_TCK
             out["server_cpu_pct"].append(100.0 * (s1 - s0) / span)
             out["client_cpu_pct"].append(100.0 * (c1 - c0) / span)
             out["first_call_us"].append(first / 1e3)
             out["busy_p50_us"].append(float(np.median(busy)) / 1e3)
+            out["burst_p99_us"].append(float(np.percentile(burst, 99)) / 1e3)
             conn.send(("progress", 1))
         conn.send(("result", out))
     finally:
@@ -55,7 +66,8 @@ async def _client(conn: Connection, transport: str, address: str, server_pid: in
 
 def idle_client(conn: Connection, transport: str, address: str, server_pid: int, reps: int, idle_s: float,
                 cpu_window: float, loop: str = "uvloop") -> None:
-    """Client worker: per rep, 300 calls, CPU of both processes over ``cpu_window`` s, first call after ``idle_s`` s."""
+    """Client worker: per rep, 300 calls, CPU of both processes over ``cpu_window`` s, first
+    call after ``idle_s`` s, then BURST calls of BURST_PAYLOAD bytes."""
     run_loop(_client(conn, transport, address, server_pid, reps, idle_s, cpu_window), loop)
 
 
@@ -88,7 +100,7 @@ def run_idle(cfg: dict, progress: Any, log: Callable[[str], None]) -> dict:
                 errors.setdefault(t.key, []).append(str(exc))
                 log(f"[red]idle {t.key} round {r + 1} failed: {str(exc).splitlines()[0]}")
                 progress.advance(task, reps - len(done))
-    out: dict[str, Any] = {"idle_s": idle_s, "cpu_window_s": cpu_window, "reps_per_round": reps, "rounds": rounds,
+    out: dict[str, Any] = {"idle_s": idle_s, "cpu_window_s": cpu_window, "burst": BURST, "reps_per_round": reps, "rounds": rounds,
                            "clk_tck": CLK_TCK, "errors": errors, "transports": {}}
     for t in transports:
         if raw[t.key]:

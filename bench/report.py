@@ -138,15 +138,19 @@ def concurrency_table(res: dict) -> Table:
 
 def idle_table(res: dict) -> Table:
     """Idle: CPU of each process with no calls, and the first call after idling."""
-    t = Table(title=f"Idle ({res['cpu_window_s']:.0f} s CPU window; first call after {res['idle_s']:.0f} s idle; medians)")
-    for col in ("transport", "server CPU %", "client CPU %", "first call µs", "busy p50 µs", "first call vs gRPC"):
+    t = Table(title=f"Idle ({res['cpu_window_s']:.0f} s CPU window; first call after {res['idle_s']:.0f} s idle, "
+                    f"then {res['burst']} calls of 4 KiB; medians)")
+    for col in ("transport", "server CPU %", "client CPU %", "first call µs", "busy p50 µs", "first call vs gRPC",
+                "4 KiB burst p99 µs", "burst p99 vs gRPC"):
         t.add_column(col, justify="left" if col == "transport" else "right")
     grpc = next((v for v in res["transports"].values() if v["family"] == "grpc"), None)
     for v in res["transports"].values():
         m = v["median"]
         g = grpc["median"]["first_call_us"] if grpc else None
+        gb = grpc["median"]["burst_p99_us"] if grpc else None
         t.add_row(v["label"], f"{m['server_cpu_pct']:.1f}", f"{m['client_cpu_pct']:.1f}", fmt_us(m["first_call_us"]),
-                  fmt_us(m["busy_p50_us"]), fmt_change(m["first_call_us"], g, v is grpc))
+                  fmt_us(m["busy_p50_us"]), fmt_change(m["first_call_us"], g, v is grpc),
+                  fmt_us(m["burst_p99_us"]), fmt_change(m["burst_p99_us"], gb, v is grpc))
     return t
 
 

@@ -93,6 +93,24 @@ def test_spsc_transfer_is_exact_under_the_simulator(name, gate, eviction):
         region.close()
 
 
+def test_rings_over_memory_without_coherence_never_wrap_early(name):
+    """A producer over flushed memory keeps to the plain wrap: an early wrap's padding spans
+    most of the ring, and its span would be written back (and invalidated) whole."""
+    region = _ring_region(f"sim://{name}")
+    try:
+        ring = SpscRing(region.buf, region.mem, ring_offsets(CAPACITY)[0], CAPACITY)
+        ring.attach()
+        tails, rec = [], b"r" * 100  # 112 bytes a record: past the hot span (1 KiB) by the 10th
+        for _ in range(60):
+            assert ring.try_push(rec) and ring.pop() == rec
+            tails.append(ring._tail_local)
+        steps = {b - a for a, b in zip(tails, tails[1:])}
+        assert steps == {112, 112 + CAPACITY - 36 * 112}  # one wrap, at the end of the buffer
+    finally:
+        region.unlink()
+        region.close()
+
+
 SITES = guarded_sites()
 
 

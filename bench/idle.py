@@ -100,8 +100,8 @@ def run_idle(cfg: dict, progress: Any, log: Callable[[str], None]) -> dict:
                 errors.setdefault(t.key, []).append(str(exc))
                 log(f"[red]idle {t.key} round {r + 1} failed: {str(exc).splitlines()[0]}")
                 progress.advance(task, reps - len(done))
-    out: dict[str, Any] = {"idle_s": idle_s, "cpu_window_s": cpu_window, "burst": BURST, "reps_per_round": reps, "rounds": rounds,
-                           "clk_tck": CLK_TCK, "errors": errors, "transports": {}}
+    out: dict[str, Any] = {"idle_s": idle_s, "cpu_window_s": cpu_window, "burst": BURST, "reps_per_round": reps,
+                           "rounds": rounds, "clk_tck": CLK_TCK, "errors": errors, "transports": {}}
     for t in transports:
         if raw[t.key]:
             out["transports"][t.key] = {"label": t.label, "family": t.family, "samples": raw[t.key],

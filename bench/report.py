@@ -137,7 +137,8 @@ def concurrency_table(res: dict) -> Table:
 
 
 def idle_table(res: dict) -> Table:
-    """Idle: CPU of each process with no calls, and the first call after idling."""
+    """Idle: CPU of each process with no calls, the first call after idling, and the p99 of
+    the 4 KiB burst after it."""
     t = Table(title=f"Idle ({res['cpu_window_s']:.0f} s CPU window; first call after {res['idle_s']:.0f} s idle, "
                     f"then {res['burst']} calls of 4 KiB; medians)")
     for col in ("transport", "server CPU %", "client CPU %", "first call µs", "busy p50 µs", "first call vs gRPC",

@@ -28,6 +28,10 @@ static cxlrpc_ring_api *ring_api; /* cxlrpc._ring's C API: polls with C handlers
 #define HEADER_SIZE 28 /* <BBHHIQdH: kind flags status slot gen call_id timeout method_len */
 #define MAX_METHOD 255
 #define FLAG_RAW 1
+#define FLAG_HEAP 2    /* the frame carries a heap extent (offset, length), not its body */
+#define FLAG_FOLLOW 16 /* with HEAP: the body is written after the frame (cxlrpc.heap) */
+#define FOLLOW_HEADER 64 /* a followed extent: its progress word, then from here its body */
+#define HEAP_UNIT 4096   /* heap extents start at multiples of this */
 #define KIND_REQUEST 1
 #define KIND_RESPONSE 2
 #define NO_REPLY 0
@@ -962,12 +966,14 @@ typedef struct {
     uint64_t expected; /* the call id whose reply the handler keeps */
     int raw;           /* that call takes a raw RESPONSE's body as it is (no response type) */
     PyObject *reply;   /* that reply, once polled: a Frame, or (raw) the body's bytes */
+    PyObject *in_place; /* the client's set of methods that read their bodies in place (never followed) */
+    Py_ssize_t heap_start, heap_size, follow_chunk; /* the region's heap; a followed body's publish step */
 } Caller;
 
 static PyObject *s_on_reply;
 
 static PyObject *caller_send(Caller *self, PyObject *mb, PyObject *const *args, double timeout, double hot,
-                             double spin);
+                             double spin, PyObject *spare);
 
 /* Caller(view): a reply record polled during the hot wait. */
 /* A reply record, ``p``/``n``: given as a view (``view``), or where it begins in the region's
@@ -1040,7 +1046,7 @@ static PyObject *caller_handle(PyObject *callable, PyObject *const *args, size_t
     Py_RETURN_NONE;
 }
 
-/* call(method, arg, timeout, call_id, hot, raw[, spin[, turned]]): the reply Frame (with ``raw``, a RESPONSE
+/* call(method, arg, timeout, call_id, hot, raw[, spin[, turned[, spare]]]): the reply Frame (with ``raw``, a RESPONSE
  * flagged RAW alone is its body's bytes, as Client._answer would return them); None once the
  * request is out but its reply has not come within ``hot`` seconds (polled for without a pause
  * for the first ``spin`` of them, default all, then yielding the CPU between polls, as a wait
@@ -1048,12 +1054,15 @@ static PyObject *caller_handle(PyObject *callable, PyObject *const *args, size_t
  * (too big for the ring, or the ring is full: the reference sends that body); NotImplemented
  * for a method not yet in the client's cache (the reference encodes its name), while any
  * container of ``idle_when`` is not empty (other calls in flight: the reference orders them), or,
- * unless ``turned`` (the call has given the loop its turn), any of ``turn_when``. */
+ * unless ``turned`` (the call has given the loop its turn), any of ``turn_when``. ``spare``: the
+ * client's spare heap extent (offset, size) for a bytes body to follow (send_followed): once
+ * the result is neither a tuple nor NotImplemented, the request went through it. */
 static PyObject *caller_call(Caller *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs < 6 || nargs > 8 || !PyLong_CheckExact(args[3]) || !PyBool_Check(args[5]) ||
-        (nargs == 8 && !PyBool_Check(args[7]))) {
+    if (nargs < 6 || nargs > 9 || !PyLong_CheckExact(args[3]) || !PyBool_Check(args[5]) ||
+        (nargs >= 8 && !PyBool_Check(args[7])) ||
+        (nargs == 9 && args[8] != Py_None && (!PyTuple_CheckExact(args[8]) || PyTuple_GET_SIZE(args[8]) != 2))) {
         PyErr_SetString(PyExc_TypeError, "call(method: str, arg, timeout: float, call_id: int, hot: float, raw: bool"
-                                         "[, spin: float[, turned: bool]])");
+                                         "[, spin: float[, turned: bool[, spare: tuple | None]]])");
         return NULL;
     }
     if (self->methods == NULL) {
@@ -1074,7 +1083,8 @@ static PyObject *caller_call(Caller *self, PyObject *const *args, Py_ssize_t nar
     }
     if (!PyBytes_CheckExact(mb) || PyBytes_GET_SIZE(mb) == 0 || PyBytes_GET_SIZE(mb) > MAX_METHOD)
         Py_RETURN_NOTIMPLEMENTED;
-    int turned = nargs == 8 && args[7] == Py_True;
+    int turned = nargs >= 8 && args[7] == Py_True;
+    PyObject *spare = nargs == 9 && args[8] != Py_None ? args[8] : NULL;
     for (int t = 0; t < 2 - turned; t++) {
         PyObject *containers = t == 0 ? self->idle_when : self->turn_when;
         for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(containers); i++) {
@@ -1087,14 +1097,88 @@ static PyObject *caller_call(Caller *self, PyObject *const *args, Py_ssize_t nar
         }
     }
     Py_INCREF(mb); /* held: encoding runs Python code */
-    PyObject *out = caller_send(self, mb, args, timeout, hot, spin);
+    PyObject *out = caller_send(self, mb, args, timeout, hot, spin, spare);
     Py_DECREF(mb);
     return out;
 }
 
+/* A followed request through the spare extent ``spare`` (Client._call_large with a spare is the
+ * reference): its frame, naming the extent, goes first; then the body is written into the
+ * extent a chunk at a time, the bytes written so far stored into the extent's progress word
+ * (release) after each (memory.publish_copy), while the server copies them out. 1: sent; 0: not
+ * (a method that reads its body in place, an extent that does not hold the body, a full ring:
+ * the reference sends it); -1: an error. */
+static int send_followed(Caller *self, PyObject *mb, PyObject *body, uint64_t call_id, double timeout,
+                         PyObject *spare) {
+    if (self->in_place == NULL || self->heap_size <= 0)
+        return 0;
+    int lends = PySet_Contains(self->in_place, mb);
+    if (lends != 0)
+        return lends < 0 ? -1 : 0;
+    unsigned long long offset = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(spare, 0));
+    unsigned long long size = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(spare, 1));
+    if (PyErr_Occurred())
+        return -1;
+    unsigned long long blen = (unsigned long long)PyBytes_GET_SIZE(body), end = FOLLOW_HEADER + blen;
+    if (offset % HEAP_UNIT || size < end || offset > (unsigned long long)self->heap_size ||
+        end > (unsigned long long)self->heap_size - offset || !view_open(self->buf))
+        return 0; /* the reference gives a small spare back, or says the grant was bad */
+    Py_buffer region;
+    if (PyObject_GetBuffer(self->buf, &region, PyBUF_WRITABLE) < 0)
+        return -1;
+    int rc = -1;
+    if (self->heap_start + self->heap_size > region.len) {
+        PyErr_SetString(PyExc_ValueError, "Caller: the heap lies outside the region");
+        goto done;
+    }
+    char *extent = (char *)region.buf + self->heap_start + offset;
+    uint64_t *progress = (uint64_t *)extent; /* 8-byte aligned: heap_start is (checked at init) */
+    __atomic_store_n(progress, 0, __ATOMIC_RELEASE);
+    unsigned char h[HEADER_SIZE], where[16];
+    fill_header(h, KIND_REQUEST, FLAG_RAW | FLAG_HEAP | FLAG_FOLLOW, self->slot, self->gen, call_id, timeout,
+                (unsigned)PyBytes_GET_SIZE(mb));
+    put_le(where, offset, 8);
+    put_le(where + 8, blen, 8);
+    PyObject *ext = PyBytes_FromStringAndSize((const char *)where, sizeof where);
+    if (ext == NULL)
+        goto done;
+    PyObject *parts[2] = {mb, ext};
+    PyObject *ok = push_record(self->requests, h, parts, 2, &PyTuple_GET_ITEM(self->push_args, 0),
+                               PyTuple_GET_SIZE(self->push_args));
+    Py_DECREF(ext);
+    if (ok == NULL)
+        goto done;
+    rc = ok == Py_True;
+    Py_DECREF(ok);
+    if (!rc) /* the ring is full: the reference waits for room (it zeroes the word again) */
+        goto done;
+    if (parked_here(self->buf, self->bell_at, self->me)) { /* Doorbell.ring sends */
+        PyObject *rang = PyObject_CallNoArgs(self->ring_bell);
+        if (rang == NULL) { /* the frame is out: the body still follows, the error after */
+            rc = -1;
+        } else {
+            Py_DECREF(rang);
+        }
+    }
+    const char *src = PyBytes_AS_STRING(body); /* immutable, and held by the caller's arguments */
+    size_t n = (size_t)blen, chunk = (size_t)self->follow_chunk;
+    char *dst = extent + FOLLOW_HEADER;
+    Py_BEGIN_ALLOW_THREADS
+    for (size_t done = 0; done < n;) {
+        size_t step = n - done < chunk ? n - done : chunk;
+        memcpy(dst + done, src + done, step);
+        done += step;
+        __atomic_store_n(progress, (uint64_t)done, __ATOMIC_RELEASE);
+    }
+    Py_END_ALLOW_THREADS
+done:
+    PyBuffer_Release(&region);
+    return rc;
+}
+
 /* call()'s work once the method's name is known (``mb``, held by the caller). */
 static PyObject *caller_send(Caller *self, PyObject *mb, PyObject *const *args, double timeout, double hot,
-                             double spin) {
+                             double spin, PyObject *spare) {
     uint64_t call_id = PyLong_AsUnsignedLongLong(args[3]);
     if (call_id == (uint64_t)-1 && PyErr_Occurred())
         return NULL;
@@ -1122,6 +1206,13 @@ static PyObject *caller_send(Caller *self, PyObject *mb, PyObject *const *args, 
         return NULL;
     }
     Py_ssize_t mlen = PyBytes_GET_SIZE(mb);
+    if (spare != NULL && encoded == NULL) { /* a bytes body to follow through the spare extent */
+        int sent = send_followed(self, mb, body, call_id, timeout, spare);
+        if (sent < 0)
+            return NULL;
+        if (sent)
+            goto wait;
+    }
     if (HEADER_SIZE + mlen + blen > self->max_payload) /* out of line: the reference */
         return encoded != NULL ? encoded : Py_BuildValue("(iO)", FLAG_RAW, body);
     unsigned char h[HEADER_SIZE];
@@ -1144,6 +1235,7 @@ static PyObject *caller_send(Caller *self, PyObject *mb, PyObject *const *args, 
             return NULL;
         Py_DECREF(rang);
     }
+wait:
     if (!(hot > 0))
         Py_RETURN_NONE;
     self->expected = call_id;
@@ -1197,22 +1289,27 @@ static PyObject *caller_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
 
 static int caller_init(Caller *self, PyObject *args, PyObject *kwds) {
     PyObject *client, *methods, *requests, *push_args, *ring_bell, *ring, *encode_body, *decode, *buf, *idle_when,
-        *turn_when;
+        *turn_when, *in_place;
     unsigned int slot;
     unsigned long gen;
     unsigned long long me;
-    Py_ssize_t max_payload, bell_at;
+    Py_ssize_t max_payload, bell_at, heap_start, heap_size, follow_chunk;
     if (kwds != NULL && PyDict_GET_SIZE(kwds)) {
         PyErr_SetString(PyExc_TypeError, "Caller takes positional arguments only");
         return -1;
     }
-    if (!PyArg_ParseTuple(args, "OO!OO!OOOOIknO!nKO!O!", &client, &PyDict_Type, &methods, &requests, &PyTuple_Type,
+    if (!PyArg_ParseTuple(args, "OO!OO!OOOOIknO!nKO!O!O!nnn", &client, &PyDict_Type, &methods, &requests, &PyTuple_Type,
                           &push_args, &ring_bell, &ring, &encode_body, &decode, &slot, &gen, &max_payload,
                           &PyMemoryView_Type, &buf, &bell_at, &me, &PyTuple_Type, &idle_when, &PyTuple_Type,
-                          &turn_when))
+                          &turn_when, &PySet_Type, &in_place, &heap_start, &heap_size, &follow_chunk))
         return -1;
     if (slot > 0xFFFF || gen > 0xFFFFFFFFUL || max_payload < HEADER_SIZE || PyTuple_GET_SIZE(push_args) > MAX_PUSH_ARGS) {
         PyErr_SetString(PyExc_ValueError, "Caller: slot, generation, ring limit or push arguments out of range");
+        return -1;
+    }
+    if (heap_start < 0 || heap_start % 8 || heap_size < 0 ||
+        heap_size > PyMemoryView_GET_BUFFER(buf)->len - heap_start || follow_chunk < 64) {
+        PyErr_SetString(PyExc_ValueError, "Caller: the heap lies outside the region, or the publish step is under 64");
         return -1;
     }
     if (!word_inside(buf, bell_at)) {
@@ -1221,18 +1318,21 @@ static int caller_init(Caller *self, PyObject *args, PyObject *kwds) {
     }
 #define KEEP(field) Py_XSETREF(self->field, Py_NewRef(field))
     KEEP(client); KEEP(methods); KEEP(requests); KEEP(push_args); KEEP(ring_bell); KEEP(ring); KEEP(encode_body);
-    KEEP(decode); KEEP(buf); KEEP(idle_when); KEEP(turn_when);
+    KEEP(decode); KEEP(buf); KEEP(idle_when); KEEP(turn_when); KEEP(in_place);
 #undef KEEP
     self->bell_at = bell_at;
     self->me = me;
     self->slot = slot;
     self->gen = (uint32_t)gen;
     self->max_payload = max_payload;
+    self->heap_start = heap_start;
+    self->heap_size = heap_size;
+    self->follow_chunk = follow_chunk;
     return 0;
 }
 
 #define CALLER_FIELDS(X) X(client) X(methods) X(requests) X(push_args) X(ring_bell) X(ring) X(encode_body) \
-    X(decode) X(buf) X(idle_when) X(turn_when) X(reply)
+    X(decode) X(buf) X(idle_when) X(turn_when) X(reply) X(in_place)
 
 static int caller_traverse(Caller *self, visitproc visit, void *arg) {
 #define VISIT(f) Py_VISIT(self->f);
@@ -1256,7 +1356,7 @@ static void caller_dealloc(Caller *self) {
 
 static PyMethodDef caller_methods[] = {
     {"call", (PyCFunction)(void (*)(void))caller_call, METH_FASTCALL,
-     "call(method, arg, timeout, call_id, hot, raw[, spin]): push a request and wait hot seconds for its reply "
+     "call(method, arg, timeout, call_id, hot, raw[, spin[, turned[, spare]]]): push a request and wait hot seconds for its reply "
      "(spinning the first spin of them, then yielding the CPU between polls) "
      "(the reply Frame, or with raw a raw RESPONSE's body bytes; None: it is out, its reply not here "
      "yet; (flags, body): it did not go; NotImplemented: a method name not yet encoded)."},
@@ -1267,7 +1367,7 @@ static PyTypeObject CallerType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "cxlrpc._dispatch.Caller",
     .tp_doc = "Caller(client, methods, requests, push_args, ring_bell, ring, encode_body, decode, slot, gen, "
-              "max_payload, buf, bell_at, me, idle_when, turn_when): a connection's calls of the common shape in C (Client.call is the "
+              "max_payload, buf, bell_at, me, idle_when, turn_when, in_place, heap_start, heap_size, follow_chunk): a connection's calls of the common shape in C (Client.call is the "
               "reference); called with a record, it is the reply ring's handler.",
     .tp_basicsize = sizeof(Caller),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,

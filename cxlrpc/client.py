@@ -30,6 +30,7 @@ from .doorbell import WaitStrategy, resolve
 from .errors import (DeadlineExceeded, InvalidArgument, ResourceExhausted, RpcError, StatusCode,
                      Unavailable, error_for)
 from .heap import EXTENT, FOLLOW_HEADER, FOLLOW_MIN, GRANT, OFFSET, HeapAccess
+from .memory import FOLLOW_CHUNK
 from .process_heap import keep_freed_heap
 from .service import S, stub
 from .streams import StreamCall
@@ -340,7 +341,8 @@ class _Base:
                                    fr.decode, chan.slot, chan.gen,
                                    min(chan.requests.max_payload, fr.HEADER_SIZE + self._follow_min - 1),
                                    chan.region.buf, bell.parked_at, bell.me, self._in_flight(),
-                                   self._owed_turns())
+                                   self._owed_turns(), self._in_place, geo.heap, geo.heap_size,
+                                   FOLLOW_CHUNK)
         self._heap = HeapAccess(region.buf, region.mem, geo.heap, geo.heap_size)
         self._finalizer = weakref.finalize(self, _collected, link, f"{type(self).__name__}({self.url!r})")
         self._finalizer.atexit = False  # at exit the server reclaims the slot by our PID
@@ -849,9 +851,10 @@ class Client(_Base):
             # polled for in place (no future, no loop turn) for the first microseconds
             call_id = next(self._ids)
             deadline = None if timeout is None else self._loop.time() + timeout
+            spare = self._spare_for(arg)
             try:  # (see _dispatch.c: what each outcome means)
                 got = caller.call(method, arg, timeout or 0.0, call_id, self._hot_s,
-                                  response_type is None, self._hot_spin_s)
+                                  response_type is None, self._hot_spin_s, False, spare)
                 if got is NotImplemented and (self._woken or self._yielding):
                     # other tasks are owed a turn: give it, then call natively if nothing else
                     # is in flight (tasks sharing a client take turns at native cost)
@@ -861,10 +864,21 @@ class Client(_Base):
                     caller = self._caller
                     if caller is not None and self._gone is None:
                         deadline = None if timeout is None else self._loop.time() + timeout
+                        spare = self._spare_for(arg)  # (another task may have taken it meanwhile)
                         got = caller.call(method, arg, timeout or 0.0, call_id, self._hot_s,
-                                          response_type is None, self._hot_spin_s, True)
+                                          response_type is None, self._hot_spin_s, True, spare)
             except ClaimRevoked as exc:
+                if spare is not None:
+                    self._spare = None  # (its server's heap went with the slot)
                 raise self._revoked(exc) from exc
+            except BaseException:
+                if spare is not None:  # it may be out, the server reading it: FREE it
+                    self._spare = None
+                    self._give_back(spare[0])
+                raise
+            if spare is not None and got is not NotImplemented and type(got) is not tuple:
+                return await self._followed_out(call_id, self._methods[method], spare, got, deadline,
+                                                response_type)
             if type(got) is bytes:
                 return got
             if type(got) is fr.Frame:
@@ -877,6 +891,35 @@ class Client(_Base):
             # subclass)
         return await self._call_reference(method, arg, timeout, metadata, response_type, on_late_reply,
                                           turned)
+
+    def _spare_for(self, arg: Any) -> tuple[int, int] | None:
+        """The spare extent, if ``arg`` is a body to follow: the native caller sends it through
+        the spare, with no Python before the frame is out (and the server reading)."""
+        spare = self._spare
+        if spare is not None and type(arg) is bytes and self._follow_min <= len(arg) <= self._follow_max:
+            return spare
+        return None
+
+    async def _followed_out(self, call_id: int, mb: bytes, spare: tuple[int, int], got: Any,
+                            deadline: float | None, response_type: Any) -> Any:
+        """A request the native caller sent through the spare extent, its body written (the
+        rest of ``_call_large``): its reply (``got``, or awaited), then the spare settled."""
+        chan = self._chan
+        self._spare = None
+        self._followed[call_id] = mb
+        answered = False
+        try:
+            if type(got) is bytes:
+                result = got
+            elif type(got) is fr.Frame:
+                result = self._answer(got, response_type)
+            else:  # out; its reply comes later
+                result = await self._roundtrip(call_id, None, deadline, response_type)
+            answered = True
+            return result
+        finally:
+            del self._followed[call_id]
+            self._settle(chan, spare[0], spare[1], mb, answered)
 
     async def _give_way(self) -> None:
         """One loop turn for the tasks whose replies this client handed over, and those that

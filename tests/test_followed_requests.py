@@ -163,6 +163,56 @@ async def test_a_spare_extent_saves_the_alloc_round_trip(name, allocs):
         assert server._heap.kept_bytes == 0
 
 
+@pytest.fixture
+def reference_large(monkeypatch) -> list[int]:
+    """Body lengths of the requests the reference sent through the heap (Client._call_large
+    spied on): the native caller sends the rest."""
+    seen: list[int] = []
+    real = cxlrpc.Client._call_large
+
+    def spy(self, call_id, large, *args):
+        seen.append(len(large.body))
+        return real(self, call_id, large, *args)
+
+    monkeypatch.setattr(cxlrpc.Client, "_call_large", spy)
+    return seen
+
+
+async def test_the_native_caller_writes_followed_bodies_into_the_spare(name, followed, reference_large):
+    """Once a spare is kept, the native caller sends the frame and writes the body itself; a
+    body the spare cannot hold goes the reference's way (which asks for a bigger spare)."""
+    url = f"shm://{name}"
+    async with _server(url) as server, cxlrpc.connect(url) as client:
+        assert client._caller is not None
+        bodies = [os.urandom(MiB - i * 4099) for i in range(6)]  # each shorter than the last
+        for body in bodies:
+            assert await client.call("echo", body, timeout=30) == body
+        assert reference_large == [MiB]  # the first: it asks for the spare
+        bigger = os.urandom(MiB + 1)
+        assert await client.call("digest", bigger, timeout=30) == hashlib.sha256(bigger).hexdigest()
+        assert await client.call("digest", bigger, timeout=30) == hashlib.sha256(bigger).hexdigest()
+        assert reference_large == [MiB, MiB + 1]
+        assert await _settled(server, client)
+    assert [s for m, s in followed if m == "echo"] == [len(b) for b in bodies]
+    assert [s for m, s in followed if m == "digest"] == [MiB + 1] * 2
+
+
+async def test_tasks_sharing_a_client_share_its_spare_exactly(name):
+    """Tasks taking turns on one client: each followed body reaches the server whole, natively
+    or by the reference, however the spare passes between them (a task that gave way looks
+    for it again)."""
+    url = f"shm://{name}"
+    async with _server(url) as server, cxlrpc.connect(url) as client:
+        async def caller(k: int) -> bool:
+            ok = True
+            for i in range(5):
+                body = os.urandom(FOLLOW_MIN + 4096 * (7 * k + i))
+                ok &= await client.call("digest", body, timeout=30) == hashlib.sha256(body).hexdigest()
+            return ok
+        assert all(await asyncio.gather(*(caller(k) for k in range(4))))
+        assert await _settled(server, client)
+
+
 async def test_no_spare_is_kept_from_a_body_read_in_place(name):
     """A handler that reads its body in place may hold the extent past its reply (an async
     one gives it back after): the client gives it back rather than write its next body there."""

@@ -1127,11 +1127,7 @@ static int send_followed(Caller *self, PyObject *mb, PyObject *body, uint64_t ca
     if (PyObject_GetBuffer(self->buf, &region, PyBUF_WRITABLE) < 0)
         return -1;
     int rc = -1;
-    if (self->heap_start + self->heap_size > region.len) {
-        PyErr_SetString(PyExc_ValueError, "Caller: the heap lies outside the region");
-        goto done;
-    }
-    char *extent = (char *)region.buf + self->heap_start + offset;
+    char *extent = (char *)region.buf + self->heap_start + offset; /* inside: checked at init */
     uint64_t *progress = (uint64_t *)extent; /* 8-byte aligned: heap_start is (checked at init) */
     __atomic_store_n(progress, 0, __ATOMIC_RELEASE);
     unsigned char h[HEADER_SIZE], where[16];

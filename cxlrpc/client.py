@@ -872,7 +872,9 @@ class Client(_Base):
                     self._spare = None  # (its server's heap went with the slot)
                 raise self._revoked(exc) from exc
             except BaseException:
-                if spare is not None:  # it may be out, the server reading it: FREE it
+                if spare is not None and self._spare is spare:
+                    # the native call raised, and may have sent it (the server reading it): FREE it
+                    # (not one another task took while this one gave way)
                     self._spare = None
                     self._give_back(spare[0])
                 raise

@@ -21,6 +21,7 @@
 #include <string.h>
 #include <time.h>
 #include <sched.h>
+#include "_follow.h"
 #include "_ring_api.h"
 
 static cxlrpc_ring_api *ring_api; /* cxlrpc._ring's C API: polls with C handlers of records */
@@ -1105,7 +1106,7 @@ static PyObject *caller_call(Caller *self, PyObject *const *args, Py_ssize_t nar
 /* A followed request through the spare extent ``spare`` (Client._call_large with a spare is the
  * reference): its frame, naming the extent, goes first; then the body is written into the
  * extent a chunk at a time, the bytes written so far stored into the extent's progress word
- * (release) after each (memory.publish_copy), while the server copies them out. 1: sent; 0: not
+ * (release) after each (follow_publish, as memory.publish_copy), while the server copies them out. 1: sent; 0: not
  * (a method that reads its body in place, an extent that does not hold the body, a full ring:
  * the reference sends it); -1: an error. */
 static int send_followed(Caller *self, PyObject *mb, PyObject *body, uint64_t call_id, double timeout,
@@ -1157,15 +1158,8 @@ static int send_followed(Caller *self, PyObject *mb, PyObject *body, uint64_t ca
         }
     }
     const char *src = PyBytes_AS_STRING(body); /* immutable, and held by the caller's arguments */
-    size_t n = (size_t)blen, chunk = (size_t)self->follow_chunk;
-    char *dst = extent + FOLLOW_HEADER;
     Py_BEGIN_ALLOW_THREADS
-    for (size_t done = 0; done < n;) {
-        size_t step = n - done < chunk ? n - done : chunk;
-        memcpy(dst + done, src + done, step);
-        done += step;
-        __atomic_store_n(progress, (uint64_t)done, __ATOMIC_RELEASE);
-    }
+    follow_publish(extent + FOLLOW_HEADER, src, (size_t)blen, (size_t)self->follow_chunk, progress);
     Py_END_ALLOW_THREADS
 done:
     PyBuffer_Release(&region);

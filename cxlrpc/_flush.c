@@ -26,6 +26,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "_follow.h"
+
 #define LINE 64
 
 static int have_clwb, have_clflushopt;
@@ -159,16 +161,8 @@ static PyObject *publish_copy(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "publish_copy: %zd bytes in a %zd-byte buffer by chunks of %zd",
                      src.len, dst.len, chunk);
     } else {
-        char *d = (char *)dst.buf;
-        const char *s = (const char *)src.buf;
-        size_t n = (size_t)src.len;
         Py_BEGIN_ALLOW_THREADS
-        for (size_t done = 0; done < n;) {
-            size_t step = n - done < (size_t)chunk ? n - done : (size_t)chunk;
-            memcpy(d + done, s + done, step);
-            done += step;
-            __atomic_store_n(word, (uint64_t)done, __ATOMIC_RELEASE);
-        }
+        follow_publish((char *)dst.buf, (const char *)src.buf, (size_t)src.len, (size_t)chunk, word);
         Py_END_ALLOW_THREADS
     }
     PyBuffer_Release(&dst);

@@ -868,8 +868,6 @@ class Client(_Base):
                         got = caller.call(method, arg, timeout or 0.0, call_id, self._hot_s,
                                           response_type is None, self._hot_spin_s, True, spare)
             except ClaimRevoked as exc:
-                if spare is not None:
-                    self._spare = None  # (its server's heap went with the slot)
                 raise self._revoked(exc) from exc
             except BaseException:
                 if spare is not None and self._spare is spare:

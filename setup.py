@@ -4,9 +4,11 @@ Without a compiler the package installs: the rings, frames and calls run their P
 and only coherence="flush" is unavailable."""
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("cxlrpc._flush", ["cxlrpc/_flush.c"], depends=["cxlrpc/_follow.h"], optional=True),
-                   Extension("cxlrpc._ring", ["cxlrpc/_ring.c"], depends=["cxlrpc/_ring_api.h"], optional=True),
-                   Extension("cxlrpc._frame", ["cxlrpc/_frame.c"], optional=True),
+setup(ext_modules=[Extension("cxlrpc._flush", ["cxlrpc/_flush.c"], depends=["cxlrpc/_follow.h", "cxlrpc/_copy.h"],
+                             optional=True),
+                   Extension("cxlrpc._ring", ["cxlrpc/_ring.c"], depends=["cxlrpc/_ring_api.h", "cxlrpc/_copy.h"],
+                             optional=True),
+                   Extension("cxlrpc._frame", ["cxlrpc/_frame.c"], depends=["cxlrpc/_copy.h"], optional=True),
                    Extension("cxlrpc._dispatch", ["cxlrpc/_dispatch.c"],
-                             depends=["cxlrpc/_ring_api.h", "cxlrpc/_follow.h"],
+                             depends=["cxlrpc/_ring_api.h", "cxlrpc/_follow.h", "cxlrpc/_copy.h"],
                              optional=True)])

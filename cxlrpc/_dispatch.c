@@ -21,6 +21,7 @@
 #include <string.h>
 #include <time.h>
 #include <sched.h>
+#include "_copy.h"
 #include "_follow.h"
 #include "_ring_api.h"
 
@@ -279,7 +280,7 @@ static PyObject *req_frame(Dispatcher *d, Req *r) {
      * its own is then unmapped, and its body is not read) */
     fields[8] = r->body_obj != NULL                 ? Py_NewRef(r->body_obj)
                 : r->record == NULL && !region_open(d) ? PyBytes_FromStringAndSize(NULL, 0)
-                                                       : PyBytes_FromStringAndSize((const char *)r->body, r->body_len);
+                                                       : bytes_copy(r->body, r->body_len);
     int ok = 1;
     for (int i = 0; i < 9; i++)
         ok &= fields[i] != NULL;
@@ -521,7 +522,7 @@ static PyObject *argument(Dispatcher *d, Req *r, PyObject *entry, long mode, PyO
         return NULL;
     }
     /* a copy, as the reference's: a decoded value may keep views of what it was decoded from */
-    if ((*body = PyBytes_FromStringAndSize((const char *)r->body, r->body_len)) == NULL)
+    if ((*body = bytes_copy(r->body, r->body_len)) == NULL)
         return NULL;
     r->body_obj = *body;
     if (mode & VIEW_ARG) /* a coroutine, which may outlive the record: a view of a copy */
@@ -991,7 +992,7 @@ static int caller_take(Caller *self, const unsigned char *p, Py_ssize_t n, PyObj
         uint64_t bits = le64(p + 18);
         memcpy(&timeout, &bits, sizeof timeout);
         if (le16(p + 26) == 0 && timeout >= 0) {
-            self->reply = PyBytes_FromStringAndSize((const char *)p + HEADER_SIZE, n - HEADER_SIZE);
+            self->reply = bytes_copy(p + HEADER_SIZE, n - HEADER_SIZE);
             return self->reply == NULL ? -1 : 0;
         }
     }

@@ -194,7 +194,7 @@ static int follow_loop(char *dst, const char *src, uint64_t *word, uint64_t n, u
         }
         if (p > *done) {
             if (dst != NULL)
-                memcpy(dst + *done, src + *done, (size_t)(p - *done));
+                copy_span(dst + *done, src + *done, (size_t)(p - *done));
             *done = p;
             since = 0.0;
             continue;

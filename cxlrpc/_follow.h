@@ -6,12 +6,14 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "_copy.h"
+
 /* Copy ``n`` bytes of ``src`` into ``dst`` a ``chunk`` at a time, storing the count copied so
  * far into ``*progress`` (release) after each: a reader copies them out meanwhile. Needs no GIL. */
 static inline void follow_publish(char *dst, const char *src, size_t n, size_t chunk, uint64_t *progress) {
     for (size_t done = 0; done < n;) {
         size_t step = n - done < chunk ? n - done : chunk;
-        memcpy(dst + done, src + done, step);
+        copy_span(dst + done, src + done, step);
         done += step;
         __atomic_store_n(progress, (uint64_t)done, __ATOMIC_RELEASE);
     }

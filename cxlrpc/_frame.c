@@ -11,6 +11,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "_copy.h"
+
 #define HEADER_SIZE 28 /* <BBHHIQdH */
 #define MAX_METHOD 255
 #define FLAG_RAW 1
@@ -122,7 +124,7 @@ static PyObject *decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     int lent = 0;
     if (lend != NULL && kind == KIND_REQUEST && (lent = PySet_Contains(lend, method)) < 0)
         goto done;
-    body = lent ? lent_body(view_obj, end) : PyBytes_FromStringAndSize((const char *)p + end, n - end);
+    body = lent ? lent_body(view_obj, end) : bytes_copy(p + end, n - end);
     if (body == NULL)
         goto done;
     PyObject *fields[9];

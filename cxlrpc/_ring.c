@@ -15,6 +15,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
+#include "_copy.h"
 #include "_ring_api.h"
 
 #define HEADER_SIZE 8
@@ -401,7 +402,7 @@ static void release_parts(Py_buffer *views, Py_ssize_t n) {
 
 static void copy_parts(RingCore *r, Py_ssize_t start, Py_buffer *views, Py_ssize_t n) {
     for (Py_ssize_t i = 0; i < n; i++) {
-        memmove(r->base + start, views[i].buf, (size_t)views[i].len); /* a part may be a view of the ring */
+        copy_span(r->base + start, views[i].buf, (size_t)views[i].len); /* a part may be a view of the ring */
         start += views[i].len;
     }
 }

@@ -16,6 +16,8 @@
  * not done within ``limit``.
  * Follower(length, copy): the same a step at a time (step(src, progress, spin, budget) -> bytes
  * done; take() -> the bytes), for a reader that must not wait long for one writer.
+ * copy(dst, src): copy buffer src into the start of writable buffer dst with plain stores
+ * (copy_span: around glibc's slow skews); copied(src): a new bytes object holding a copy of src.
  * features(): the instructions in use, e.g. "clwb+clflushopt".
  */
 #define PY_SSIZE_T_CLEAN
@@ -26,6 +28,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "_copy.h"
 #include "_follow.h"
 
 #define LINE 64
@@ -134,6 +137,51 @@ static PyObject *stream_bytes(PyObject *self, PyObject *args) {
         Py_BEGIN_ALLOW_THREADS
         copy_streaming(dst, (const char *)src.buf, (size_t)src.len);
         Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&src);
+    return out;
+}
+
+#define NOGIL_FROM (256 << 10) /* copies this big let other threads run meanwhile */
+
+static PyObject *copy(PyObject *self, PyObject *args) {
+    Py_buffer dst, src;
+    if (!PyArg_ParseTuple(args, "w*y*", &dst, &src))
+        return NULL;
+    if (!PyBuffer_IsContiguous(&dst, 'C') || !PyBuffer_IsContiguous(&src, 'C')) {
+        PyErr_SetString(PyExc_BufferError, "copy needs contiguous buffers");
+    } else if (src.len > dst.len) {
+        PyErr_Format(PyExc_ValueError, "copy: %zd bytes do not fit a %zd-byte buffer", src.len, dst.len);
+    } else if (src.len >= NOGIL_FROM) {
+        Py_BEGIN_ALLOW_THREADS
+        copy_span(dst.buf, src.buf, (size_t)src.len);
+        Py_END_ALLOW_THREADS
+    } else {
+        copy_span(dst.buf, src.buf, (size_t)src.len);
+    }
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&src);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *copied(PyObject *self, PyObject *args) {
+    Py_buffer src;
+    PyObject *out = NULL;
+    if (!PyArg_ParseTuple(args, "y*", &src))
+        return NULL;
+    if (!PyBuffer_IsContiguous(&src, 'C')) {
+        PyErr_SetString(PyExc_BufferError, "copied needs a contiguous buffer");
+    } else if ((out = PyBytes_FromStringAndSize(NULL, src.len)) != NULL) {
+        char *dst = PyBytes_AS_STRING(out);
+        if (src.len >= NOGIL_FROM) {
+            Py_BEGIN_ALLOW_THREADS
+            copy_span(dst, src.buf, (size_t)src.len);
+            Py_END_ALLOW_THREADS
+        } else {
+            copy_span(dst, src.buf, (size_t)src.len);
+        }
     }
     PyBuffer_Release(&src);
     return out;
@@ -365,6 +413,8 @@ static PyMethodDef methods[] = {
     {"stream_bytes", stream_bytes, METH_VARARGS, "A new bytes copy of src, made with streaming stores."},
     {"publish_copy", publish_copy, METH_VARARGS, "Copy src into dst by chunks, publishing the count copied into progress."},
     {"follow_copy", follow_copy, METH_VARARGS, "A bytes copy of src, taken as progress says it was written; None on a stall."},
+    {"copy", copy, METH_VARARGS, "Copy src into the start of dst with plain stores."},
+    {"copied", copied, METH_VARARGS, "A new bytes copy of src."},
     {"features", features, METH_NOARGS, "The flush instructions this CPU offers."},
     {NULL, NULL, 0, NULL},
 };

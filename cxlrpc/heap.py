@@ -23,7 +23,8 @@ import struct
 from typing import Sequence
 
 from .allocator import PoolAllocator
-from .memory import RELEASE, AtomicMemory, FollowedBody, copy_bytes, follow_copy, publish_copy, to_bytes
+from .memory import (RELEASE, AtomicMemory, FollowedBody, copy_bytes, follow_copy, plain_bytes, plain_copy,
+                     publish_copy, to_bytes)
 
 EXTENT = struct.Struct("<QQ")  # offset, length: the body of a HEAP frame
 OFFSET = struct.Struct("<Q")   # FREE's offset (and a CREDIT's count)
@@ -77,7 +78,7 @@ class HeapAccess:
             if self.mem.flushing:
                 copy_bytes(self.buf[at:at + n], part)
             else:
-                self.buf[at:at + n] = part
+                plain_copy(self.buf[at:at + n], part)
             at += n
         self.mem.writeback(self.start + offset, length)
         return length
@@ -132,7 +133,7 @@ class HeapAccess:
         at = self.start + offset
         self.mem.invalidate(at, length)
         view = self.buf[at:at + length]
-        return to_bytes(view) if self.mem.flushing else bytes(view)
+        return to_bytes(view) if self.mem.flushing else plain_bytes(view)
 
 
 class ServerHeap:

@@ -112,3 +112,36 @@ def test_copy_into_an_overlapping_destination_is_a_move() -> None:
         memory._native.publish_copy(view[80:80 + length], view[64:64 + length], progress, length)
         view.release()
         assert m[80:80 + length] == data
+
+
+@pytest.mark.parametrize("impl", ["native", "fallback"])
+@pytest.mark.parametrize("length", [4095, 4096, (64 << 10) + 17])
+def test_plain_copies_are_exact_at_every_skew(impl: str, length: int, monkeypatch) -> None:
+    """memory.plain_copy / plain_bytes (pool blocks into users' buffers, heap extents into
+    bytes): exact, inside the destination, with the native module and without it."""
+    if impl == "fallback":
+        monkeypatch.setattr(memory, "_native", None)
+    elif memory._native is None:
+        pytest.skip("cxlrpc._flush was not built")
+    with mmap.mmap(-1, length + 2 * 4096) as m:
+        dst_at = 4096 + 16  # a numpy array's data, as malloc maps it
+        for skew in SKEWS:
+            m[:] = bytes([GUARD]) * len(m)
+            view = memoryview(m)
+            src, data = _source_at(skew, _address(m) + dst_at, length)
+            memory.plain_copy(view[dst_at:dst_at + length + 3], src)
+            view.release()
+            assert m[dst_at:dst_at + length] == data, skew
+            assert m[:dst_at] == bytes([GUARD]) * dst_at, skew
+            assert m[dst_at + length:] == bytes([GUARD]) * (len(m) - dst_at - length), skew
+            copy = memory.plain_bytes(src)
+            assert type(copy) is bytes and copy == data, skew
+
+
+def test_plain_copy_refuses_what_does_not_fit() -> None:
+    if memory._native is None:
+        pytest.skip("cxlrpc._flush was not built")
+    with pytest.raises(ValueError):
+        memory.plain_copy(memoryview(bytearray(5000)), b"x" * 5001)
+    with pytest.raises(TypeError):
+        memory.plain_copy(memoryview(b"y" * 5000), b"x" * 5000)  # not writable

@@ -970,30 +970,45 @@ typedef struct {
     PyObject *reply;   /* that reply, once polled: a Frame, or (raw) the body's bytes */
     PyObject *in_place; /* the client's set of methods that read their bodies in place (never followed) */
     Py_ssize_t heap_start, heap_size, follow_chunk; /* the region's heap; a followed body's publish step */
+    double follow_stall, follow_rate; /* a followed reply's writer is given up after (heap.FOLLOW_*; 0: not followed here) */
+    int followed;                     /* the reply to this call is a followed extent: */
+    uint64_t followed_at, followed_len; /* its offset in the heap and its body's length */
 } Caller;
 
-static PyObject *s_on_reply;
+static PyObject *s_on_reply, *s_give_back, *s_reply_unfollowed;
 
 static PyObject *caller_send(Caller *self, PyObject *mb, PyObject *const *args, double timeout, double hot,
                              double spin, PyObject *spare);
 
-/* Caller(view): a reply record polled during the hot wait. */
 /* A reply record, ``p``/``n``: given as a view (``view``), or where it begins in the region's
  * (``buf``, ``start``; a view is made only for the Python code it goes to). 0, or -1 on error. */
 static int caller_take(Caller *self, const unsigned char *p, Py_ssize_t n, PyObject *view, PyObject *buf,
                        Py_ssize_t start) {
-    int ours = self->reply == NULL && n >= HEADER_SIZE && (p[0] == KIND_RESPONSE || p[0] == 3) &&
+    int ours = self->reply == NULL && !self->followed && n >= HEADER_SIZE && (p[0] == KIND_RESPONSE || p[0] == 3) &&
                le16(p + 4) == self->slot && le32(p + 6) == self->gen && le64(p + 10) == self->expected;
-    if (ours && self->raw && p[0] == KIND_RESPONSE && p[1] == FLAG_RAW) {
+    if (ours && self->raw && p[0] == KIND_RESPONSE && (p[1] == FLAG_RAW || p[1] == (FLAG_RAW | FLAG_HEAP | FLAG_FOLLOW))) {
         /* what Client._answer returns of it, without a Frame: the body, when the header is a
          * sound reply's (no method name, a timeout decode accepts); anything else goes to
          * decode, which says why not */
         double timeout;
         uint64_t bits = le64(p + 18);
         memcpy(&timeout, &bits, sizeof timeout);
-        if (le16(p + 26) == 0 && timeout >= 0) {
+        if (le16(p + 26) == 0 && timeout >= 0 && p[1] == FLAG_RAW) {
             self->reply = bytes_copy(p + HEADER_SIZE, n - HEADER_SIZE);
             return self->reply == NULL ? -1 : 0;
+        }
+        if (le16(p + 26) == 0 && timeout >= 0 && n == HEADER_SIZE + 16 && self->follow_stall > 0) {
+            /* a followed body (Client._heap_body): copied out once the poll is over
+             * (follow_reply), when its extent lies inside the heap (else the reference says so) */
+            uint64_t offset = le64(p + HEADER_SIZE), length = le64(p + HEADER_SIZE + 8);
+            uint64_t heap = (uint64_t)self->heap_size;
+            if (offset % HEAP_UNIT == 0 && offset <= heap && heap - offset >= FOLLOW_HEADER &&
+                length <= heap - offset - FOLLOW_HEADER) {
+                self->followed = 1;
+                self->followed_at = offset;
+                self->followed_len = length;
+                return 0;
+            }
         }
     }
     PyObject *made = NULL;
@@ -1167,6 +1182,65 @@ done:
     return rc;
 }
 
+/* The body of a followed reply (the extent caller_take found), copied out as the server writes
+ * it (follow_loop, the GIL released), then the extent given back (Client._give_back queues its
+ * FREE). When the server stops writing it, or its progress is garbage, the error
+ * Client._reply_unfollowed makes of it (Unavailable) is raised, as Client._heap_body would. */
+static PyObject *follow_reply(Caller *self, uint64_t call_id) {
+    uint64_t offset = self->followed_at, length = self->followed_len, done = 0, seen = 0;
+    PyObject *out = NULL, *res;
+    if (!view_open(self->buf)) {
+        PyErr_SetString(PyExc_ValueError, "the region was closed while a reply was followed");
+        return NULL;
+    }
+    if (length > (uint64_t)PY_SSIZE_T_MAX || (out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)length)) == NULL)
+        return length > (uint64_t)PY_SSIZE_T_MAX ? PyErr_NoMemory() : NULL;
+    Py_buffer region;
+    if (PyObject_GetBuffer(self->buf, &region, PyBUF_SIMPLE) < 0) {
+        Py_DECREF(out);
+        return NULL;
+    }
+    char *extent = (char *)region.buf + self->heap_start + offset; /* inside: caller_take checked */
+    int rc;
+    double stall = self->follow_stall, limit = stall + (double)length / self->follow_rate;
+    char *dst = PyBytes_AS_STRING(out);
+    Py_BEGIN_ALLOW_THREADS
+    rc = follow_loop(dst, extent + FOLLOW_HEADER, (uint64_t *)extent, length, &done, stall, limit, &seen);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&region);
+    PyObject *offset_obj = PyLong_FromUnsignedLongLong(offset);
+    if (offset_obj == NULL) {
+        Py_DECREF(out);
+        return NULL;
+    }
+    if (rc == 0 && done == length) {
+        res = PyObject_CallMethodOneArg(self->client, s_give_back, offset_obj);
+    } else {
+        Py_CLEAR(out);
+        PyObject *why = rc < 0 ? PyUnicode_FromFormat("progress word %llu is outside [%llu, %llu]",
+                                                      (unsigned long long)seen, (unsigned long long)done,
+                                                      (unsigned long long)length)
+                               : Py_NewRef(Py_None); /* (a stall: the client words it) */
+        PyObject *id_obj = PyLong_FromUnsignedLongLong(call_id);
+        res = why == NULL || id_obj == NULL ? NULL
+                                            : PyObject_CallMethodObjArgs(self->client, s_reply_unfollowed, id_obj,
+                                                                         offset_obj, why, NULL);
+        Py_XDECREF(why);
+        Py_XDECREF(id_obj);
+        if (res != NULL) { /* the error to raise */
+            PyErr_SetObject((PyObject *)Py_TYPE(res), res);
+            Py_CLEAR(res);
+        }
+    }
+    Py_DECREF(offset_obj);
+    if (res == NULL) {
+        Py_XDECREF(out);
+        return NULL;
+    }
+    Py_DECREF(res);
+    return out;
+}
+
 /* call()'s work once the method's name is known (``mb``, held by the caller). */
 static PyObject *caller_send(Caller *self, PyObject *mb, PyObject *const *args, double timeout, double hot,
                              double spin, PyObject *spare) {
@@ -1198,11 +1272,15 @@ static PyObject *caller_send(Caller *self, PyObject *mb, PyObject *const *args, 
     }
     Py_ssize_t mlen = PyBytes_GET_SIZE(mb);
     if (spare != NULL && encoded == NULL) { /* a bytes body to follow through the spare extent */
+        double began = now_s();
         int sent = send_followed(self, mb, body, call_id, timeout, spare);
         if (sent < 0)
             return NULL;
-        if (sent)
+        if (sent) { /* the server reads the body as it is written: its reply comes about as long
+                     * after as any other's, but its reading may lag ours; wait that much longer */
+            hot += now_s() - began;
             goto wait;
+        }
     }
     if (HEADER_SIZE + mlen + blen > self->max_payload) /* out of line: the reference */
         return encoded != NULL ? encoded : Py_BuildValue("(iO)", FLAG_RAW, body);
@@ -1247,9 +1325,15 @@ wait:
         }
         if (n == NULL) {
             Py_CLEAR(self->reply); /* the record comes again, as a late reply */
+            self->followed = 0;
             break;
         }
         Py_DECREF(n);
+        if (self->followed) {
+            self->followed = 0;
+            result = follow_reply(self, call_id);
+            break;
+        }
         if (self->reply != NULL) {
             result = self->reply;
             self->reply = NULL;
@@ -1285,22 +1369,26 @@ static int caller_init(Caller *self, PyObject *args, PyObject *kwds) {
     unsigned long gen;
     unsigned long long me;
     Py_ssize_t max_payload, bell_at, heap_start, heap_size, follow_chunk;
+    double follow_stall, follow_rate;
     if (kwds != NULL && PyDict_GET_SIZE(kwds)) {
         PyErr_SetString(PyExc_TypeError, "Caller takes positional arguments only");
         return -1;
     }
-    if (!PyArg_ParseTuple(args, "OO!OO!OOOOIknO!nKO!O!O!nnn", &client, &PyDict_Type, &methods, &requests, &PyTuple_Type,
+    if (!PyArg_ParseTuple(args, "OO!OO!OOOOIknO!nKO!O!O!nnndd", &client, &PyDict_Type, &methods, &requests, &PyTuple_Type,
                           &push_args, &ring_bell, &ring, &encode_body, &decode, &slot, &gen, &max_payload,
                           &PyMemoryView_Type, &buf, &bell_at, &me, &PyTuple_Type, &idle_when, &PyTuple_Type,
-                          &turn_when, &PySet_Type, &in_place, &heap_start, &heap_size, &follow_chunk))
+                          &turn_when, &PySet_Type, &in_place, &heap_start, &heap_size, &follow_chunk,
+                          &follow_stall, &follow_rate))
         return -1;
     if (slot > 0xFFFF || gen > 0xFFFFFFFFUL || max_payload < HEADER_SIZE || PyTuple_GET_SIZE(push_args) > MAX_PUSH_ARGS) {
         PyErr_SetString(PyExc_ValueError, "Caller: slot, generation, ring limit or push arguments out of range");
         return -1;
     }
     if (heap_start < 0 || heap_start % 8 || heap_size < 0 ||
-        heap_size > PyMemoryView_GET_BUFFER(buf)->len - heap_start || follow_chunk < 64) {
-        PyErr_SetString(PyExc_ValueError, "Caller: the heap lies outside the region, or the publish step is under 64");
+        heap_size > PyMemoryView_GET_BUFFER(buf)->len - heap_start || follow_chunk < 64 || !(follow_stall >= 0) ||
+        !(follow_rate > 0)) {
+        PyErr_SetString(PyExc_ValueError, "Caller: the heap lies outside the region, the publish step is under 64, "
+                                          "or a followed reply's stall or rate is not positive");
         return -1;
     }
     if (!word_inside(buf, bell_at)) {
@@ -1319,6 +1407,9 @@ static int caller_init(Caller *self, PyObject *args, PyObject *kwds) {
     self->heap_start = heap_start;
     self->heap_size = heap_size;
     self->follow_chunk = follow_chunk;
+    self->follow_stall = follow_stall;
+    self->follow_rate = follow_rate;
+    self->followed = 0;
     return 0;
 }
 
@@ -1390,6 +1481,8 @@ PyMODINIT_FUNC PyInit__dispatch(void) {
     INTERN(s_toreadonly, "toreadonly")
     INTERN(s_release, "release")
     INTERN(s_on_reply, "_on_reply")
+    INTERN(s_give_back, "_give_back")
+    INTERN(s_reply_unfollowed, "_reply_unfollowed")
     INTERN(s_polled_at, "_polled_at")
     INTERN(s_poll_within, "poll_within")
     INTERN(s_poll, "poll")

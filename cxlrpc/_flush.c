@@ -221,48 +221,6 @@ static PyObject *publish_copy(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static double seconds_now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
-/* Copy ``src[*done:]`` into ``dst`` as the progress word says its bytes are there, until all
- * ``n`` are, or the word stops moving for ``stall`` seconds, or ``limit`` seconds pass. Called
- * without the GIL. Returns 0, or -1 when the word is garbage (outside [*done, n]: ``*seen``). */
-static int follow_loop(char *dst, const char *src, uint64_t *word, uint64_t n, uint64_t *done,
-                       double stall, double limit, uint64_t *seen) {
-    double end = seconds_now() + limit;
-    double since = 0.0; /* when progress last moved (0: look at the clock next time) */
-    for (unsigned spins = 1; *done < n; spins++) {
-        uint64_t p = __atomic_load_n(word, __ATOMIC_ACQUIRE);
-        if (p > n || p < *done) { /* a writer only counts up to the length: garbage */
-            *seen = p;
-            return -1;
-        }
-        if (p > *done) {
-            if (dst != NULL)
-                copy_span(dst + *done, src + *done, (size_t)(p - *done));
-            *done = p;
-            since = 0.0;
-            continue;
-        }
-        if ((spins & 255) == 0) {
-            double now = seconds_now();
-            if (now > end)
-                break;
-            if (since == 0.0)
-                since = now;
-            else if (now - since > stall)
-                break;
-        }
-#if defined(__x86_64__) || defined(__i386__)
-        __builtin_ia32_pause();
-#endif
-    }
-    return 0;
-}
-
 static void garbage_progress(uint64_t seen, uint64_t done, uint64_t n) {
     PyErr_Format(PyExc_ValueError, "progress word %llu is outside [%llu, %llu]",
                  (unsigned long long)seen, (unsigned long long)done, (unsigned long long)n);

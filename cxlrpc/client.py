@@ -29,6 +29,7 @@ from .channel import KIND_RPC, ClientChannel, FlushClientChannel, client_channel
 from .doorbell import WaitStrategy, resolve
 from .errors import (DeadlineExceeded, InvalidArgument, ResourceExhausted, RpcError, StatusCode,
                      Unavailable, error_for)
+from . import heap as heap_settings
 from .heap import EXTENT, FOLLOW_HEADER, FOLLOW_MIN, GRANT, OFFSET, HeapAccess
 from .memory import FOLLOW_CHUNK
 from .process_heap import keep_freed_heap
@@ -329,12 +330,13 @@ class _Base:
                                                               strategy.spin_s + strategy.yield_s)
         self._hot_spin_s = min(self._hot_s, strategy.spin_s)
         geo, region = chan.geo, chan.region
-        if geo.heap_size > FOLLOW_HEADER and not region.mem.flushing:
+        following = geo.heap_size > FOLLOW_HEADER and not region.mem.flushing
+        if following:
             self._follow_min = FOLLOW_MIN
             self._follow_max = min(geo.heap_size, geo.max_message_size) - FOLLOW_HEADER  # ALLOC's limit
         if _Caller is not None and isinstance(chan, ClientChannel):
-            # through a proxy: the client stays collectable when dropped unclosed; bodies to
-            # follow go to the reference
+            # through a proxy: the client stays collectable when dropped unclosed (the stall
+            # after which it gives up a followed reply is read now)
             bell = chan.server_bell
             self._caller = _Caller(weakref.proxy(self), self._methods, chan.requests,
                                    chan.push_args(), bell.ring, chan.responses, fr.encode_body,
@@ -342,7 +344,8 @@ class _Base:
                                    min(chan.requests.max_payload, fr.HEADER_SIZE + self._follow_min - 1),
                                    chan.region.buf, bell.parked_at, bell.me, self._in_flight(),
                                    self._owed_turns(), self._in_place, geo.heap, geo.heap_size,
-                                   FOLLOW_CHUNK)
+                                   FOLLOW_CHUNK, heap_settings.FOLLOW_STALL_S if following else 0.0,
+                                   heap_settings.FOLLOW_MIN_RATE)
         self._heap = HeapAccess(region.buf, region.mem, geo.heap, geo.heap_size)
         self._finalizer = weakref.finalize(self, _collected, link, f"{type(self).__name__}({self.url!r})")
         self._finalizer.atexit = False  # at exit the server reclaims the slot by our PID
@@ -532,6 +535,17 @@ class _Base:
         f.body, f.flags = body, f.flags & ~(fr.HEAP | fr.FOLLOW)
         self._give_back(offset)
         return True
+
+    def _reply_unfollowed(self, call_id: int, offset: int, why: str | None) -> Unavailable:
+        """The native caller's followed reply whose server stopped writing it (``why`` None) or
+        whose progress is garbage: cancel the call, give the extent back, and the error to raise
+        (as :meth:`_heap_body` makes it)."""
+        if why is None:
+            why = (f"the writer stopped for {heap_settings.FOLLOW_STALL_S} s or was slower than "
+                   f"{heap_settings.FOLLOW_MIN_RATE:.3g} B/s")
+        self._send_cancel(call_id)
+        self._give_back(offset)
+        return Unavailable(f"the server stopped writing the reply's body: {why}")
 
     def _own_reply(self, view: memoryview) -> fr.Frame | None:
         """A reply record decoded, or None: garbage (counted dropped) or a reply meant for this

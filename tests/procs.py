@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import multiprocessing as mp
 import os
 import signal
@@ -40,6 +41,66 @@ def _echo_server_main(url: str, ready, opts: dict) -> None:
         await _serve_until_sigterm(server, ready)
 
     asyncio.run(main())
+
+
+def made(size: int, seed: int) -> bytes:
+    """``size`` bytes that differ with ``seed`` (what followed_server's ``make`` answers)."""
+    return (hashlib.sha256(str(seed).encode()).digest() * (size // 32 + 1))[:size]
+
+
+def _followed_server_main(url: str, ready) -> None:
+    import cxlrpc
+    from cxlrpc import memory
+    from cxlrpc.heap import HeapAccess
+
+    real = HeapAccess.publish
+
+    def half(self, offset, body):  # the server freezes half way (and never writes the rest)
+        at = self.start + offset
+        memory.publish_copy(self.mem, self.buf, at, at + 64, memoryview(body)[:len(body) // 2])
+
+    def garbage(self, offset, body):  # a progress word past the length
+        self.mem.store(self.start + offset, len(body) + 1, memory.RELEASE)
+
+    async def main() -> None:
+        server = cxlrpc.Server(url)
+
+        @server.method("echo")
+        async def echo(payload: bytes) -> bytes:
+            return payload
+
+        @server.method("make")
+        def make(spec: list) -> bytes:
+            return made(*spec)
+
+        @server.method("heap_used")
+        def heap_used() -> int:  # beyond the spares its clients keep
+            heap = server._heap
+            return heap.used - sum(heap._alloc.rounded(n) for n in heap._kept.values())
+
+        @server.method("publish")
+        def publish(how: str) -> None:  # how the server writes followed bodies from now on
+            HeapAccess.publish = {"whole": real, "half": half, "garbage": garbage}[how]
+
+        await _serve_until_sigterm(server, ready)
+
+    asyncio.run(main())
+
+
+@contextmanager
+def followed_server(url: str) -> Iterator[mp.Process]:
+    """A server in a child process whose replies are followed: ``echo``, ``make`` ([size,
+    seed] -> made(size, seed)), ``heap_used`` (bytes beyond the spares clients keep), and ``publish`` ("whole", "half": it stops half
+    way, "garbage": a progress word past the length)."""
+    ready = CTX.Event()
+    proc = CTX.Process(target=_followed_server_main, args=(url, ready), daemon=True)
+    proc.start()
+    try:
+        if not ready.wait(20):
+            raise TimeoutError("followed server did not start")
+        yield proc
+    finally:
+        stop(proc)
 
 
 @contextmanager

@@ -16,12 +16,13 @@ import time
 import pytest
 
 import cxlrpc
+import cxlrpc.client
 import cxlrpc.heap
 from cxlrpc import frame as fr
 from cxlrpc import memory
 from cxlrpc.heap import FOLLOW_MIN, HeapAccess
 from cxlrpc.memory import FOLLOW_CHUNK, AtomicMemory, follow_copy, publish_copy
-from procs import echo_server
+from procs import echo_server, followed_server, made as _made
 
 pytestmark = pytest.mark.timeout(120)
 MiB = 1 << 20
@@ -43,11 +44,6 @@ def published(monkeypatch) -> list[int]:
 
     monkeypatch.setattr(cxlrpc.Server, "_push_followed", spy)
     return lengths
-
-
-def _made(size: int, seed: int) -> bytes:
-    """The body ``make`` answers: ``size`` bytes that differ with ``seed``."""
-    return (hashlib.sha256(str(seed).encode()).digest() * (size // 32 + 1))[:size]
 
 
 def _server(url: str, **opts) -> cxlrpc.Server:
@@ -210,6 +206,86 @@ async def test_a_server_whose_copy_fails_tells_the_client_at_once(name, monkeypa
             assert time.monotonic() - start < 10
         assert await client.call("make", [MiB, 2], timeout=10) == _made(MiB, 2)
         assert await _heap_empty(server)
+
+
+@pytest.fixture
+def python_followed(monkeypatch) -> list[int]:
+    """The call ids of followed replies the client's Python copied out (Client._heap_body)."""
+    ids: list[int] = []
+    real = cxlrpc.client._Base._heap_body
+
+    def spy(self, f, wanted):
+        ids.append(f.call_id)
+        return real(self, f, wanted)
+
+    monkeypatch.setattr(cxlrpc.client._Base, "_heap_body", spy)
+    return ids
+
+
+def _hot_until_answered(client: cxlrpc.Client) -> None:
+    """Poll for each reply in place until it comes (not the first 40 us only): every call's
+    reply reaches the native caller, however slow the machine (the server is another process)."""
+    client._hot_s = client._hot_spin_s = 30.0
+
+
+async def _native_client(url: str) -> cxlrpc.Client:
+    client = await cxlrpc.connect(url)
+    assert client._caller is not None
+    for method, arg in (("make", [10, 0]), ("echo", b"x"), ("heap_used", None), ("publish", "whole")):
+        await client.call(method, arg, timeout=30)  # (a method's first call names it: the reference)
+    _hot_until_answered(client)
+    return client
+
+
+async def _server_heap_empty(client: cxlrpc.Client, timeout: float = 5.0) -> bool:
+    """Poll until the server's heap holds nothing but spares (FREE frames are one-way: they lag)."""
+    deadline = time.monotonic() + timeout
+    while await client.call("heap_used", timeout=30) and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    return await client.call("heap_used", timeout=30) == 0
+
+
+async def test_the_native_caller_follows_replies_itself(name, python_followed):
+    """A followed reply to a native call is copied out in C, its extent given back (the
+    server's heap empties): no Frame of it reaches the client's Python."""
+    url = f"shm://{name}"
+    with followed_server(url):
+        client = await _native_client(url)
+        try:
+            body = os.urandom(MiB + 13)  # the reference follows it, and keeps a spare that holds it
+            assert await client.call("echo", body, timeout=30) == body
+            python_followed.clear()
+            for i, size in enumerate((FOLLOW_MIN, MiB + 13, 3 * MiB)):
+                assert await client.call("make", [size, i], timeout=30) == _made(size, i)
+                if size <= MiB + 13:  # (its request followed too, natively, through the spare)
+                    body = os.urandom(size)
+                    assert await client.call("echo", body, timeout=30) == body
+            assert python_followed == []
+            assert await _server_heap_empty(client)
+        finally:
+            await client.close()
+
+
+async def test_the_native_caller_gives_up_on_a_stalled_or_garbage_reply(name, monkeypatch, python_followed):
+    """A server that stops writing a reply natively followed, or writes a garbage progress
+    word, is Unavailable (the call cancelled, the extent given back), then calls go on."""
+    monkeypatch.setattr(cxlrpc.heap, "FOLLOW_STALL_S", 0.2)  # (read when the client connects)
+    url = f"shm://{name}"
+    with followed_server(url):
+        client = await _native_client(url)
+        try:
+            for how, why in (("half", "stopped writing.*0.2 s"), ("garbage", "progress word")):
+                await client.call("publish", how, timeout=30)
+                start = time.monotonic()
+                with pytest.raises(cxlrpc.Unavailable, match=why):
+                    await client.call("make", [MiB, 1], timeout=10)
+                assert time.monotonic() - start < 5
+                await client.call("publish", "whole", timeout=30)
+                assert await client.call("make", [MiB, 2], timeout=10) == _made(MiB, 2)
+                assert await _server_heap_empty(client)  # the broken reply's extent was given back
+            assert python_followed == []
+        finally:
+            await client.close()
 
 
 async def test_a_request_claiming_the_follow_flag_is_dropped(name):

@@ -113,6 +113,13 @@ class PoolAllocator:
             start = left
         self._add_free(start, end - start)
 
+    def size_of(self, offset: int) -> int:
+        """Bytes the live allocation at ``offset`` holds (its size rounded up); ValueError if none."""
+        size = self._allocated.get(offset)
+        if size is None:
+            raise ValueError(f"offset {offset!r} is not an allocated block (unknown or freed)")
+        return size
+
     def largest_free(self) -> int:
         """Size in bytes of the largest free contiguous range (0 when the pool is full)."""
         if not self._nonempty:

@@ -16,6 +16,9 @@ the server takes it a step at a time between its other work, never waiting long 
 A followed request's extent may be granted as a *spare* (SPARE_MAX, SPARE_SHARE): the server
 never frees one on its own; once read it is the client's again, which keeps one for its next
 followed request (no ALLOC round trip then) and FREEs the others; its departure frees them all.
+A followed reply's extent that its client FREEs is *parked* for that connection's next followed
+reply (no allocator work on either side of a big call: 5.5 us a pair here), and freed when a
+bigger one is needed, when the heap has no room for another extent, or when the client leaves.
 """
 from __future__ import annotations
 
@@ -147,17 +150,42 @@ class ServerHeap:
         self._kept: dict[int, int] = {}  # offset -> length, of extents granted as spares
         self._spare_budget = spare_budget
         self.kept_bytes = 0
+        self._replies: set[int] = set()  # extents of followed replies (parked when FREEd)
+        self._parked: dict[tuple[int, int], int] = {}  # (slot, gen) -> its parked reply extent
+        self._parked_at: set[int] = set()
+        self._parked_bytes = 0
 
     def alloc(self, slot: int, gen: int, length: int, keep: bool = False) -> int | None:
         """An extent of ``length`` bytes for the connection, or None while the heap is full;
         granted as a spare if ``keep`` is asked, it is small enough and the budget allows."""
         offset = self._alloc.alloc(max(length, 1))
+        if offset is None and self._parked:  # parked extents never keep a request out
+            for parked in list(self._parked.values()):
+                self._unpark(parked)
+                self._drop(parked)
+            offset = self._alloc.alloc(max(length, 1))
         if offset is None:
             return None
         self._owners[offset] = (slot, gen, length)
         if keep and length <= SPARE_MAX and self.kept_bytes + length <= self._spare_budget:
             self._kept[offset] = length
             self.kept_bytes += length
+        return offset
+
+    def alloc_reply(self, slot: int, gen: int, length: int) -> int | None:
+        """An extent for a followed reply of ``length`` bytes: the one the connection gave back
+        last when it holds them without doubling them, else a new one (None while the heap is
+        full)."""
+        offset = self._parked.get((slot, gen))
+        if offset is not None:
+            self._unpark(offset)
+            if length <= self._alloc.size_of(offset) <= 2 * max(length, UNIT):
+                self._owners[offset] = (slot, gen, length)
+                return offset
+            self._drop(offset)
+        offset = self.alloc(slot, gen, length)
+        if offset is not None:
+            self._replies.add(offset)
         return offset
 
     def is_spare(self, offset: int) -> bool:
@@ -169,20 +197,25 @@ class ServerHeap:
         handler reading it (a lent extent is named by its one request only)?"""
         owner = self._owners.get(offset)
         return (owner is not None and owner[:2] == (slot, gen) and length <= owner[2]
-                and offset not in self._lent)
+                and offset not in self._lent and offset not in self._parked_at)
 
     def free(self, offset: int, slot: int, gen: int) -> bool:
         """Free the connection's extent at ``offset``; False if it is not one of its own, or
         a handler still reads it (it is freed by :meth:`give_back`, never under the handler;
-        a spare is freed then too: True)."""
+        a spare is freed then too: True). A followed reply's extent is parked instead, if the
+        connection has none parked yet."""
         owner = self._owners.get(offset)
-        if owner is None or owner[:2] != (slot, gen):
+        if owner is None or owner[:2] != (slot, gen) or offset in self._parked_at:
             return False
         if offset in self._lent:
             return self._unkeep(offset)
         self._unkeep(offset)
-        del self._owners[offset]
-        self._alloc.free(offset)
+        if offset in self._replies and (slot, gen) not in self._parked:
+            self._parked[(slot, gen)] = offset
+            self._parked_at.add(offset)
+            self._parked_bytes += self._alloc.size_of(offset)
+            return True
+        self._drop(offset)
         return True
 
     def lend(self, offset: int) -> None:
@@ -194,20 +227,37 @@ class ServerHeap:
         """The server is done with a lent extent: free it (its owner may be gone), but a
         spare, which is its client's again; whether it was freed."""
         self._lent.discard(offset)
-        if offset in self._kept or self._owners.pop(offset, None) is None:
+        if offset in self._kept or offset not in self._owners:
             return False
-        self._alloc.free(offset)
+        self._drop(offset)
         return True
 
     def release_owner(self, slot: int, gen: int) -> int:
         """Free everything a departed connection held, but what is lent (freed when given
         back); how many extents."""
         freed = 0
+        parked = self._parked.get((slot, gen))
+        if parked is not None:
+            self._unpark(parked)
+            self._drop(parked)
+            freed += 1
         for offset in [off for off, (s, g, _) in self._owners.items() if (s, g) == (slot, gen)]:
             lent = offset in self._lent
             if self.free(offset, slot, gen) and not lent:
                 freed += 1
         return freed
+
+    def _unpark(self, offset: int) -> None:
+        slot, gen, _ = self._owners[offset]
+        del self._parked[(slot, gen)]
+        self._parked_at.discard(offset)
+        self._parked_bytes -= self._alloc.size_of(offset)
+
+    def _drop(self, offset: int) -> None:
+        """Free the extent at ``offset`` (not parked, not lent)."""
+        del self._owners[offset]
+        self._replies.discard(offset)
+        self._alloc.free(offset)
 
     def _unkeep(self, offset: int) -> bool:
         length = self._kept.pop(offset, None)
@@ -218,4 +268,5 @@ class ServerHeap:
 
     @property
     def used(self) -> int:
-        return self._alloc.used
+        """Bytes in extents the connections hold (parked ones are free for the next alloc)."""
+        return self._alloc.used - self._parked_bytes

@@ -1163,7 +1163,7 @@ class Server:
         size = FOLLOW_HEADER + len(body)
         if self._heap_waiting or size > heap.access.size:
             return None
-        offset = heap.alloc(slot, gen, size)
+        offset = heap.alloc_reply(slot, gen, size)
         if offset is None:
             return None
         heap.access.begin_publish(offset)

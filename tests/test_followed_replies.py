@@ -20,7 +20,7 @@ import cxlrpc.client
 import cxlrpc.heap
 from cxlrpc import frame as fr
 from cxlrpc import memory
-from cxlrpc.heap import FOLLOW_MIN, HeapAccess
+from cxlrpc.heap import FOLLOW_MIN, UNIT, HeapAccess, ServerHeap
 from cxlrpc.memory import FOLLOW_CHUNK, AtomicMemory, follow_copy, publish_copy
 from procs import echo_server, followed_server, made as _made
 
@@ -286,6 +286,33 @@ async def test_the_native_caller_gives_up_on_a_stalled_or_garbage_reply(name, mo
             assert python_followed == []
         finally:
             await client.close()
+
+
+def test_a_freed_reply_extent_is_parked_for_its_connections_next_reply():
+    """The server's heap: a followed reply's extent its client FREEs serves that connection's
+    next followed reply (not another's, not a much smaller one), cannot be FREEd again or named
+    as a request body meanwhile, and is freed for any alloc the heap has no other room for and
+    when its connection leaves."""
+    buf = bytearray(8 * MiB)
+    heap = ServerHeap(HeapAccess(memoryview(buf), AtomicMemory(buf), 0, len(buf)))
+    a = heap.alloc_reply(1, 1, MiB)
+    assert heap.free(a, 1, 1) and heap.used == 0
+    assert not heap.free(a, 1, 1) and not heap.owned(a, 1, 1, 1)  # parked: not the client's
+    other = heap.alloc_reply(2, 1, MiB)
+    assert other != a  # another connection's reply: a new extent
+    assert heap.alloc_reply(1, 1, MiB - 5000) == a  # the connection's next: the parked one
+    assert heap.owned(a, MiB - 5000, 1, 1) and not heap.owned(a, MiB, 1, 1)
+    assert heap.free(a, 1, 1)
+    small = heap.alloc_reply(1, 1, MiB // 2 - UNIT)  # under half the parked one: a new extent
+    assert heap._alloc.size_of(small) == MiB // 2 - UNIT and heap.used == MiB + MiB // 2 - UNIT
+    assert heap.free(small, 1, 1)
+    assert heap.release_owner(2, 1) == 1 and heap.used == 0  # (small is parked)
+    assert heap.alloc(3, 1, 8 * MiB - UNIT) == 0  # fits only once the parked extent is freed
+    assert heap.release_owner(3, 1) == 1 and heap.used == 0
+    b = heap.alloc_reply(4, 1, MiB)
+    assert heap.free(b, 4, 1)
+    assert heap.release_owner(4, 1) == 1  # the parked one, with its connection
+    assert heap._alloc.used == 0  # nothing parked is left behind
 
 
 async def test_a_request_claiming_the_follow_flag_is_dropped(name):

@@ -73,11 +73,12 @@ def _server(url: str, **opts) -> cxlrpc.Server:
 
 async def _settled(server: cxlrpc.Server, *clients: Any, timeout: float = 5.0) -> bool:
     """Poll until the server follows nothing and its heap holds nothing but the clients'
-    spare extents (kept for their next followed request; FREE frames lag)."""
+    spare extents (kept for their next followed request; FREE frames lag) and the reply
+    extents parked for them."""
     def settled() -> bool:
         spares = {c._spare[0] for c in clients if c._spare is not None}
         heap = server._heap
-        return not server._following and not heap._lent and set(heap._owners) == spares
+        return not server._following and not heap._lent and set(heap._owners) - heap._parked_at == spares
 
     deadline = time.monotonic() + timeout
     while not settled() and time.monotonic() < deadline:

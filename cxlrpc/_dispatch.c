@@ -1064,7 +1064,8 @@ static PyObject *caller_handle(PyObject *callable, PyObject *const *args, size_t
 }
 
 /* call(method, arg, timeout, call_id, hot, raw[, spin[, turned[, spare]]]): the reply Frame (with ``raw``, a RESPONSE
- * flagged RAW alone is its body's bytes, as Client._answer would return them); None once the
+ * flagged RAW alone, or a followed one (RAW|HEAP|FOLLOW, follow_reply), is its body's bytes, as
+ * Client._answer would return them); None once the
  * request is out but its reply has not come within ``hot`` seconds (polled for without a pause
  * for the first ``spin`` of them, default all, then yielding the CPU between polls, as a wait
  * strategy's spin and yield phases do); (flags, body) when the request did not go

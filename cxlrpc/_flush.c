@@ -104,19 +104,30 @@ static void copy_streaming(char *dst, const char *src, size_t n) {
     _mm_sfence();  /* streaming stores are weakly ordered: in memory before any later store */
 }
 
-static PyObject *stream_copy(PyObject *self, PyObject *args) {
+typedef void (*copier)(char *dst, const char *src, size_t n);
+
+static void span_copy(char *dst, const char *src, size_t n) {
+    copy_span(dst, src, n);
+}
+
+#define NOGIL_FROM (256 << 10) /* plain copies this big let other threads run meanwhile */
+
+/* ``name``(dst, src): copy buffer src into the start of writable buffer dst with ``how``, the
+ * GIL released from ``nogil_from`` bytes. */
+static PyObject *copy_into(PyObject *args, const char *name, copier how, Py_ssize_t nogil_from) {
     Py_buffer dst, src;
     if (!PyArg_ParseTuple(args, "w*y*", &dst, &src))
         return NULL;
     if (!PyBuffer_IsContiguous(&dst, 'C') || !PyBuffer_IsContiguous(&src, 'C')) {
-        PyErr_SetString(PyExc_BufferError, "stream_copy needs contiguous buffers");
+        PyErr_Format(PyExc_BufferError, "%s needs contiguous buffers", name);
     } else if (src.len > dst.len) {
-        PyErr_Format(PyExc_ValueError, "stream_copy: %zd bytes do not fit a %zd-byte buffer",
-                     src.len, dst.len);
-    } else {
+        PyErr_Format(PyExc_ValueError, "%s: %zd bytes do not fit a %zd-byte buffer", name, src.len, dst.len);
+    } else if (src.len >= nogil_from) {
         Py_BEGIN_ALLOW_THREADS
-        copy_streaming((char *)dst.buf, (const char *)src.buf, (size_t)src.len);
+        how((char *)dst.buf, (const char *)src.buf, (size_t)src.len);
         Py_END_ALLOW_THREADS
+    } else {
+        how((char *)dst.buf, (const char *)src.buf, (size_t)src.len);
     }
     PyBuffer_Release(&dst);
     PyBuffer_Release(&src);
@@ -125,66 +136,43 @@ static PyObject *stream_copy(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *stream_bytes(PyObject *self, PyObject *args) {
+/* ``name``(src): a new bytes object holding a copy of buffer src made with ``how``, the GIL
+ * released from ``nogil_from`` bytes. */
+static PyObject *copy_out(PyObject *args, const char *name, copier how, Py_ssize_t nogil_from) {
     Py_buffer src;
     PyObject *out = NULL;
     if (!PyArg_ParseTuple(args, "y*", &src))
         return NULL;
     if (!PyBuffer_IsContiguous(&src, 'C')) {
-        PyErr_SetString(PyExc_BufferError, "stream_bytes needs a contiguous buffer");
+        PyErr_Format(PyExc_BufferError, "%s needs a contiguous buffer", name);
     } else if ((out = PyBytes_FromStringAndSize(NULL, src.len)) != NULL) {
         char *dst = PyBytes_AS_STRING(out);
-        Py_BEGIN_ALLOW_THREADS
-        copy_streaming(dst, (const char *)src.buf, (size_t)src.len);
-        Py_END_ALLOW_THREADS
-    }
-    PyBuffer_Release(&src);
-    return out;
-}
-
-#define NOGIL_FROM (256 << 10) /* copies this big let other threads run meanwhile */
-
-static PyObject *copy(PyObject *self, PyObject *args) {
-    Py_buffer dst, src;
-    if (!PyArg_ParseTuple(args, "w*y*", &dst, &src))
-        return NULL;
-    if (!PyBuffer_IsContiguous(&dst, 'C') || !PyBuffer_IsContiguous(&src, 'C')) {
-        PyErr_SetString(PyExc_BufferError, "copy needs contiguous buffers");
-    } else if (src.len > dst.len) {
-        PyErr_Format(PyExc_ValueError, "copy: %zd bytes do not fit a %zd-byte buffer", src.len, dst.len);
-    } else if (src.len >= NOGIL_FROM) {
-        Py_BEGIN_ALLOW_THREADS
-        copy_span(dst.buf, src.buf, (size_t)src.len);
-        Py_END_ALLOW_THREADS
-    } else {
-        copy_span(dst.buf, src.buf, (size_t)src.len);
-    }
-    PyBuffer_Release(&dst);
-    PyBuffer_Release(&src);
-    if (PyErr_Occurred())
-        return NULL;
-    Py_RETURN_NONE;
-}
-
-static PyObject *copied(PyObject *self, PyObject *args) {
-    Py_buffer src;
-    PyObject *out = NULL;
-    if (!PyArg_ParseTuple(args, "y*", &src))
-        return NULL;
-    if (!PyBuffer_IsContiguous(&src, 'C')) {
-        PyErr_SetString(PyExc_BufferError, "copied needs a contiguous buffer");
-    } else if ((out = PyBytes_FromStringAndSize(NULL, src.len)) != NULL) {
-        char *dst = PyBytes_AS_STRING(out);
-        if (src.len >= NOGIL_FROM) {
+        if (src.len >= nogil_from) {
             Py_BEGIN_ALLOW_THREADS
-            copy_span(dst, src.buf, (size_t)src.len);
+            how(dst, (const char *)src.buf, (size_t)src.len);
             Py_END_ALLOW_THREADS
         } else {
-            copy_span(dst, src.buf, (size_t)src.len);
+            how(dst, (const char *)src.buf, (size_t)src.len);
         }
     }
     PyBuffer_Release(&src);
     return out;
+}
+
+static PyObject *stream_copy(PyObject *self, PyObject *args) {
+    return copy_into(args, "stream_copy", copy_streaming, 0);
+}
+
+static PyObject *stream_bytes(PyObject *self, PyObject *args) {
+    return copy_out(args, "stream_bytes", copy_streaming, 0);
+}
+
+static PyObject *copy(PyObject *self, PyObject *args) {
+    return copy_into(args, "copy", span_copy, NOGIL_FROM);
+}
+
+static PyObject *copied(PyObject *self, PyObject *args) {
+    return copy_out(args, "copied", span_copy, NOGIL_FROM);
 }
 
 /* The aligned u64 a buffer of at least 8 bytes starts with, or NULL with an error set. */

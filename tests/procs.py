@@ -7,7 +7,7 @@ import multiprocessing as mp
 import os
 import signal
 import time
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Iterator
 
 CTX = mp.get_context("spawn")
@@ -23,7 +23,7 @@ async def _serve_until_sigterm(server, ready) -> None:
         await server.serve_forever()
 
 
-def _echo_server_main(url: str, ready, opts: dict) -> None:
+def _echo_server_main(url: str, opts: dict, ready) -> None:
     import cxlrpc
 
     async def main() -> None:
@@ -88,33 +88,31 @@ def _followed_server_main(url: str, ready) -> None:
 
 
 @contextmanager
-def followed_server(url: str) -> Iterator[mp.Process]:
+def _child_server(main, args: tuple, what: str) -> Iterator[mp.Process]:
+    """Run ``main(*args, ready)`` in a child process until it sets ``ready``; SIGTERM (clean
+    close) and join on exit."""
+    ready = CTX.Event()
+    proc = CTX.Process(target=main, args=(*args, ready), daemon=True)
+    proc.start()
+    try:
+        if not ready.wait(20):
+            raise TimeoutError(f"{what} did not start")
+        yield proc
+    finally:
+        stop(proc)
+
+
+def followed_server(url: str) -> AbstractContextManager[mp.Process]:
     """A server in a child process whose replies are followed: ``echo``, ``make`` ([size,
-    seed] -> made(size, seed)), ``heap_used`` (bytes beyond the spares clients keep), and ``publish`` ("whole", "half": it stops half
-    way, "garbage": a progress word past the length)."""
-    ready = CTX.Event()
-    proc = CTX.Process(target=_followed_server_main, args=(url, ready), daemon=True)
-    proc.start()
-    try:
-        if not ready.wait(20):
-            raise TimeoutError("followed server did not start")
-        yield proc
-    finally:
-        stop(proc)
+    seed] -> made(size, seed)), ``heap_used`` (bytes beyond the spares clients keep), and
+    ``publish`` ("whole", "half": it stops half way, "garbage": a progress word past the
+    length)."""
+    return _child_server(_followed_server_main, (url,), "followed server")
 
 
-@contextmanager
-def echo_server(url: str, **opts) -> Iterator[mp.Process]:
+def echo_server(url: str, **opts) -> AbstractContextManager[mp.Process]:
     """Run an echo server in a child process; SIGTERM (clean close) and join on exit."""
-    ready = CTX.Event()
-    proc = CTX.Process(target=_echo_server_main, args=(url, ready, opts), daemon=True)
-    proc.start()
-    try:
-        if not ready.wait(20):
-            raise TimeoutError("echo server did not start")
-        yield proc
-    finally:
-        stop(proc)
+    return _child_server(_echo_server_main, (url, opts), "echo server")
 
 
 def stop(proc: mp.Process, timeout: float = 10.0) -> None:

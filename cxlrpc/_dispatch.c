@@ -993,11 +993,12 @@ static int caller_take(Caller *self, const unsigned char *p, Py_ssize_t n, PyObj
         double timeout;
         uint64_t bits = le64(p + 18);
         memcpy(&timeout, &bits, sizeof timeout);
-        if (le16(p + 26) == 0 && timeout >= 0 && p[1] == FLAG_RAW) {
+        int sound = le16(p + 26) == 0 && timeout >= 0;
+        if (sound && p[1] == FLAG_RAW) {
             self->reply = bytes_copy(p + HEADER_SIZE, n - HEADER_SIZE);
             return self->reply == NULL ? -1 : 0;
         }
-        if (le16(p + 26) == 0 && timeout >= 0 && n == HEADER_SIZE + 16 && self->follow_stall > 0) {
+        if (sound && n == HEADER_SIZE + 16 && self->follow_stall > 0) {
             /* a followed body (Client._heap_body): copied out once the poll is over
              * (follow_reply), when its extent lies inside the heap (else the reference says so) */
             uint64_t offset = le64(p + HEADER_SIZE), length = le64(p + HEADER_SIZE + 8);

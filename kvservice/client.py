@@ -190,11 +190,7 @@ class _Ops:
         return blocks
 
     def _block(self, lease: w.Lease) -> Block:
-        pool, offset, version, lease_id = self.pool, lease.offset, lease.version, lease.lease_id
-        view = pool.fresh(offset, lease.size)  # a bad offset from the server raises
-        release = self._release
-        return Block(view, version, lambda collected: release(lease_id, collected),
-                     pool.holder(offset, version))
+        return self.pool.leased(lease.offset, lease.size, lease.version, self, lease.lease_id)
 
     def _release(self, lease_id: int, collected: bool = False) -> None:
         """Queue the end of a lease: a block's release, or its collection (``collected``: the
@@ -212,9 +208,15 @@ class _Ops:
 
     def _carry(self) -> w.Release | None:
         """The queued releases, taken to ride on the request being built."""
-        if not self._released:
+        queued = self._released
+        if not queued:
             return None
-        ids = _take(self._released)
+        if len(queued) == 1:  # the common case: the block of the previous get
+            try:
+                return w.Release([queued.popleft()])
+            except IndexError:  # another thread took it
+                return None
+        ids = _take(queued)
         return w.Release(ids) if ids else None
 
     def _unsent(self, arg: Any, exc: BaseException | None) -> None:

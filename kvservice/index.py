@@ -28,14 +28,14 @@ import math
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Iterator
+from collections.abc import Callable, Collection, Hashable, Iterable, Iterator
 from operator import attrgetter
 from typing import Any
 
 import msgspec
 
 from cxlrpc.allocator import PoolAllocator
-from kvservice.keys import normalize_key
+from kvservice.keys import MAX_KEY_BYTES, normalize_key
 
 
 #: What :meth:`KVIndex.remove_keys` says of each key.
@@ -73,6 +73,8 @@ class Lease(msgspec.Struct, frozen=True, array_like=True):
 
 
 _PENDING, _LIVE, _RETIRED, _FREED = range(4)
+#: young leases (made, their timer entry not yet pushed) that make _lease arm them all
+_YOUNG = 64
 
 
 class _Block:
@@ -247,6 +249,9 @@ class KVIndex:
         self._soonest = _Soonest()
         self._lease_timers = _Timers(lambda rec, at: rec.timer_at == at and self._leases.get(rec.id) is rec,
                                      self._soonest)
+        #: leases made since their timer entries were last armed: pushing each onto the heap
+        #: at its get cost more than the get's lookup; most are released before _arm_young runs
+        self._young: list[_LeaseRec] = []
         self._ticket_timers = _Timers(lambda rec, at: rec.id in self._tickets, self._soonest)
         self._ttl_timers = _Timers(lambda block, at: block.state == _LIVE, self._soonest)
         self._entries = 0
@@ -426,22 +431,29 @@ class KVIndex:
 
     def batch_get(self, ns: str, keys: list[str | bytes], lease_s: float | None = None,
                   owner: Hashable | None = None, hold_s: float = 0.0,
-                  release: Iterable[int] = ()) -> list[Lease | None]:
+                  release: Collection[int] = ()) -> list[Lease | None]:
         """``get`` of each key, with None for a miss instead of KeyError. ``hold_s``: each lease
         outlives its release until that long after the get (Mooncake's read lease: removal and
         eviction stay blocked for a while after a read). ``release``: leases of ``owner`` to
         end first (see :meth:`release`)."""
         now = self._clock()
-        self._expire(now)
-        for lease_id in release:
-            self._release(lease_id, owner, now)
+        if now >= self._soonest.at:  # _expire's own first test, inline: a get is the hot path
+            self._expire(now)
+        if release:
+            for lease_id in release:
+                self._release(lease_id, owner, now)
         if type(ns) is not str:
             _check_ns(ns)
         if owner is not None:
-            hash(owner)  # _check_owner, inline: a get is the hot path
+            hash(owner)  # _check_owner, inline
         duration = self._default_lease_s if lease_s is None else self._lease_s(lease_s)
         if hold_s:
             duration = max(duration, self._lease_s(hold_s))  # a hold is bounded like a lease
+        if len(keys) == 1:  # the common get: normalize_key's first test inline, no lists
+            key = keys[0]
+            if type(key) is not bytes or not 0 < len(key) <= MAX_KEY_BYTES:
+                key = normalize_key(key)
+            return [self._lease(self._ns.get(ns), key, duration, owner, now, now + hold_s)]
         wanted = list(map(normalize_key, keys))  # validate all before granting any lease
         space, lease, hold_until = self._ns.get(ns), self._lease, now + hold_s
         return [lease(space, k, duration, owner, now, hold_until) for k in wanted]
@@ -559,6 +571,7 @@ class KVIndex:
         if now < soonest.at:
             return 0
         n = 0
+        self._arm_young()
         for lease in self._lease_timers.pop_due(now):  # entries at their lease's timer_at
             if self._leases.get(lease.id) is not lease:
                 continue  # ended by a twin entry of this pass (two pushed at one deadline)
@@ -615,7 +628,13 @@ class KVIndex:
                 self._owners[owner] = {lease_id}
             else:
                 ids.add(lease_id)
-        self._lease_timers.push(expires_at, record, len(leases))
+        # its timer entry waits in _young (most leases end before it is armed; see _arm_young)
+        young = self._young
+        young.append(record)
+        if expires_at < self._soonest.at:
+            self._soonest.at = expires_at
+        if len(young) >= _YOUNG:
+            self._arm_young()
         return Lease(lease_id, block.offset, block.size, block.version, expires_at, duration)
 
     def _plan(self, ns: str, need: int, others: bool = True, own_first: bool = True) -> list[_Block]:
@@ -675,6 +694,14 @@ class KVIndex:
         space = self._ns[block.ns]
         space.used -= block.nbytes
         self._maybe_drop(space)
+
+    def _arm_young(self) -> None:
+        """Push the timer entries of the young leases still held (the others ended unarmed)."""
+        young, leases, push = self._young, self._leases, self._lease_timers.push
+        for lease in young:
+            if leases.get(lease.id) is lease:
+                push(lease.timer_at, lease, len(leases))
+        young.clear()
 
     def _arm(self, lease: _LeaseRec) -> None:
         """The lease's expiry moved: a new timer entry only if it moved earlier than its live

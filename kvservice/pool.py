@@ -21,7 +21,7 @@ import mmap
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -58,6 +58,12 @@ def _populate(address: int, length: int, stop: threading.Event, chunk: int = 64 
     for offset in range(0, length, chunk):
         if stop.is_set() or madvise(address + offset, min(chunk, length - offset), _POPULATE_WRITE):
             return
+
+
+class LeaseOwner(Protocol):
+    """What took a block's lease (a client) and ends it when the block is done with."""
+
+    def _release(self, lease_id: int, collected: bool = False) -> None: ...
 
 
 class LeaseExpired(RuntimeError):
@@ -106,6 +112,7 @@ class Pool:
         self._mem = region.mem
         self._data_offset = HEADER_SIZE + table
         self.data = region.buf[HEADER_SIZE + table:HEADER_SIZE + table + capacity]
+        self._readable = self.data.toreadonly()  # what leased blocks are sliced from
         self._prefault: threading.Thread | None = None
         self._prefault_stop = threading.Event()
 
@@ -178,30 +185,26 @@ class Pool:
         self._mem.store(entry, 0, RELEASE)
         self._mem.writeback(entry, 8)
 
-    def holder(self, offset: int, version: int) -> Callable[[], bool]:
-        """Client: the check that the block at ``offset`` still holds ``version`` (made once per
-        lease, the offset validated here). Call it after reading: its fence orders the reads
-        before the check."""
+    def leased(self, offset: int, size: int, version: int, owner: LeaseOwner,
+               lease_id: int) -> "Block":
+        """Client: the block a lease names, to read in place (RegionError for a range outside
+        the pool); any stale cached copy of its lines is dropped first (memory without
+        coherence). Its release ends the lease through ``owner``."""
         entry = self._entry(offset)
-        mem = self._mem
-        if mem.flushing:
-            def holds() -> bool:
-                fence()
-                mem.invalidate(entry, 8)
-                return mem.load(entry, ACQUIRE) == version
-        else:
-            def holds() -> bool:
-                fence()
-                return mem.load(entry, ACQUIRE) == version
-        return holds
-
-    def fresh(self, offset: int, size: int) -> memoryview:
-        """A block another host wrote, to read in place: :meth:`slice` after dropping any
-        stale cached copy of its lines (memory without coherence)."""
-        view = self.slice(offset, size)
+        if not 0 < size <= self.capacity - offset:
+            raise RegionError(f"block [{offset}, {offset}+{size}) is outside the pool of {self.capacity}")
         if self._mem.flushing:
             self._mem.invalidate(self._data_offset + offset, size)
-        return view
+        return Block(self._readable[offset:offset + size], version, owner, lease_id, self, entry)
+
+    def holds(self, entry: int, version: int) -> bool:
+        """Client: whether the version table ``entry`` still says ``version``. Call it after
+        reading the block: its fence orders those reads before the check."""
+        fence()
+        mem = self._mem
+        if mem.flushing:
+            mem.invalidate(entry, 8)
+        return mem.load(entry, ACQUIRE) == version
 
     def written(self, offset: int, size: int) -> None:
         """The block's bytes are complete: write its lines back (memory without coherence)
@@ -230,6 +233,7 @@ class Pool:
         self._prefault_stop.set()
         if self._prefault is not None:
             self._prefault.join()
+        self._readable.release()
         self.data.release()
         self.region.close()
 
@@ -251,20 +255,23 @@ class Block:
     be revoked and must not be read after the block ends.
     """
 
-    __slots__ = ("_on_release", "_view", "_base", "_views", "size", "version", "_valid")
+    __slots__ = ("_view", "_views", "size", "version", "_owner", "_lease_id", "_pool", "_entry")
 
-    def __init__(self, view: memoryview, version: int = 0,
-                 on_release: Callable[[bool], None] | None = None,
-                 valid: Callable[[], bool] | None = None) -> None:
-        # ends the lease on release() (``on_release(False)``), or when a block nobody released
-        # is garbage-collected (``on_release(True)``: it may run inside any allocation)
-        self._on_release = on_release
-        self._view: memoryview | None = view.toreadonly()
-        self._base = view
+    def __init__(self, view: memoryview, version: int = 0, owner: LeaseOwner | None = None,
+                 lease_id: int = 0, pool: Pool | None = None, entry: int = 0) -> None:
+        """``view``: the value (made read-only here); ``owner._release(lease_id, collected)``
+        ends the lease on :meth:`release` (collected False) or when a block nobody released is
+        garbage-collected (True: it may run inside any allocation); ``pool.holds(entry,
+        version)`` tells whether the pool still holds this value (a block without a pool
+        always does)."""
+        self._view: memoryview | None = view if view.readonly else view.toreadonly()
         self._views: list[memoryview] | None = None  # the array()s' views, made on demand
         self.size = len(view)
         self.version = version
-        self._valid = valid
+        self._owner = owner
+        self._lease_id = lease_id
+        self._pool = pool
+        self._entry = entry
 
     @property
     def released(self) -> bool:
@@ -272,7 +279,8 @@ class Block:
 
     def check(self) -> None:
         """Raise LeaseExpired if the block no longer holds this value."""
-        if self._valid is not None and not self._valid():
+        pool = self._pool
+        if pool is not None and not pool.holds(self._entry, self.version):
             raise LeaseExpired(f"the lease on this block (version {self.version}) ended and "
                                f"the pool reused its bytes")
 
@@ -318,18 +326,17 @@ class Block:
                 view.release()
             except BufferError:
                 pass  # an array still exports it; see the class docstring
-        self._base.release()  # nothing exports the writable view the pool handed us
-        on_release, self._on_release = self._on_release, None
-        if on_release is not None:
-            on_release(False)
+        owner, self._owner = self._owner, None
+        if owner is not None:
+            owner._release(self._lease_id, False)
 
     def __del__(self) -> None:
         # collected unreleased (__del__, not weakref.finalize: 0.2 against 1.7 us a block)
-        on_release = getattr(self, "_on_release", None)
-        if on_release is not None:
-            self._on_release = None
+        owner = getattr(self, "_owner", None)
+        if owner is not None:
+            self._owner = None
             try:
-                on_release(True)
+                owner._release(self._lease_id, True)
             except Exception:  # at interpreter exit the client may be half torn down
                 pass
 

@@ -100,11 +100,12 @@ class KVServer:
         self._pool: Pool | None = None
         self._release_messages = 0
         self._expirer: asyncio.Task | None = None
-        for name in ("hello", "begin", "inline", "commit", "abort", "undo", "get", "release",
+        for name in ("hello", "begin", "inline", "commit", "abort", "undo", "release",
                      "renew", "exists", "exists_keys", "remove", "remove_keys", "remove_matching",
                      "lookup_prefix", "stats"):
             self.rpc.add_method(name, _guard(getattr(self, "_" + name),
                                              None if name == "hello" else self._greeted))
+        self.rpc.add_method("get", self._get)  # guards itself
         self.rpc.add_method("get_stream", self._get_stream)
 
     # ---- lifetime ------------------------------------------------------------------------
@@ -232,8 +233,15 @@ class KVServer:
             self.index.abort_put(ticket_id, owner)
 
     def _get(self, req: w.Get) -> list[Lease | None]:
-        return self.index.batch_get(req.ns, req.keys, req.lease_s, cxlrpc.current_peer(), req.hold_s,
-                                    req.release.ids if req.release is not None else ())
+        """The hot path: _guard's checks inline (one peer lookup, no wrapper frame)."""
+        owner = cxlrpc.current_peer()
+        if owner not in self._greeted:
+            raise cxlrpc.FailedPrecondition(w.NOT_GREETED)
+        try:
+            return self.index.batch_get(req.ns, req.keys, req.lease_s, owner, req.hold_s,
+                                        req.release.ids if req.release is not None else ())
+        except (ValueError, TypeError) as exc:  # what batch_get raises for bad input
+            raise cxlrpc.InvalidArgument(str(exc)) from None
 
     async def _get_stream(self, req: w.GetStream):
         """Lease the keys a chunk at a time, each chunk one item of a server stream: the caller

@@ -28,7 +28,7 @@ import math
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Hashable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from operator import attrgetter
 from typing import Any
 
@@ -431,7 +431,7 @@ class KVIndex:
 
     def batch_get(self, ns: str, keys: list[str | bytes], lease_s: float | None = None,
                   owner: Hashable | None = None, hold_s: float = 0.0,
-                  release: Collection[int] = ()) -> list[Lease | None]:
+                  release: Iterable[int] = ()) -> list[Lease | None]:
         """``get`` of each key, with None for a miss instead of KeyError. ``hold_s``: each lease
         outlives its release until that long after the get (Mooncake's read lease: removal and
         eviction stay blocked for a while after a read). ``release``: leases of ``owner`` to
@@ -439,9 +439,8 @@ class KVIndex:
         now = self._clock()
         if now >= self._soonest.at:  # _expire's own first test, inline: a get is the hot path
             self._expire(now)
-        if release:
-            for lease_id in release:
-                self._release(lease_id, owner, now)
+        for lease_id in release:
+            self._release(lease_id, owner, now)
         if type(ns) is not str:
             _check_ns(ns)
         if owner is not None:

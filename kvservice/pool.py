@@ -191,11 +191,10 @@ class Pool:
         the pool); any stale cached copy of its lines is dropped first (memory without
         coherence). Its release ends the lease through ``owner``."""
         entry = self._entry(offset)
-        if not 0 < size <= self.capacity - offset:
-            raise RegionError(f"block [{offset}, {offset}+{size}) is outside the pool of {self.capacity}")
+        view = self.slice(offset, size, readonly=True)
         if self._mem.flushing:
             self._mem.invalidate(self._data_offset + offset, size)
-        return Block(self._readable[offset:offset + size], version, owner, lease_id, self, entry)
+        return Block(view, version, owner, lease_id, self, entry)
 
     def holds(self, entry: int, version: int) -> bool:
         """Client: whether the version table ``entry`` still says ``version``. Call it after
@@ -214,11 +213,11 @@ class Pool:
             self._mem.writeback(self._data_offset + offset, size)
         fence()
 
-    def slice(self, offset: int, size: int) -> memoryview:
+    def slice(self, offset: int, size: int, readonly: bool = False) -> memoryview:
         """The ``size`` bytes at ``offset``; RegionError if the range is not inside the pool."""
         if not (0 <= offset and 0 < size and offset + size <= self.capacity):
             raise RegionError(f"block [{offset}, {offset}+{size}) is outside the pool of {self.capacity}")
-        return self.data[offset:offset + size]
+        return (self._readable if readonly else self.data)[offset:offset + size]
 
     def write(self, offset: int, data: memoryview) -> None:
         """Copy ``data`` into the block at ``offset`` and fence, before the commit publishes it

@@ -383,30 +383,36 @@ done:
     return rc;
 }
 
-/* Swap ``loop``'s current task from ``from`` to ``to`` (asyncio's _leave_task/_enter_task): in
- * asyncio's dict of current tasks where it has one (two calls saved), raising as they would. */
+/* Swap ``loop``'s current task from ``from`` to ``to`` (asyncio's _leave_task/_enter_task; None:
+ * no task, as in a loop callback): in asyncio's dict of current tasks where it has one (two
+ * calls saved), raising as they would. */
 static int swap_task(Dispatcher *d, PyObject *from, PyObject *to) {
     if (PyDict_CheckExact(d->current_tasks)) {
         PyObject *now = PyDict_GetItemWithError(d->current_tasks, d->loop); /* borrowed */
         if (now == NULL && PyErr_Occurred())
             return -1;
-        if (now != from) {
+        if (now != (from == Py_None ? NULL : from)) {
             PyErr_Format(PyExc_RuntimeError, "Leaving task %R does not match the current task %R.",
                          from, now ? now : Py_None);
             return -1;
         }
-        return PyDict_SetItem(d->current_tasks, d->loop, to);
+        return to == Py_None ? PyDict_DelItem(d->current_tasks, d->loop)
+                             : PyDict_SetItem(d->current_tasks, d->loop, to);
     }
-    PyObject *a[2] = {d->loop, from};
-    PyObject *res = PyObject_Vectorcall(d->leave_task, a, 2, NULL);
-    if (res == NULL)
-        return -1;
-    Py_DECREF(res);
-    PyObject *b[2] = {d->loop, to};
-    res = PyObject_Vectorcall(d->enter_task, b, 2, NULL);
-    if (res == NULL)
-        return -1;
-    Py_DECREF(res);
+    if (from != Py_None) {
+        PyObject *a[2] = {d->loop, from};
+        PyObject *res = PyObject_Vectorcall(d->leave_task, a, 2, NULL);
+        if (res == NULL)
+            return -1;
+        Py_DECREF(res);
+    }
+    if (to != Py_None) {
+        PyObject *b[2] = {d->loop, to};
+        PyObject *res = PyObject_Vectorcall(d->enter_task, b, 2, NULL);
+        if (res == NULL)
+            return -1;
+        Py_DECREF(res);
+    }
     return 0;
 }
 
@@ -441,7 +447,7 @@ static PyObject *first_step(Dispatcher *d, Req *r, PyObject *coro, PyObject *cal
     if (PyDict_CheckExact(d->current_tasks)) {
         reader = Py_XNewRef(PyDict_GetItemWithError(d->current_tasks, d->loop));
         if (reader == NULL && !PyErr_Occurred())
-            reader = Py_NewRef(Py_None); /* as current_task(): no task (the swap then raises) */
+            reader = Py_NewRef(Py_None); /* as current_task(): no task (a loop callback's) */
     } else {
         reader = PyObject_CallOneArg(d->current_task, d->loop);
     }
@@ -504,6 +510,10 @@ left:
  * reference must take the frame (nothing was done for it). */
 static PyObject *argument(Dispatcher *d, Req *r, PyObject *entry, long mode, PyObject **body, int *slow) {
     if (mode & VIEW_ARG && !(mode & IS_ASYNC) && r->flags & FLAG_RAW) {
+        if (r->body_obj != NULL) { /* a body taken out of the heap: the reference lends it */
+            *slow = 1;
+            return NULL;
+        }
         /* lent in place while the plain handler runs (Server._lent_reply takes it back) */
         Py_ssize_t at = r->record != NULL ? r->body_at : r->start + r->body_at;
         PyObject *slice = PySequence_GetSlice(r->record != NULL ? r->record : r->buf, at, at + r->body_len);
@@ -521,8 +531,10 @@ static PyObject *argument(Dispatcher *d, Req *r, PyObject *entry, long mode, PyO
         *slow = 1; /* a raw body validated into a typed argument: the reference's decode_body */
         return NULL;
     }
-    /* a copy, as the reference's: a decoded value may keep views of what it was decoded from */
-    if ((*body = bytes_copy(r->body, r->body_len)) == NULL)
+    /* a copy, as the reference's: a decoded value may keep views of what it was decoded from
+     * (a body taken out of the heap is one already) */
+    *body = r->body_obj != NULL ? Py_NewRef(r->body_obj) : bytes_copy(r->body, r->body_len);
+    if (*body == NULL)
         return NULL;
     r->body_obj = *body;
     if (mode & VIEW_ARG) /* a coroutine, which may outlive the record: a view of a copy */
@@ -540,28 +552,17 @@ static PyObject *argument(Dispatcher *d, Req *r, PyObject *entry, long mode, PyO
     return NULL;
 }
 
-/* Dispatch one request record, ``p``/``n``: a view of it (``record``), or where it begins in the
- * region's (``buf``, ``start``); 1: the reference must take it (nothing was done for it). */
-static int dispatch(Dispatcher *d, const unsigned char *p, Py_ssize_t n, PyObject *record, PyObject *buf,
-                    Py_ssize_t start) {
-    if (!d->enabled || PyDict_GET_SIZE(d->backlog) || !region_open(d))
-        return 1;
+/* Dispatch a request whose header fields, body and where it lies are in ``r`` (its method
+ * name: ``mname``/``mlen``, valid lengths); 1: the reference must take it (nothing was done). */
+static int dispatch_req(Dispatcher *d, Req *r, const unsigned char *mname, unsigned mlen) {
     int rc = 1, slow = 0;
     PyObject *slot_obj = NULL, *key = NULL, *arg = NULL, *deadline = NULL, *call = NULL, *result = NULL;
     PyObject *peer = NULL, *entry = NULL; /* held: a decoder or handler may change the tables */
     PyObject *body = NULL;
-    Req r = {0};
-    if (n < HEADER_SIZE || p[0] != KIND_REQUEST || (p[1] & ~FLAG_RAW))
-        goto done;
-    unsigned flags = p[1];
-    unsigned slot = le16(p + 4), mlen = le16(p + 26);
-    uint32_t gen = le32(p + 6);
-    uint64_t call_id = le64(p + 10), tbits = le64(p + 18);
-    double timeout;
-    memcpy(&timeout, &tbits, sizeof timeout);
-    Py_ssize_t end = HEADER_SIZE + (Py_ssize_t)mlen;
-    if (mlen == 0 || mlen > MAX_METHOD || end > n || !(timeout >= 0) || !isfinite(timeout) ||
-        (Py_ssize_t)slot >= d->slots)
+    unsigned slot = r->slot;
+    uint32_t gen = r->gen;
+    double timeout = r->timeout;
+    if (!(timeout >= 0) || !isfinite(timeout) || (Py_ssize_t)slot >= d->slots)
         goto done;
     uint64_t word = __atomic_load_n((uint64_t *)((char *)PyMemoryView_GET_BUFFER(d->buf)->buf + d->slot_at[slot]),
                                     __ATOMIC_ACQUIRE);
@@ -586,10 +587,10 @@ static int dispatch(Dispatcher *d, const unsigned char *p, Py_ssize_t n, PyObjec
     }
     Py_INCREF(peer);
     if (d->last_key != NULL && PyBytes_GET_SIZE(d->last_key) == (Py_ssize_t)mlen &&
-        memcmp(PyBytes_AS_STRING(d->last_key), p + HEADER_SIZE, mlen) == 0) {
+        memcmp(PyBytes_AS_STRING(d->last_key), mname, mlen) == 0) {
         key = Py_NewRef(d->last_key); /* (its hash is cached) */
     } else {
-        if ((key = PyBytes_FromStringAndSize((const char *)p + HEADER_SIZE, mlen)) == NULL)
+        if ((key = PyBytes_FromStringAndSize((const char *)mname, mlen)) == NULL)
             goto fail;
         Py_XSETREF(d->last_key, Py_NewRef(key));
     }
@@ -605,21 +606,9 @@ static int dispatch(Dispatcher *d, const unsigned char *p, Py_ssize_t n, PyObjec
     }
     Py_INCREF(entry);
     long mode = PyLong_AsLong(PyTuple_GET_ITEM(entry, 1));
-    r.flags = flags;
-    r.status = le16(p + 2);
-    r.slot = slot;
-    r.gen = gen;
-    r.call_id = call_id;
-    r.timeout = timeout;
-    r.method = PyTuple_GET_ITEM(entry, 3);
-    r.body = p + end;
-    r.body_len = n - end;
-    r.record = record;
-    r.buf = buf;
-    r.start = start;
-    r.body_at = end;
+    r->method = PyTuple_GET_ITEM(entry, 3);
     if (mode & TAKES_ARG) {
-        arg = argument(d, &r, entry, mode, &body, &slow);
+        arg = argument(d, r, entry, mode, &body, &slow);
         if (arg == NULL) {
             if (slow)
                 goto done;
@@ -642,10 +631,10 @@ static int dispatch(Dispatcher *d, const unsigned char *p, Py_ssize_t n, PyObjec
     if (mode & IS_ASYNC) {
         PyObject *coro = arg != NULL ? PyObject_CallOneArg(fn, arg) : PyObject_CallNoArgs(fn);
         if (coro == NULL) {
-            rc = handler_raised(d, &r, PyExc_Exception);
+            rc = handler_raised(d, r, PyExc_Exception);
             goto out;
         }
-        result = first_step(d, &r, coro, call);
+        result = first_step(d, r, coro, call);
         Py_DECREF(coro);
         if (result == NULL) {
             rc = PyErr_Occurred() ? -1 : 0;
@@ -658,7 +647,7 @@ static int dispatch(Dispatcher *d, const unsigned char *p, Py_ssize_t n, PyObjec
         result = arg != NULL ? PyObject_CallOneArg(fn, arg) : PyObject_CallNoArgs(fn);
         int failed = 0;
         if (result == NULL) /* reported while context() is still the call, as the reference does */
-            failed = handler_raised(d, &r, PyExc_Exception) < 0 ? -1 : 1;
+            failed = handler_raised(d, r, PyExc_Exception) < 0 ? -1 : 1;
         PyObject *type, *value, *tb;
         PyErr_Fetch(&type, &value, &tb);
         int reset = PyContextVar_Reset(d->current_call, token);
@@ -674,18 +663,18 @@ static int dispatch(Dispatcher *d, const unsigned char *p, Py_ssize_t n, PyObjec
             rc = failed < 0 ? -1 : 0;
             goto out;
         }
-        if (r.lent != NULL && PyCoro_CheckExact(result)) { /* it could read the body later */
-            PyObject *args[2] = {r.lent, result};
-            rc = call_with_frame(d, s_lent_reply, &r, args, 2);
+        if (r->lent != NULL && PyCoro_CheckExact(result)) { /* it could read the body later */
+            PyObject *args[2] = {r->lent, result};
+            rc = call_with_frame(d, s_lent_reply, r, args, 2);
             goto out;
         }
         if (PyCoro_CheckExact(result)) { /* a plain function that returned a coroutine */
             PyObject *args[2] = {result, call};
-            rc = call_with_frame(d, s_coroutine, &r, args, 2);
+            rc = call_with_frame(d, s_coroutine, r, args, 2);
             goto out;
         }
     }
-    rc = reply(d, &r, slot_obj, result);
+    rc = reply(d, r, slot_obj, result);
     goto out;
 fail:
     rc = -1;
@@ -693,17 +682,17 @@ fail:
 done:
     rc = 1;
 out:
-    if (r.lent != NULL) { /* taken back (Server._take_back): a handler that kept it gets an error */
+    if (r->lent != NULL) { /* taken back (Server._take_back): a handler that kept it gets an error */
         PyObject *type, *value, *tb;
         PyErr_Fetch(&type, &value, &tb);
-        PyObject *res = PyObject_CallMethodNoArgs(r.lent, s_release);
+        PyObject *res = PyObject_CallMethodNoArgs(r->lent, s_release);
         if (res == NULL)
             PyErr_Clear(); /* BufferError: the handler still exports it (np.frombuffer) */
         Py_XDECREF(res);
         PyErr_Restore(type, value, tb);
-        Py_DECREF(r.lent);
+        Py_DECREF(r->lent);
     }
-    Py_XDECREF(r.frame);
+    Py_XDECREF(r->frame);
     Py_XDECREF(body);
     Py_XDECREF(entry);
     Py_XDECREF(peer);
@@ -714,6 +703,35 @@ out:
     Py_XDECREF(key);
     Py_XDECREF(slot_obj);
     return rc;
+}
+
+/* Dispatch one request record, ``p``/``n``: a view of it (``record``), or where it begins in the
+ * region's (``buf``, ``start``); 1: the reference must take it (nothing was done for it). */
+static int dispatch(Dispatcher *d, const unsigned char *p, Py_ssize_t n, PyObject *record, PyObject *buf,
+                    Py_ssize_t start) {
+    if (!d->enabled || PyDict_GET_SIZE(d->backlog) || !region_open(d))
+        return 1;
+    if (n < HEADER_SIZE || p[0] != KIND_REQUEST || (p[1] & ~FLAG_RAW))
+        return 1;
+    unsigned mlen = le16(p + 26);
+    Py_ssize_t end = HEADER_SIZE + (Py_ssize_t)mlen;
+    if (mlen == 0 || mlen > MAX_METHOD || end > n)
+        return 1;
+    uint64_t tbits = le64(p + 18);
+    Req r = {0};
+    r.flags = p[1];
+    r.status = le16(p + 2);
+    r.slot = le16(p + 4);
+    r.gen = le32(p + 6);
+    r.call_id = le64(p + 10);
+    memcpy(&r.timeout, &tbits, sizeof r.timeout);
+    r.body = p + end;
+    r.body_len = n - end;
+    r.record = record;
+    r.buf = buf;
+    r.start = start;
+    r.body_at = end;
+    return dispatch_req(d, &r, p + HEADER_SIZE, mlen);
 }
 
 /* What follows dispatch(): the reference takes a record it did not (``rc`` 1), and what a record
@@ -823,9 +841,52 @@ static PyObject *dispatcher_serve(Dispatcher *self, PyObject *const *args, Py_ss
     return PyLong_FromLongLong(total);
 }
 
+/* dispatch_body(slot, gen, call_id, flags, timeout, method, body): a request whose body the
+ * server has taken whole out of the heap (a followed one, Server._follow_step), dispatched as a
+ * record is, its deadline ``timeout`` after ``polled_at``; False: nothing was done for it (the
+ * reference's _dispatch_request takes it). What the handler raised goes to the reference's
+ * _fail, as a record's; an error raised here is the caller's (its _broken). */
+static PyObject *dispatcher_dispatch_body(Dispatcher *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7 || !PyLong_CheckExact(args[0]) || !PyLong_CheckExact(args[1]) || !PyLong_CheckExact(args[2]) ||
+        !PyLong_CheckExact(args[3]) || !PyFloat_CheckExact(args[4]) || !PyBytes_CheckExact(args[5]) ||
+        !PyBytes_CheckExact(args[6])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "dispatch_body(slot: int, gen: int, call_id: int, flags: int, timeout: float, "
+                        "method: bytes, body: bytes)");
+        return NULL;
+    }
+    if (self->server == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "Dispatcher is not initialised");
+        return NULL;
+    }
+    unsigned long slot = PyLong_AsUnsignedLong(args[0]), flags = PyLong_AsUnsignedLong(args[3]);
+    unsigned long long gen = PyLong_AsUnsignedLongLong(args[1]), call_id = PyLong_AsUnsignedLongLong(args[2]);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_ssize_t mlen = PyBytes_GET_SIZE(args[5]);
+    if (!self->enabled || PyDict_GET_SIZE(self->backlog) || !region_open(self) || flags & ~FLAG_RAW ||
+        slot > 0xFFFF || gen > 0xFFFFFFFFULL || mlen == 0 || mlen > MAX_METHOD)
+        Py_RETURN_FALSE;
+    Req r = {0};
+    r.flags = (unsigned)flags;
+    r.slot = (unsigned)slot;
+    r.gen = (uint32_t)gen;
+    r.call_id = call_id;
+    r.timeout = PyFloat_AS_DOUBLE(args[4]);
+    r.body_obj = args[6];
+    r.body = (const unsigned char *)PyBytes_AS_STRING(args[6]);
+    r.body_len = PyBytes_GET_SIZE(args[6]);
+    int rc = dispatch_req(self, &r, (const unsigned char *)PyBytes_AS_STRING(args[5]), (unsigned)mlen);
+    if (rc < 0)
+        return NULL;
+    return PyBool_FromLong(rc == 0);
+}
+
 static PyMethodDef dispatcher_methods[] = {
     {"serve", (PyCFunction)(void (*)(void))dispatcher_serve, METH_FASTCALL,
      "serve(ring, seconds, until): poll batch after batch while nothing needs the loop."},
+    {"dispatch_body", (PyCFunction)(void (*)(void))dispatcher_dispatch_body, METH_FASTCALL,
+     "dispatch_body(slot, gen, call_id, flags, timeout, method, body): a request taken out of the heap."},
     {NULL},
 };
 

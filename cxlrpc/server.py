@@ -1305,13 +1305,22 @@ class Server:
                     self._event_loop.call_soon(self._follow_step, key)
                 return
             del self._following[key]
-            if deadline is not None:  # counted from the request's arrival, as any other's
-                f.timeout = deadline - self._polled_at
-            f.flags &= ~fr.HEAP  # (FOLLOW stays: a lent body's reply says IN_PLACE)
             if not following.lends:
                 f.body = following.body.take()
                 if self._heap.give_back(offset):  # (else it is the client's again)
                     self._heap_freed()
+                fast = self._fast
+                if fast is not None and not f.metadata:  # natively, as a record in the ring is
+                    # (its deadline counted from the request's arrival, as any other's)
+                    timeout = 0.0 if deadline is None else deadline - fast.polled_at
+                    if ((deadline is None or timeout > 0)
+                            and fast.dispatch_body(f.slot, f.gen, f.call_id, f.flags & fr.RAW, timeout,
+                                                   fr.method_bytes(f.method), f.body)):
+                        return
+            if deadline is not None:  # counted from the request's arrival, as any other's
+                f.timeout = deadline - self._polled_at
+            f.flags &= ~fr.HEAP  # (FOLLOW stays: a lent body's reply says IN_PLACE)
+            if not following.lends:
                 self._dispatch_request(f)
                 return
             f.body = self._heap.access.followed_view(offset, length)

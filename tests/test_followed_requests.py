@@ -465,3 +465,74 @@ def test_a_garbage_progress_word_is_refused(copies):
         body.step(0.001, 0.01)
     with pytest.raises(ValueError):
         body.take()  # never complete
+
+
+class _DispatchSpy:
+    """Stands in for a server's native dispatcher where its ``_follow_step`` looks it up:
+    records whether each followed request was dispatched natively, and whether from a loop
+    callback (no current task: its body was completed in a later step)."""
+
+    def __init__(self, fast: Any) -> None:
+        self.fast, self.taken = fast, []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.fast, name)
+
+    def dispatch_body(self, *args: Any) -> bool:
+        in_callback = asyncio.current_task() is None
+        done = self.fast.dispatch_body(*args)
+        self.taken.append((done, in_callback))
+        return done
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "reference"])
+async def test_whole_followed_requests_are_dispatched_as_ring_records_are(name, monkeypatch, native):
+    """A followed request whose body is whole goes to the native dispatcher (when the server
+    has one) with the same outcome as the reference's: an async handler that suspends keeps
+    its peer, a current task and its deadline, an error comes back as INTERNAL, a missing method as
+    UNIMPLEMENTED. Bodies completed in a later step (a loop callback, no task current) too."""
+    url = f"shm://{name}"
+    server = _server(url)
+
+    @server.method("inspect")
+    async def inspect(payload: bytes) -> list:
+        task, peer, call = asyncio.current_task(), cxlrpc.current_peer(), cxlrpc.context()
+        await asyncio.sleep(0.005)  # suspends: a task carries it on
+        return [hashlib.sha256(payload).hexdigest(), peer.slot,
+                task is not None and isinstance(asyncio.current_task(), asyncio.Task),
+                call.deadline is not None and 0 < call.time_remaining() <= 30]
+
+    @server.method("boom")
+    async def boom(payload: bytes) -> None:
+        raise RuntimeError(f"boom after {len(payload)} bytes")
+
+    held: list[tuple[HeapAccess, int, bytes]] = []
+
+    def _first_half(self, offset, body):  # the rest is written once the server follows it
+        held.append((self, offset, bytes(body)))
+        _half(self, offset, body)
+
+    async with server, cxlrpc.connect(url) as client:
+        if server._fast is None:
+            pytest.skip("cxlrpc._dispatch was not built")
+        spy = server._fast = _DispatchSpy(server._fast) if native else None
+        assert await client.call("echo", b"x", timeout=10) == b"x"  # (the server's peer entry)
+        payload = os.urandom(MiB + 13)
+        want = [hashlib.sha256(payload).hexdigest(), client._chan.slot, True, True]
+        assert await client.call("inspect", payload, timeout=30) == want
+        with pytest.raises(cxlrpc.Internal, match=f"boom after {MiB + 13} bytes"):
+            await client.call("boom", payload, timeout=30)
+        with pytest.raises(cxlrpc.Unimplemented):
+            await client.call("missing", payload, timeout=30)
+        with monkeypatch.context() as patched:
+            patched.setattr(HeapAccess, "publish", _first_half)
+            late = asyncio.ensure_future(client.call("inspect", payload, timeout=30))
+            assert await _following(server)
+        heap, offset, body = held[0]
+        at = heap.start + offset
+        heap.buf[at + FOLLOW_HEADER + len(body) // 2:at + FOLLOW_HEADER + len(body)] = body[len(body) // 2:]
+        heap.mem.store(at, len(body), memory.RELEASE)
+        assert await late == want
+        assert await _settled(server, client)
+    if native:  # (the missing method went back to the reference)
+        assert spy.taken == [(True, False), (True, False), (False, False), (True, True)]

@@ -36,6 +36,7 @@ static cxlrpc_ring_api *ring_api; /* cxlrpc._ring's C API: polls with C handlers
 #define HEAP_UNIT 4096   /* heap extents start at multiples of this */
 #define KIND_REQUEST 1
 #define KIND_RESPONSE 2
+#define KIND_FREE 6 /* give a heap extent back (body: its offset) */
 #define NO_REPLY 0
 #define MAX_PUSH_ARGS 8
 
@@ -1249,6 +1250,34 @@ done:
  * it (follow_loop, the GIL released), then the extent given back (Client._give_back queues its
  * FREE). When the server stops writing it, or its progress is garbage, the error
  * Client._reply_unfollowed makes of it (Unavailable) is raised, as Client._heap_body would. */
+/* A FREE of the heap extent at ``offset`` (a followed reply's, read whole), pushed at once, the
+ * server rung if parked; 1: pushed, 0: not (a full ring, a revoked claim: Client._give_back, the
+ * reference, queues it or knows why), -1: an error to raise. */
+static int caller_free(Caller *self, uint64_t offset) {
+    unsigned char h[HEADER_SIZE], word[8];
+    fill_header(h, KIND_FREE, FLAG_RAW, self->slot, self->gen, NO_REPLY, 0.0, 0);
+    put_le(word, offset, 8);
+    PyObject *part = PyBytes_FromStringAndSize((const char *)word, sizeof word);
+    if (part == NULL)
+        return -1;
+    PyObject *ok = push_record(self->requests, h, &part, 1, &PyTuple_GET_ITEM(self->push_args, 0),
+                               PyTuple_GET_SIZE(self->push_args));
+    Py_DECREF(part);
+    if (ok == NULL) {
+        PyErr_Clear(); /* the reference pushes again, and says what is wrong */
+        return 0;
+    }
+    int pushed = ok == Py_True;
+    Py_DECREF(ok);
+    if (pushed && parked_here(self->buf, self->bell_at, self->me)) { /* Doorbell.ring sends */
+        PyObject *rang = PyObject_CallNoArgs(self->ring_bell);
+        if (rang == NULL)
+            return -1;
+        Py_DECREF(rang);
+    }
+    return pushed;
+}
+
 static PyObject *follow_reply(Caller *self, uint64_t call_id) {
     uint64_t offset = self->followed_at, length = self->followed_len, done = 0, seen = 0;
     PyObject *out = NULL, *res;
@@ -1277,7 +1306,8 @@ static PyObject *follow_reply(Caller *self, uint64_t call_id) {
         return NULL;
     }
     if (rc == 0 && done == length) {
-        res = PyObject_CallMethodOneArg(self->client, s_give_back, offset_obj);
+        int freed = caller_free(self, offset);
+        res = freed < 0 ? NULL : freed ? Py_NewRef(Py_None) : PyObject_CallMethodOneArg(self->client, s_give_back, offset_obj);
     } else {
         Py_CLEAR(out);
         PyObject *why = rc < 0 ? PyUnicode_FromFormat("progress word %llu is outside [%llu, %llu]",

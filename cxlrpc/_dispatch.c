@@ -384,6 +384,14 @@ done:
     return rc;
 }
 
+/* asyncio's _enter_task or _leave_task (``fn``) of ``task`` in the server's loop. */
+static int task_call(Dispatcher *d, PyObject *fn, PyObject *task) {
+    PyObject *args[2] = {d->loop, task};
+    PyObject *res = PyObject_Vectorcall(fn, args, 2, NULL);
+    Py_XDECREF(res);
+    return res == NULL ? -1 : 0;
+}
+
 /* Swap ``loop``'s current task from ``from`` to ``to`` (asyncio's _leave_task/_enter_task; None:
  * no task, as in a loop callback): in asyncio's dict of current tasks where it has one (two
  * calls saved), raising as they would. */
@@ -400,21 +408,9 @@ static int swap_task(Dispatcher *d, PyObject *from, PyObject *to) {
         return to == Py_None ? PyDict_DelItem(d->current_tasks, d->loop)
                              : PyDict_SetItem(d->current_tasks, d->loop, to);
     }
-    if (from != Py_None) {
-        PyObject *a[2] = {d->loop, from};
-        PyObject *res = PyObject_Vectorcall(d->leave_task, a, 2, NULL);
-        if (res == NULL)
-            return -1;
-        Py_DECREF(res);
-    }
-    if (to != Py_None) {
-        PyObject *b[2] = {d->loop, to};
-        PyObject *res = PyObject_Vectorcall(d->enter_task, b, 2, NULL);
-        if (res == NULL)
-            return -1;
-        Py_DECREF(res);
-    }
-    return 0;
+    if (from != Py_None && task_call(d, d->leave_task, from) < 0)
+        return -1;
+    return to != Py_None ? task_call(d, d->enter_task, to) : 0;
 }
 
 /* Does a weak reference to ``obj`` exist (one kept by, say, a WeakKeyDictionary of tasks)? */
@@ -556,6 +552,9 @@ static PyObject *argument(Dispatcher *d, Req *r, PyObject *entry, long mode, PyO
 /* Dispatch a request whose header fields, body and where it lies are in ``r`` (its method
  * name: ``mname``/``mlen``, valid lengths); 1: the reference must take it (nothing was done). */
 static int dispatch_req(Dispatcher *d, Req *r, const unsigned char *mname, unsigned mlen) {
+    if (!d->enabled || PyDict_GET_SIZE(d->backlog) || !region_open(d) || r->flags & ~FLAG_RAW || mlen == 0 ||
+        mlen > MAX_METHOD)
+        return 1;
     int rc = 1, slow = 0;
     PyObject *slot_obj = NULL, *key = NULL, *arg = NULL, *deadline = NULL, *call = NULL, *result = NULL;
     PyObject *peer = NULL, *entry = NULL; /* held: a decoder or handler may change the tables */
@@ -710,13 +709,11 @@ out:
  * region's (``buf``, ``start``); 1: the reference must take it (nothing was done for it). */
 static int dispatch(Dispatcher *d, const unsigned char *p, Py_ssize_t n, PyObject *record, PyObject *buf,
                     Py_ssize_t start) {
-    if (!d->enabled || PyDict_GET_SIZE(d->backlog) || !region_open(d))
-        return 1;
-    if (n < HEADER_SIZE || p[0] != KIND_REQUEST || (p[1] & ~FLAG_RAW))
+    if (n < HEADER_SIZE || p[0] != KIND_REQUEST)
         return 1;
     unsigned mlen = le16(p + 26);
     Py_ssize_t end = HEADER_SIZE + (Py_ssize_t)mlen;
-    if (mlen == 0 || mlen > MAX_METHOD || end > n)
+    if (end > n)
         return 1;
     uint64_t tbits = le64(p + 18);
     Req r = {0};
@@ -864,10 +861,9 @@ static PyObject *dispatcher_dispatch_body(Dispatcher *self, PyObject *const *arg
     unsigned long long gen = PyLong_AsUnsignedLongLong(args[1]), call_id = PyLong_AsUnsignedLongLong(args[2]);
     if (PyErr_Occurred())
         return NULL;
-    Py_ssize_t mlen = PyBytes_GET_SIZE(args[5]);
-    if (!self->enabled || PyDict_GET_SIZE(self->backlog) || !region_open(self) || flags & ~FLAG_RAW ||
-        slot > 0xFFFF || gen > 0xFFFFFFFFULL || mlen == 0 || mlen > MAX_METHOD)
+    if (slot > 0xFFFF || gen > 0xFFFFFFFFULL || flags > 0xFF)
         Py_RETURN_FALSE;
+    Py_ssize_t mlen = PyBytes_GET_SIZE(args[5]);
     Req r = {0};
     r.flags = (unsigned)flags;
     r.slot = (unsigned)slot;
@@ -877,7 +873,8 @@ static PyObject *dispatcher_dispatch_body(Dispatcher *self, PyObject *const *arg
     r.body_obj = args[6];
     r.body = (const unsigned char *)PyBytes_AS_STRING(args[6]);
     r.body_len = PyBytes_GET_SIZE(args[6]);
-    int rc = dispatch_req(self, &r, (const unsigned char *)PyBytes_AS_STRING(args[5]), (unsigned)mlen);
+    int rc = dispatch_req(self, &r, (const unsigned char *)PyBytes_AS_STRING(args[5]),
+                          (unsigned)(mlen > MAX_METHOD ? MAX_METHOD + 1 : mlen));
     if (rc < 0)
         return NULL;
     return PyBool_FromLong(rc == 0);

@@ -1243,10 +1243,6 @@ done:
     return rc;
 }
 
-/* The body of a followed reply (the extent caller_take found), copied out as the server writes
- * it (follow_loop, the GIL released), then the extent given back (Client._give_back queues its
- * FREE). When the server stops writing it, or its progress is garbage, the error
- * Client._reply_unfollowed makes of it (Unavailable) is raised, as Client._heap_body would. */
 /* A FREE of the heap extent at ``offset`` (a followed reply's, read whole), pushed at once, the
  * server rung if parked; 1: pushed, 0: not (a full ring, a revoked claim: Client._give_back, the
  * reference, queues it or knows why), -1: an error to raise. */
@@ -1275,6 +1271,11 @@ static int caller_free(Caller *self, uint64_t offset) {
     return pushed;
 }
 
+/* The body of a followed reply (the extent caller_take found), copied out as the server writes
+ * it (follow_loop, the GIL released), then the extent given back (caller_free, else
+ * Client._give_back queues its FREE). When the server stops writing it, or its progress is
+ * garbage, the error Client._reply_unfollowed makes of it (Unavailable) is raised, as
+ * Client._heap_body would. */
 static PyObject *follow_reply(Caller *self, uint64_t call_id) {
     uint64_t offset = self->followed_at, length = self->followed_len, done = 0, seen = 0;
     PyObject *out = NULL, *res;

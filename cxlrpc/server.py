@@ -510,7 +510,9 @@ class Server:
         next_housekeeping = time.monotonic() + housekeeping_every
         stuck_at: int | None = None  # head position housekeeping found blocked
         idle = False
-        turned = time.monotonic()  # when the loop last had a turn between batches
+        turned = served = time.monotonic()  # when the loop last had a turn, a batch was served
+        strategy = self.strategy
+        yield_cpu = chan.bell.shared_cpu.yield_cpu
         while True:
             # one clock reading a batch: its requests' deadlines count from it
             self._polled_at = now = time.monotonic()
@@ -538,6 +540,7 @@ class Server:
                 self._note_drained()
             if n:
                 idle = False
+                served = now
                 # Nothing else of ours needs the loop: look for the next request at once (a loop
                 # turn costs an epoll_wait, on the next call's path), yet turn it at least
                 # every _TURN_EVERY_S of serving.
@@ -550,11 +553,20 @@ class Server:
                 # dead (housekeeping then unblocks it). Poll gently once it is known stuck.
                 await asyncio.sleep(0.001 if stuck_at == ring.head_position else 0)
                 turned = time.monotonic()
+            elif lone and hot_s and now - served < strategy.spin_s + strategy.yield_s:
+                # the strategy's spin and yield phases: the ring looked at natively for hot_s
+                # (above) between loop turns, not once a turn (a request that came while its
+                # client computed, e.g. after copying out 1 MiB, was seen ~3 us later)
+                if now - served >= strategy.spin_s:
+                    yield_cpu()
+                await asyncio.sleep(0)
+                turned = time.monotonic()
             else:
                 # replies waiting for a full response ring, bodies being followed: come back
-                # soon to retry them
+                # soon to retry them; a lone server past its spin and yield phases parks at once
                 wait = 0.0005 if self._backlog or self._following else housekeeping_every
-                idle = not await chan.bell.wait_async(ring.readable, self.strategy, wait, idle)
+                idle = not await chan.bell.wait_async(ring.readable, strategy, wait,
+                                                      idle or bool(lone and hot_s))
                 turned = time.monotonic()
 
     def _housekeeping(self, now: float) -> int | None:

@@ -472,6 +472,32 @@ def flooding_client(url: str, seconds: float):
     return proc, sent
 
 
+def _paced_client_main(url: str, calls: int, pause_s: float, span) -> None:
+    import cxlrpc
+
+    async def main() -> None:
+        async with cxlrpc.connect(url) as client:
+            await client.call("echo", b"warm-up")
+            span[0] = time.monotonic()
+            for _ in range(calls):
+                end = time.perf_counter() + pause_s  # computing between calls, not awaiting
+                while time.perf_counter() < end:
+                    pass
+                await client.call("echo", b"x" * 64, timeout=10)
+            span[1] = time.monotonic()
+
+    cxlrpc.run(main())
+
+
+def paced_client(url: str, calls: int, pause_s: float):
+    """A client process making ``calls`` echo calls, each after ``pause_s`` of busy work;
+    returns (the process, [monotonic time of the first pause, of the last reply] once done)."""
+    span = CTX.Array("d", 2, lock=False)
+    proc = CTX.Process(target=_paced_client_main, args=(url, calls, pause_s, span), daemon=True)
+    proc.start()
+    return proc, span
+
+
 def rss_bytes(pid: int) -> int:
     """Resident set size of a process, from /proc/PID/status (VmRSS)."""
     with open(f"/proc/{pid}/status") as f:

@@ -698,6 +698,46 @@ async def test_a_busy_server_still_gives_its_loop_turns(name):
     assert max(gaps) < 0.1, f"the loop stalled {max(gaps) * 1e3:.1f} ms under load"
 
 
+async def test_a_lone_server_looks_for_requests_between_loop_turns_until_it_parks(name):
+    """A client that computes between calls (an engine copying out a value) finds its lone
+    server still looking: within the strategy's spin and yield phases the server polls its ring
+    between loop turns, instead of in the doorbell's wait (which looked once a turn); the
+    doorbell only parks it, once those phases are over."""
+    from procs import paced_client, stop, until
+
+    url = f"shm://{name}"
+    server = cxlrpc.Server(url)  # adaptive: spin 10 us, yield 2 ms, then park
+    server.add_method("echo", lambda payload: payload)
+    waits: list[tuple[float, bool]] = []
+    ticks: list[float] = []
+    async with server:
+        bell = server._chan.bell
+        wait_async = bell.wait_async
+
+        async def spy(ready, strategy, timeout, idle=False):
+            waits.append((time.monotonic(), idle))
+            return await wait_async(ready, strategy, timeout, idle)
+
+        bell.wait_async = spy
+        proc, span = paced_client(url, 200, 300e-6)
+        try:
+            deadline = time.monotonic() + 60
+            while not span[1] and proc.is_alive() and time.monotonic() < deadline:
+                ticks.append(time.monotonic())
+                await asyncio.sleep(0.001)
+            assert span[1], "the paced client did not finish"
+            assert await until(lambda: any(t > span[1] for t, _ in waits), 5.0), "the server never parked"
+        finally:
+            stop(proc)
+    # (a wait that parks at once may come while the client is descheduled for 2 ms or more)
+    spun = [t for t, idle in waits if span[0] <= t <= span[1] and not idle]
+    assert not spun, f"{len(spun)} of 200 pauses of 0.3 ms went to the doorbell's spinning wait"
+    gaps = [b - a for a, b in zip(ticks, ticks[1:]) if span[0] <= a <= span[1]]
+    assert gaps and max(gaps) < 0.1, "the loop stalled while the server looked for requests"
+    after = [idle for t, idle in waits if t > span[1]]
+    assert after[0], "past its spin and yield phases the server waited to spin again, not to park"
+
+
 async def test_tasks_sharing_a_client_take_turns(name):
     """A call answered in place never suspends, so a task calling in a loop could keep the
     loop from the other tasks calling: they take turns, and each of many tasks sharing a

@@ -190,11 +190,14 @@ class Pool:
         """Client: the block a lease names, to read in place (RegionError for a range outside
         the pool); any stale cached copy of its lines is dropped first (memory without
         coherence). Its release ends the lease through ``owner``."""
-        entry = self._entry(offset)
-        view = self.slice(offset, size, readonly=True)
+        alignment = self.alignment  # _entry's and slice's checks, inline: once per get
+        if offset % alignment or not (0 <= offset and 0 < size and offset + size <= self.capacity):
+            self._entry(offset)
+            self.slice(offset, size)  # one of them raises
+        view = self._readable[offset:offset + size]
         if self._mem.flushing:
             self._mem.invalidate(self._data_offset + offset, size)
-        return Block(view, version, owner, lease_id, self, entry)
+        return Block(view, version, owner, lease_id, self, self._versions + offset // alignment * 8)
 
     def holds(self, entry: int, version: int) -> bool:
         """Client: whether the version table ``entry`` still says ``version``. Call it after

@@ -409,3 +409,24 @@ async def test_a_writer_past_its_put_timeout_cannot_overwrite_another_keys_live_
             await slow.begin_put("slow2", 5000)
             assert await until(lambda: server.stats()["expired_puts_held"] == 1)
         assert await until(lambda: server.stats()["pool_used"] == 0)
+
+
+def test_a_lease_naming_bytes_outside_the_pool_or_off_its_units_gives_no_view(name):
+    """A lease is read from a reply (hostile ground): one whose block is not a unit of the pool,
+    or whose range leaves it, raises RegionError before any view is made."""
+    from cxlrpc.region import RegionError
+    from kvservice.pool import Pool
+
+    pool = Pool.create(f"shm://{name}.pool", 1 * MiB, 4096)
+    try:
+        cap = pool.capacity
+        for offset, size in ((-4096, 8), (cap, 1), (100, 8), (4096, 0), (cap - 4096, 4097),
+                             (4096, cap)):
+            with pytest.raises(RegionError):
+                pool.leased(offset, size, 1, None, 7)
+        block = pool.leased(cap - 4096, 4096, 0, None, 7)  # the last unit, whole
+        assert block.size == 4096 and block.view().readonly
+        block.release()
+    finally:
+        pool.retire()
+        pool.close()

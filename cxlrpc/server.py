@@ -1217,8 +1217,15 @@ class Server:
 
     def _free(self, f: fr.Frame) -> None:
         """A client is done with a response body we put in the heap."""
-        if (self._heap is None or len(f.body) != OFFSET.size
-                or not self._heap.free(OFFSET.unpack(f.body)[0], f.slot, f.gen)):
+        if len(f.body) != OFFSET.size:
+            self._drop()
+            return
+        self._free_extent(OFFSET.unpack(f.body)[0], f.slot, f.gen)
+
+    def _free_extent(self, offset: int, slot: int, gen: int) -> None:
+        """The heap extent at ``offset`` comes back from the client in ``slot``/``gen`` (a FREE;
+        the native dispatcher calls this with its checks of the header and the sender done)."""
+        if self._heap is None or not self._heap.free(offset, slot, gen):
             self._drop()
             return
         self._heap_freed()

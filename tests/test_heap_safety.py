@@ -180,3 +180,48 @@ async def test_a_stream_item_sent_after_its_caller_left_does_not_leak_an_extent(
         assert await until(lambda: left, 5)
         assert await until(lambda: server._heap.used == 0, 3), \
             f"{server._heap.used} bytes of heap leaked: {server._heap._owners}"
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "reference"])
+async def test_frees_are_taken_by_the_native_dispatcher_and_bad_ones_dropped(name, monkeypatch, native):
+    """The FREE a client sends after reading a followed reply goes from the native dispatcher
+    straight to the server's _free_extent (no frame decoded by the reference); a FREE from the
+    slot's previous generation, or of an extent that is not the sender's, is dropped either way
+    and frees nothing."""
+    url = f"shm://{name}"
+    server = cxlrpc.Server(url, max_message_size=4 * MiB, heap_size=8 * MiB)
+    server.add_method("echo", lambda data: data)
+    if not native:
+        monkeypatch.setattr(server, "_dispatcher", lambda: None)
+    by_reference, freed = [], []
+    on_request, free_extent = server._on_request, server._free_extent
+
+    def spy_request(view):
+        by_reference.append(view[0])
+        on_request(view)
+
+    def spy_free(offset, slot, gen):
+        freed.append(offset)
+        free_extent(offset, slot, gen)
+
+    monkeypatch.setattr(server, "_on_request", spy_request)
+    monkeypatch.setattr(server, "_free_extent", spy_free)
+    payload = bytes(range(256)) * (4 * KiB)  # 1 MiB: its reply is followed, then FREEd
+    async with server, cxlrpc.connect(url) as client:
+        if native and server._fast is None:
+            pytest.skip("the native dispatcher was not built")
+        for _ in range(5):
+            assert await client.call("echo", payload, timeout=30) == payload
+        assert await until(lambda: len(freed) >= 5, 5), freed  # (an extent stays parked for the next reply)
+        assert by_reference.count(fr.FREE) == (0 if native else len(freed))
+        chan = client._chan
+        (dropped, used), n = (server.dropped_frames, server._heap.used), len(freed)
+        held = asyncio.ensure_future(client.call("echo", payload, timeout=30))  # an extent in use
+        for gen, offset in ((chan.gen + 1, 0), (chan.gen, 64 * KiB + 8)):  # not this holder's; no extent
+            free = fr.header(fr.FREE, fr.RAW, 0, chan.slot, gen, fr.NO_REPLY, 0.0, b"")
+            assert chan.push((free, OFFSET.pack(offset)))
+        chan.server_bell.ring()
+        assert await until(lambda: server.dropped_frames >= dropped + 2, 5), server.dropped_frames - dropped
+        assert await held == payload
+        assert await until(lambda: server._heap.used == used, 5), server._heap.used
+        assert len(freed) - n in (1, 2)  # the echo's own FREE, and the never-granted extent's try

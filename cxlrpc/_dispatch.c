@@ -705,16 +705,15 @@ out:
     return rc;
 }
 
-/* Dispatch one request record, ``p``/``n``: a view of it (``record``), or where it begins in the
- * region's (``buf``, ``start``); 1: the reference must take it (nothing was done for it). */
 /* A FREE record (a client is done with a reply body of ours in the heap): server._free_extent(
  * offset, slot, gen) once the header is a sound FREE's from the slot's holder the reader has seen;
  * else the reference (1). No detour: freeing leaves no work for the loop. */
 static int dispatch_free(Dispatcher *d, const unsigned char *p) {
     unsigned slot = le16(p + 4);
     uint32_t gen = le32(p + 6);
-    if (!d->enabled || p[1] != FLAG_RAW || le16(p + 2) != 0 || le64(p + 10) != NO_REPLY || le64(p + 18) != 0 ||
-        le16(p + 26) != 0 || (Py_ssize_t)slot >= d->slots || (Py_ssize_t)slot >= PyList_GET_SIZE(d->seen))
+    if (!d->enabled || !region_open(d) || p[1] != FLAG_RAW || le16(p + 2) != 0 || le64(p + 10) != NO_REPLY ||
+        le64(p + 18) != 0 || le16(p + 26) != 0 || (Py_ssize_t)slot >= d->slots ||
+        (Py_ssize_t)slot >= PyList_GET_SIZE(d->seen))
         return 1;
     uint64_t word = __atomic_load_n((uint64_t *)((char *)PyMemoryView_GET_BUFFER(d->buf)->buf + d->slot_at[slot]),
                                     __ATOMIC_ACQUIRE);
@@ -734,6 +733,9 @@ static int dispatch_free(Dispatcher *d, const unsigned char *p) {
     return 0;
 }
 
+/* Dispatch one record of the request ring (a request, or a FREE), ``p``/``n``: a view of it
+ * (``record``), or where it begins in the region's (``buf``, ``start``); 1: the reference must
+ * take it (nothing was done for it). */
 static int dispatch(Dispatcher *d, const unsigned char *p, Py_ssize_t n, PyObject *record, PyObject *buf,
                     Py_ssize_t start) {
     if (n == HEADER_SIZE + 8 && p[0] == KIND_FREE)

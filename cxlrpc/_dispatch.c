@@ -551,6 +551,17 @@ static PyObject *argument(Dispatcher *d, Req *r, PyObject *entry, long mode, PyO
 
 /* Dispatch a request whose header fields, body and where it lies are in ``r`` (its method
  * name: ``mname``/``mlen``, valid lengths); 1: the reference must take it (nothing was done). */
+/* Does ``slot`` hold generation ``gen`` (its slot word, in an open region), a holder the reader
+ * has seen? Else a record from it is garbage or the previous holder's (the reference drops it),
+ * or a new holder's (the reference sees it first). */
+static int seen_holder(Dispatcher *d, unsigned slot, uint32_t gen) {
+    if ((Py_ssize_t)slot >= d->slots || (Py_ssize_t)slot >= PyList_GET_SIZE(d->seen))
+        return 0;
+    uint64_t word = __atomic_load_n((uint64_t *)((char *)PyMemoryView_GET_BUFFER(d->buf)->buf + d->slot_at[slot]),
+                                    __ATOMIC_ACQUIRE);
+    return (word & 1) && ((word >> 1) & 0xFFFFFFFFULL) == gen && is_gen(PyList_GET_ITEM(d->seen, slot), gen);
+}
+
 static int dispatch_req(Dispatcher *d, Req *r, const unsigned char *mname, unsigned mlen) {
     if (!d->enabled || PyDict_GET_SIZE(d->backlog) || !region_open(d) || r->flags & ~FLAG_RAW || mlen == 0 ||
         mlen > MAX_METHOD)
@@ -562,17 +573,8 @@ static int dispatch_req(Dispatcher *d, Req *r, const unsigned char *mname, unsig
     unsigned slot = r->slot;
     uint32_t gen = r->gen;
     double timeout = r->timeout;
-    if (!(timeout >= 0) || !isfinite(timeout) || (Py_ssize_t)slot >= d->slots)
+    if (!(timeout >= 0) || !isfinite(timeout) || !seen_holder(d, slot, gen))
         goto done;
-    uint64_t word = __atomic_load_n((uint64_t *)((char *)PyMemoryView_GET_BUFFER(d->buf)->buf + d->slot_at[slot]),
-                                    __ATOMIC_ACQUIRE);
-    if (!(word & 1) || ((word >> 1) & 0xFFFFFFFFULL) != gen)
-        goto done; /* garbage, or the slot's previous holder: the reference drops it */
-    if ((Py_ssize_t)slot >= PyList_GET_SIZE(d->seen))
-        goto done;
-    PyObject *seen = PyList_GET_ITEM(d->seen, slot);
-    if (!is_gen(seen, gen))
-        goto done; /* a holder the reader has not seen yet */
     if ((slot_obj = PyLong_FromUnsignedLong(slot)) == NULL)
         goto fail;
     peer = PyDict_GetItemWithError(d->peers, slot_obj);
@@ -712,13 +714,8 @@ static int dispatch_free(Dispatcher *d, const unsigned char *p) {
     unsigned slot = le16(p + 4);
     uint32_t gen = le32(p + 6);
     if (!d->enabled || !region_open(d) || p[1] != FLAG_RAW || le16(p + 2) != 0 || le64(p + 10) != NO_REPLY ||
-        le64(p + 18) != 0 || le16(p + 26) != 0 || (Py_ssize_t)slot >= d->slots ||
-        (Py_ssize_t)slot >= PyList_GET_SIZE(d->seen))
+        le64(p + 18) != 0 || le16(p + 26) != 0 || !seen_holder(d, slot, gen))
         return 1;
-    uint64_t word = __atomic_load_n((uint64_t *)((char *)PyMemoryView_GET_BUFFER(d->buf)->buf + d->slot_at[slot]),
-                                    __ATOMIC_ACQUIRE);
-    if (!(word & 1) || ((word >> 1) & 0xFFFFFFFFULL) != gen || !is_gen(PyList_GET_ITEM(d->seen, slot), gen))
-        return 1; /* garbage, the previous holder's, or a holder not seen yet: the reference */
     PyObject *stack[4] = {d->server, PyLong_FromUnsignedLongLong(le64(p + HEADER_SIZE)), PyLong_FromUnsignedLong(slot),
                           PyLong_FromUnsignedLong(gen)};
     PyObject *res = NULL;

@@ -549,8 +549,6 @@ static PyObject *argument(Dispatcher *d, Req *r, PyObject *entry, long mode, PyO
     return NULL;
 }
 
-/* Dispatch a request whose header fields, body and where it lies are in ``r`` (its method
- * name: ``mname``/``mlen``, valid lengths); 1: the reference must take it (nothing was done). */
 /* Does ``slot`` hold generation ``gen`` (its slot word, in an open region), a holder the reader
  * has seen? Else a record from it is garbage or the previous holder's (the reference drops it),
  * or a new holder's (the reference sees it first). */
@@ -562,6 +560,8 @@ static int seen_holder(Dispatcher *d, unsigned slot, uint32_t gen) {
     return (word & 1) && ((word >> 1) & 0xFFFFFFFFULL) == gen && is_gen(PyList_GET_ITEM(d->seen, slot), gen);
 }
 
+/* Dispatch a request whose header fields, body and where it lies are in ``r`` (its method
+ * name: ``mname``/``mlen``, valid lengths); 1: the reference must take it (nothing was done). */
 static int dispatch_req(Dispatcher *d, Req *r, const unsigned char *mname, unsigned mlen) {
     if (!d->enabled || PyDict_GET_SIZE(d->backlog) || !region_open(d) || r->flags & ~FLAG_RAW || mlen == 0 ||
         mlen > MAX_METHOD)

@@ -62,6 +62,12 @@ typedef struct {
     PyObject *spare_eager;   /* a stand-in no handler kept (see first_step), or NULL */
     PyObject *last_key;      /* the method name of the last request, or NULL */
     Py_ssize_t reply_limit;
+    /* the heap (cxlrpc.heap: big replies are followed through it): the server's ServerHeap or
+     * None, its ALLOCs waiting for room (a list, changed in place), where it lies in the region,
+     * the smallest body followed (else PY_SSIZE_T_MAX), the largest body it takes, the step of
+     * a followed body's progress */
+    PyObject *heap, *heap_waiting;
+    Py_ssize_t heap_start, heap_size, follow_min, body_limit, follow_chunk;
     double polled_at;
     double synced_at; /* the polled_at last written to server._polled_at (for the reference) */
     int enabled;
@@ -69,7 +75,7 @@ typedef struct {
 } Dispatcher;
 
 static PyObject *s_on_request, *s_failed, *s_bad_request, *s_suspended, *s_coroutine, *s_reply,
-    *s_send, *s_broken, *s_push, *s_lent_reply, *s_toreadonly, *s_release, *s_polled_at, *s_poll_within, *s_poll, *s_free_extent;
+    *s_send, *s_broken, *s_push, *s_lent_reply, *s_toreadonly, *s_release, *s_polled_at, *s_poll_within, *s_poll, *s_free_extent, *s_alloc_reply, *s_free;
 
 static double now_s(void) {
     struct timespec ts;
@@ -313,6 +319,86 @@ static int handler_raised(Dispatcher *d, Req *r, PyObject *kinds) {
     return rc;
 }
 
+/* A big reply of the slot's holder, followed (Server._push_followed): its frame, naming an
+ * extent of the heap, goes first, then the body is written there a chunk at a time, the bytes
+ * written so far stored into the extent's progress word (release) after each, while the client
+ * copies them out. 1: sent; 0: not (no heap, or no room in it now, ALLOCs waiting for it, a body
+ * over the heap's limit, a full ring: Server._send takes it, and says what is wrong); -1: an
+ * error. */
+static int push_followed(Dispatcher *d, Req *r, PyObject *slot_obj, PyObject *gen_obj, unsigned flags,
+                         PyObject *body, Py_ssize_t length) {
+    if (d->heap == Py_None || PyList_GET_SIZE(d->heap_waiting) || length > d->body_limit ||
+        length > d->heap_size - FOLLOW_HEADER || (Py_ssize_t)r->slot >= PyList_GET_SIZE(d->responses) ||
+        !view_open(d->buf))
+        return 0;
+    Py_buffer src, region; /* (encode_body's bodies are one flat run of bytes) */
+    if (PyObject_GetBuffer(body, &src, PyBUF_SIMPLE) < 0)
+        return -1;
+    if (src.len != length || PyObject_GetBuffer(d->buf, &region, PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&src);
+        if (src.len != length)
+            PyErr_SetString(PyExc_ValueError, "a reply body's length changed while it was sent");
+        return -1;
+    }
+    int rc = -1;
+    PyObject *size_obj = PyLong_FromSsize_t(FOLLOW_HEADER + length), *offset_obj = NULL, *ok = NULL;
+    if (size_obj == NULL)
+        goto done;
+    PyObject *args[4] = {d->heap, slot_obj, gen_obj, size_obj};
+    offset_obj = PyObject_VectorcallMethod(s_alloc_reply, args, 4, NULL);
+    if (offset_obj == NULL)
+        goto done;
+    if (offset_obj == Py_None) { /* the heap is full for now */
+        rc = 0;
+        goto done;
+    }
+    unsigned long long offset = PyLong_AsUnsignedLongLong(offset_obj);
+    if (offset == (unsigned long long)-1 && PyErr_Occurred())
+        goto done;
+    if (offset % HEAP_UNIT || offset > (unsigned long long)d->heap_size ||
+        (unsigned long long)(FOLLOW_HEADER + length) > (unsigned long long)d->heap_size - offset) {
+        PyErr_Format(PyExc_ValueError, "the heap's allocator gave extent %llu, outside the heap", offset);
+        goto done;
+    }
+    char *extent = (char *)region.buf + d->heap_start + offset; /* inside: checked here and at init */
+    uint64_t *progress = (uint64_t *)extent; /* 8-byte aligned: heap_start is (checked at init) */
+    __atomic_store_n(progress, 0, __ATOMIC_RELEASE);
+    unsigned char h[HEADER_SIZE], where[16];
+    fill_header(h, KIND_RESPONSE, flags | FLAG_HEAP | FLAG_FOLLOW, r->slot, r->gen, r->call_id, 0.0, 0);
+    put_le(where, offset, 8);
+    put_le(where + 8, (uint64_t)length, 8);
+    PyObject *ext = PyBytes_FromStringAndSize((const char *)where, sizeof where);
+    if (ext == NULL)
+        goto done;
+    ok = push_record(PyList_GET_ITEM(d->responses, r->slot), h, &ext, 1, NULL, 0);
+    Py_DECREF(ext);
+    if (ok == NULL || ok != Py_True) { /* (a full ring: the extent back, the reference waits for room) */
+        PyObject *fargs[4] = {d->heap, offset_obj, slot_obj, gen_obj};
+        PyObject *freed = PyObject_VectorcallMethod(s_free, fargs, 4, NULL);
+        rc = ok == NULL || freed == NULL ? -1 : 0;
+        Py_XDECREF(freed);
+        goto done;
+    }
+    rc = 1;
+    if (parked_here(d->buf, d->parked_at[r->slot], d->me)) { /* ServerChannel.ring_client sends */
+        PyObject *rargs[2] = {slot_obj, gen_obj};
+        PyObject *res = PyObject_Vectorcall(d->ring_client, rargs, 2, NULL);
+        if (res == NULL) /* the frame is out: the body still follows, the error after */
+            rc = -1;
+        Py_XDECREF(res);
+    }
+    Py_BEGIN_ALLOW_THREADS
+    follow_publish(extent + FOLLOW_HEADER, (const char *)src.buf, (size_t)length, (size_t)d->follow_chunk, progress);
+    Py_END_ALLOW_THREADS
+done:
+    Py_XDECREF(ok);
+    Py_XDECREF(offset_obj);
+    Py_XDECREF(size_obj);
+    PyBuffer_Release(&region);
+    PyBuffer_Release(&src);
+    return rc;
+}
+
 /* Send ``result`` as the reply (Server._reply with held=True). */
 static int reply(Dispatcher *d, Req *r, PyObject *slot_obj, PyObject *result) {
     unsigned slot = r->slot;
@@ -322,8 +408,8 @@ static int reply(Dispatcher *d, Req *r, PyObject *slot_obj, PyObject *result) {
         return 0;
     PyObject *body;
     unsigned flags;
-    if (PyBytes_Check(result) || PyByteArray_Check(result) || PyMemoryView_Check(result)) {
-        flags = FLAG_RAW; /* encode_body passes bytes-likes through raw */
+    if (PyBytes_Check(result) || PyByteArray_Check(result)) {
+        flags = FLAG_RAW; /* encode_body passes these through raw (a memoryview made flat) */
         body = Py_NewRef(result);
     } else {
         PyObject *enc = PyObject_CallOneArg(d->encode_body, result);
@@ -349,6 +435,7 @@ static int reply(Dispatcher *d, Req *r, PyObject *slot_obj, PyObject *result) {
     unsigned char h[HEADER_SIZE];
     fill_header(h, KIND_RESPONSE, flags, slot, gen, call_id, 0.0, 0);
     int rc = -1, pushed = 0;
+    PyObject *gen_obj = NULL;
     int held_back = PyDict_Contains(d->backlog, slot_obj);
     if (held_back < 0)
         goto done;
@@ -359,9 +446,15 @@ static int reply(Dispatcher *d, Req *r, PyObject *slot_obj, PyObject *result) {
         pushed = ok == Py_True;
         Py_DECREF(ok);
     }
-    PyObject *gen_obj = PyLong_FromUnsignedLong(gen);
-    if (gen_obj == NULL)
+    if ((gen_obj = PyLong_FromUnsignedLong(gen)) == NULL)
         goto done;
+    if (!held_back && !pushed && length >= d->follow_min) {
+        int sent = push_followed(d, r, slot_obj, gen_obj, flags, body, length);
+        if (sent != 0) {
+            rc = sent < 0 ? -1 : 0;
+            goto done;
+        }
+    }
     if (pushed) {
         rc = 0;
         if (parked_here(d->buf, d->parked_at[slot], d->me)) { /* ServerChannel.ring_client sends */
@@ -378,8 +471,8 @@ static int reply(Dispatcher *d, Req *r, PyObject *slot_obj, PyObject *result) {
             Py_DECREF(head);
         }
     }
-    Py_DECREF(gen_obj);
 done:
+    Py_XDECREF(gen_obj);
     Py_DECREF(body);
     return rc;
 }
@@ -927,20 +1020,21 @@ static int dispatcher_init(Dispatcher *self, PyObject *args, PyObject *kwds) {
     PyObject *server, *buf, *slot_at, *seen, *peers, *backlog, *methods, *responses, *chan;
     PyObject *context_type, *no_metadata, *current_call, *ring_client, *encode_body, *loop;
     PyObject *current_task, *enter_task, *leave_task, *eager_type, *cancelled, *frame_type, *current_tasks;
-    PyObject *parked_at;
+    PyObject *parked_at, *heap, *heap_waiting;
     unsigned long long me;
-    Py_ssize_t reply_limit;
+    Py_ssize_t reply_limit, heap_start, heap_size, follow_min, body_limit, follow_chunk;
     if (kwds != NULL && PyDict_GET_SIZE(kwds)) {
         PyErr_SetString(PyExc_TypeError, "Dispatcher takes positional arguments only");
         return -1;
     }
-    if (!PyArg_ParseTuple(args, "OO!O!O!O!O!O!O!OOOOOOOOOOOOnOOO!K", &server, &PyMemoryView_Type, &buf,
+    if (!PyArg_ParseTuple(args, "OO!O!O!O!O!O!O!OOOOOOOOOOOOnOOO!KOO!nnnnn", &server, &PyMemoryView_Type, &buf,
                           &PyList_Type, &slot_at, &PyList_Type, &seen, &PyDict_Type, &peers,
                           &PyDict_Type, &backlog, &PyDict_Type, &methods, &PyList_Type, &responses,
                           &chan, &context_type, &no_metadata, &current_call, &ring_client,
                           &encode_body, &loop, &current_task, &enter_task, &leave_task,
                           &eager_type, &cancelled, &reply_limit, &frame_type, &current_tasks,
-                          &PyList_Type, &parked_at, &me))
+                          &PyList_Type, &parked_at, &me, &heap, &PyList_Type, &heap_waiting, &heap_start,
+                          &heap_size, &follow_min, &body_limit, &follow_chunk))
         return -1;
     if (!PyContextVar_CheckExact(current_call)) {
         PyErr_SetString(PyExc_TypeError, "current_call must be a ContextVar");
@@ -952,6 +1046,12 @@ static int dispatcher_init(Dispatcher *self, PyObject *args, PyObject *kwds) {
         PyList_GET_SIZE(responses) != slots || PyList_GET_SIZE(parked_at) != slots || slots > 65536 ||
         reply_limit < 0) {
         PyErr_SetString(PyExc_ValueError, "Dispatcher: inconsistent region, slots or limits");
+        return -1;
+    }
+    if (heap_start < 0 || heap_start % 8 || heap_size < 0 || heap_size > view->len - heap_start ||
+        follow_min < 1 || body_limit < 0 || follow_chunk < 64) {
+        PyErr_SetString(PyExc_ValueError, "Dispatcher: the heap lies outside the region, or a followed body's "
+                                          "limits are out of range");
         return -1;
     }
     Py_ssize_t *at = word_offsets(buf, slot_at, slots, "Dispatcher: slot state");
@@ -972,16 +1072,21 @@ static int dispatcher_init(Dispatcher *self, PyObject *args, PyObject *kwds) {
     KEEP(server); KEEP(buf); KEEP(seen); KEEP(peers); KEEP(backlog); KEEP(methods); KEEP(responses);
     KEEP(chan); KEEP(context_type); KEEP(no_metadata); KEEP(current_call); KEEP(ring_client);
     KEEP(encode_body); KEEP(loop); KEEP(current_task); KEEP(enter_task); KEEP(leave_task);
-    KEEP(eager_type); KEEP(cancelled); KEEP(frame_type); KEEP(current_tasks);
+    KEEP(eager_type); KEEP(cancelled); KEEP(frame_type); KEEP(current_tasks); KEEP(heap); KEEP(heap_waiting);
 #undef KEEP
     self->reply_limit = reply_limit;
+    self->heap_start = heap_start;
+    self->heap_size = heap_size;
+    self->follow_min = follow_min;
+    self->body_limit = body_limit;
+    self->follow_chunk = follow_chunk;
     return 0;
 }
 
 #define FIELDS(X) X(server) X(buf) X(seen) X(peers) X(backlog) X(methods) X(responses) X(chan) \
     X(context_type) X(no_metadata) X(current_call) X(ring_client) X(encode_body) X(loop) \
     X(current_task) X(enter_task) X(leave_task) X(eager_type) X(cancelled) X(frame_type) \
-    X(current_tasks) X(spare_eager) X(last_key)
+    X(current_tasks) X(spare_eager) X(last_key) X(heap) X(heap_waiting)
 
 static int dispatcher_traverse(Dispatcher *self, visitproc visit, void *arg) {
 #define VISIT(f) Py_VISIT(self->f);
@@ -1606,6 +1711,8 @@ PyMODINIT_FUNC PyInit__dispatch(void) {
     INTERN(s_poll_within, "poll_within")
     INTERN(s_poll, "poll")
     INTERN(s_free_extent, "_free_extent")
+    INTERN(s_alloc_reply, "alloc_reply")
+    INTERN(s_free, "free")
     ring_api = PyCapsule_Import(CXLRPC_RING_API_CAPSULE, 0);
     if (ring_api == NULL)
         return NULL;

@@ -95,9 +95,14 @@ class Frame(msgspec.Struct, gc=False):
 
 
 def encode_body(value: Any) -> tuple[int, bytes | memoryview]:
-    """(flags, body) for a value: bytes-likes pass through raw, the rest is MessagePack."""
-    if type(value) is bytes or isinstance(value, (bytes, bytearray, memoryview)):
+    """(flags, body) for a value: bytes-likes pass through raw (a memoryview as one flat run
+    of its bytes, whatever its shape, format or strides), the rest is MessagePack."""
+    if type(value) is bytes or isinstance(value, (bytes, bytearray)):
         return RAW, value
+    if isinstance(value, memoryview):
+        if value.ndim == 1 and value.itemsize == 1 and value.c_contiguous:
+            return RAW, value
+        return RAW, value.cast("B") if value.c_contiguous else value.tobytes()
     try:
         return 0, _encode(value)
     except Exception as exc:  # TypeError, EncodeError, RecursionError on deep nesting

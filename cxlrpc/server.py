@@ -36,7 +36,7 @@ from .heap import (EXTENT, FOLLOW_HEADER, FOLLOW_MIN, FOLLOW_SPIN_S, FOLLOW_STAL
                    GRANT, OFFSET, SPARE_SHARE, HeapAccess, ServerHeap)
 from .service import add_service, stream_item
 from .streams import STREAM_WINDOW, RequestStream
-from .memory import ACQ_REL
+from .memory import ACQ_REL, FOLLOW_CHUNK
 from .memory import HARDWARE
 from .process_heap import keep_freed_heap
 from .region import Region, RegionError, coherence_for, parse_url
@@ -302,7 +302,8 @@ class Server:
         self._follow_min = sys.maxsize
         self._credits: dict[tuple, list] = {}  # per stream: [credit left, event set on credit]
         self._inbound: dict[tuple, RequestStream] = {}  # request streams being read, per call
-        self._heap_waiting: list[tuple] = []  # ALLOCs the full heap could not serve yet
+        #: ALLOCs the full heap could not serve yet (changed in place: the native dispatcher holds it)
+        self._heap_waiting: list[tuple] = []
         #: followed requests whose bodies their clients are still writing, per call
         self._following: dict[tuple[int, int, int], _Following] = {}
         self._oneway_ids = itertools.count(1)
@@ -587,7 +588,7 @@ class Server:
         """A slot's holder left (detached, reaped, or replaced by a new holder): cancel its
         handlers, drop its replies, free its heap extents, tell the on_disconnect callbacks."""
         if self._heap is not None:
-            self._heap_waiting = [w for w in self._heap_waiting if w[1:3] != (slot, gen)]
+            self._heap_waiting[:] = [w for w in self._heap_waiting if w[1:3] != (slot, gen)]
             for key in [k for k in self._following if k[:2] == (slot, gen)]:
                 self._end_following(key)
             if self._heap.release_owner(slot, gen):
@@ -618,7 +619,9 @@ class Server:
                            fr.NO_METADATA, _current_call, chan.ring_client, fr.encode_body,
                            self._event_loop, _current_task, _enter_task, _leave_task, _EagerTask,
                            asyncio.CancelledError, self._reply_limit(chan), fr.Frame,
-                           _current_tasks(), *chan.client_bell_words())
+                           _current_tasks(), *chan.client_bell_words(), self._heap,
+                           self._heap_waiting, self.geometry.heap, self.geometry.heap_size,
+                           self._follow_min, self._body_limit, FOLLOW_CHUNK)
         fast.enabled = 0 if self._interceptors or self._draining else 1
         return fast
 
@@ -669,7 +672,7 @@ class Server:
                 elif key in self._following:
                     self._end_following(key)
                 elif self._heap_waiting:
-                    self._heap_waiting = [w for w in self._heap_waiting
+                    self._heap_waiting[:] = [w for w in self._heap_waiting
                                           if w[1:4] != (slot, f.gen, f.call_id)]
             elif f.kind == fr.CREDIT:
                 self._credit(f)
@@ -1249,7 +1252,7 @@ class Server:
         expired = [w for w in self._heap_waiting if w[0] is not None and w[0] <= now]
         if not expired:
             return
-        self._heap_waiting = [w for w in self._heap_waiting if w not in expired]
+        self._heap_waiting[:] = [w for w in self._heap_waiting if w not in expired]
         for _, slot, gen, call_id, size, _ in expired:
             self._send(slot, gen, fr.header(fr.ERROR, fr.RAW, int(StatusCode.DEADLINE_EXCEEDED),
                                             slot, gen, call_id, 0.0, b""),

@@ -81,6 +81,8 @@ def _followed_server_main(url: str, ready) -> None:
         @server.method("publish")
         def publish(how: str) -> None:  # how the server writes followed bodies from now on
             HeapAccess.publish = {"whole": real, "half": half, "garbage": garbage}[how]
+            if server._fast is not None:  # (the native dispatcher follows replies itself)
+                server._fast.enabled = int(how == "whole")
 
         await _serve_until_sigterm(server, ready)
 

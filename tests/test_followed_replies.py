@@ -20,7 +20,7 @@ import cxlrpc.client
 import cxlrpc.heap
 from cxlrpc import frame as fr
 from cxlrpc import memory
-from cxlrpc.heap import FOLLOW_MIN, UNIT, HeapAccess, ServerHeap
+from cxlrpc.heap import FOLLOW_HEADER, FOLLOW_MIN, UNIT, HeapAccess, ServerHeap
 from cxlrpc.memory import FOLLOW_CHUNK, AtomicMemory, follow_copy, publish_copy
 from procs import echo_server, followed_server, made as _made
 
@@ -31,18 +31,18 @@ SIZES = (FOLLOW_MIN - 1, FOLLOW_MIN, FOLLOW_MIN + 1, 5 * FOLLOW_CHUNK + 7, MiB +
 
 @pytest.fixture
 def published(monkeypatch) -> list[int]:
-    """The lengths of the reply bodies the server followed (Server._push_followed spied on;
-    clients follow big requests through HeapAccess.publish too)."""
+    """The lengths of the reply bodies the server followed (ServerHeap.alloc_reply spied on: the
+    native dispatcher and the reference both take a followed reply's extent there)."""
     lengths: list[int] = []
-    real = cxlrpc.Server._push_followed
+    real = ServerHeap.alloc_reply
 
-    def spy(self, slot, gen, ring, head, body):
-        pushed = real(self, slot, gen, ring, head, body)
-        if pushed:
-            lengths.append(len(body))
-        return pushed
+    def spy(self, slot, gen, length):
+        offset = real(self, slot, gen, length)
+        if offset is not None:
+            lengths.append(length - FOLLOW_HEADER)
+        return offset
 
-    monkeypatch.setattr(cxlrpc.Server, "_push_followed", spy)
+    monkeypatch.setattr(ServerHeap, "alloc_reply", spy)
     return lengths
 
 

@@ -1,5 +1,5 @@
 """Body codec: decoders are made once per type and found by identity, and that cache stays bounded
-whatever types callers pass."""
+whatever types callers pass; a memoryview body is sent as its bytes, whatever its shape."""
 from __future__ import annotations
 
 from typing import Any
@@ -34,3 +34,16 @@ def test_the_identity_cache_is_bounded_by_aliases_made_at_every_call():
         assert fr.decode_body(0, body, list[int]) == [1, 2]  # a new alias object each time
     assert len(fr._decoders_by_id) <= fr._MAX_DECODERS_BY_ID
     assert fr.decoder(list[int]) is fr.decoder(list[int])  # past the bound, still made once
+
+
+def test_a_memoryview_body_is_sent_as_one_flat_run_of_its_bytes():
+    """A memoryview of any format, shape or strides encodes raw, as exactly the bytes
+    ``tobytes()`` gives, and as a view whose length counts bytes (the rings and the heap size
+    records by len())."""
+    data = bytes(range(256)) * 64
+    views = [memoryview(data), memoryview(data).cast("Q"), memoryview(data).cast("B", (128, 128)),
+             memoryview(data)[::3], memoryview(bytearray(data)).cast("I")[::2]]
+    for view in views:
+        flags, body = fr.encode_body(view)
+        assert flags == fr.RAW
+        assert bytes(body) == view.tobytes() and len(body) == view.nbytes, view

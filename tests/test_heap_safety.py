@@ -225,3 +225,77 @@ async def test_frees_are_taken_by_the_native_dispatcher_and_bad_ones_dropped(nam
         assert await held == payload
         assert await until(lambda: server._heap.used == used, 5), server._heap.used
         assert len(freed) - n in (1, 2)  # the echo's own FREE, and the never-granted extent's try
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "reference"])
+async def test_big_replies_are_followed_by_the_native_dispatcher_and_the_rest_by_the_reference(
+        name, monkeypatch, native):
+    """A big reply (bytes, bytearray, a memoryview of any shape, an encoded result; from a plain
+    or an async handler) is followed by the native dispatcher without the reference's
+    _push_followed; a reply meeting a full response ring (held back, then sent, its extent not
+    leaked) and a reply while ALLOCs wait for the heap are the reference's."""
+    url = f"shm://{name}"
+    server = cxlrpc.Server(url, max_message_size=4 * MiB, heap_size=8 * MiB)
+    server.add_method("echo", lambda data: data)
+    server.add_method("bytearray", lambda data: bytearray(data))
+    server.add_method("view", lambda data: memoryview(data))
+    server.add_method("strided", lambda data: memoryview(data)[::2])
+    server.add_method("words", lambda data: memoryview(data).cast("Q"))
+    server.add_method("encoded", lambda data: {"data": data})
+
+    @server.method("fill_then_echo")
+    def fill_then_echo(data: bytes) -> bytes:
+        """Fill the caller's response ring (with replies to no call), then answer."""
+        slot, gen = cxlrpc.current_peer()
+        junk = fr.header(fr.RESPONSE, fr.RAW, 0, slot, gen, 1 << 60, 0.0, b"")
+        for size in (64 * KiB, 0):  # (down to room for no record at all)
+            while server._chan.responses[slot].try_push_parts((junk, b"j" * size)):
+                pass
+        return data
+
+    @server.method("async_echo")
+    async def async_echo(data: bytes) -> bytes:
+        return data
+
+    if not native:
+        monkeypatch.setattr(server, "_dispatcher", lambda: None)
+    followed = []  # what each call of the reference's _push_followed returned
+
+    def spy(*args):
+        followed.append(push_followed(*args))
+        return followed[-1]
+
+    push_followed = server._push_followed
+    monkeypatch.setattr(server, "_push_followed", spy)
+    payload = bytes(range(256)) * (4 * KiB)  # 1 MiB: past FOLLOW_MIN
+    async with server, cxlrpc.connect(url) as client:
+        if native and server._fast is None:
+            pytest.skip("the native dispatcher was not built")
+        # (the first big request goes through an ALLOC, not a spare extent, and the reference
+        # dispatches it)
+        assert await client.call("echo", payload, timeout=30) == payload
+        followed.clear()
+        for method in ("echo", "bytearray", "view", "async_echo"):
+            assert await client.call(method, payload, timeout=30) == payload, method
+        assert await client.call("encoded", payload, timeout=30) == {"data": payload}
+        # (views of any shape are sent as their bytes: 512 KiB, still followed)
+        assert await client.call("strided", payload, timeout=30) == payload[::2]
+        assert await client.call("words", payload, timeout=30) == payload
+        assert followed == ([] if native else [True] * 7), followed
+        followed.clear()
+
+        # ALLOCs waiting for the heap: a reply takes the ring, not the heap
+        heap_freed = server._heap_freed
+        monkeypatch.setattr(server, "_heap_freed", lambda: None)  # (so the waiter stays)
+        server._heap_waiting.append((None, client._chan.slot, client._chan.gen + 1, 1, MiB, 0))
+        assert await client.call("echo", payload, timeout=30) == payload
+        assert followed == [None], followed
+        server._heap_waiting.clear()
+        monkeypatch.setattr(server, "_heap_freed", heap_freed)
+        followed.clear()
+
+        # a full response ring: the reply is held back until the client has read what fills it
+        used = server._heap.used  # (the client's spare extent)
+        assert await client.call("fill_then_echo", payload, timeout=30) == payload
+        assert followed[0] is False and followed[-1] is True, followed
+        assert await until(lambda: server._heap.used == used, 5), (server._heap.used, used)

@@ -896,6 +896,10 @@ class Client(_Base):
                     self._give_back(spare[0])
                 raise
             if spare is not None and got is not NotImplemented and type(got) is not tuple:
+                if type(got) is bytes:  # answered in place: the spare settled now, no coroutine
+                    self._spare = None
+                    self._settle(self._chan, spare[0], spare[1], self._methods[method], True)
+                    return got
                 return await self._followed_out(call_id, self._methods[method], spare, got, deadline,
                                                 response_type)
             if type(got) is bytes:
@@ -922,15 +926,13 @@ class Client(_Base):
     async def _followed_out(self, call_id: int, mb: bytes, spare: tuple[int, int], got: Any,
                             deadline: float | None, response_type: Any) -> Any:
         """A request the native caller sent through the spare extent, its body written (the
-        rest of ``_call_large``): its reply (``got``, or awaited), then the spare settled."""
+        rest of ``_call_large``): its reply (``got``, a Frame, or awaited), then the spare settled."""
         chan = self._chan
         self._spare = None
         self._followed[call_id] = mb
         answered = False
         try:
-            if type(got) is bytes:
-                result = got
-            elif type(got) is fr.Frame:
+            if type(got) is fr.Frame:
                 result = self._answer(got, response_type)
             else:  # out; its reply comes later
                 result = await self._roundtrip(call_id, None, deadline, response_type)

@@ -372,11 +372,16 @@ static int push_followed(Dispatcher *d, Req *r, PyObject *slot_obj, PyObject *ge
         goto done;
     ok = push_record(PyList_GET_ITEM(d->responses, r->slot), h, &ext, 1, NULL, 0);
     Py_DECREF(ext);
-    if (ok == NULL || ok != Py_True) { /* (a full ring: the extent back, the reference waits for room) */
-        PyObject *fargs[4] = {d->heap, offset_obj, slot_obj, gen_obj};
+    if (ok != Py_True) { /* not pushed: the extent back (a full ring: the reference waits for room) */
+        PyObject *et, *ev, *etb, *fargs[4] = {d->heap, offset_obj, slot_obj, gen_obj};
+        PyErr_Fetch(&et, &ev, &etb); /* (the push's error, raised after) */
         PyObject *freed = PyObject_VectorcallMethod(s_free, fargs, 4, NULL);
-        rc = ok == NULL || freed == NULL ? -1 : 0;
+        rc = et != NULL || freed == NULL ? -1 : 0;
         Py_XDECREF(freed);
+        if (et != NULL) {
+            PyErr_Clear();
+            PyErr_Restore(et, ev, etb);
+        }
         goto done;
     }
     rc = 1;

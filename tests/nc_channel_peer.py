@@ -3,8 +3,8 @@
 or invalidate call of the single-writer channel removed, to show the simulator catches it.
 
 ``python nc_channel_peer.py URL [LINE]`` prints ``ok`` or ``fail <phase>: <why>``. Phases:
-connect (knock and grant must cross), beat (calls go on past the client timeout: heartbeats
-must cross), release (a clean detach must be seen at once, not after the timeout), peer (a
+connect (knock and grant must cross), beat (calls go on past the client timeout, and the
+server never judges the client gone: heartbeats must cross), release (a clean detach must be seen at once, not after the timeout), peer (a
 handler reads the new holder's PID at once, not after the next reap), close (a closed server
 must be seen at once, not after the server timeout).
 """
@@ -89,6 +89,8 @@ async def scenario(url: str, server_cls: type, client_cls: type) -> str:
                     return "fail beat: wrong echo"
                 n += 1
                 await asyncio.sleep(0.005)
+            if departed:  # (its calls may have gone on: a revoked client claims a slot again)
+                return "fail beat: the server judged the client gone while it called"
         except RpcError as exc:
             return f"fail beat: {type(exc).__name__} {exc}"
         finally:

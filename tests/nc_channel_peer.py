@@ -4,9 +4,10 @@ or invalidate call of the single-writer channel removed, to show the simulator c
 
 ``python nc_channel_peer.py URL [LINE]`` prints ``ok`` or ``fail <phase>: <why>``. Phases:
 connect (knock and grant must cross), beat (calls go on past the client timeout, and the
-server never judges the client gone: heartbeats must cross), release (a clean detach must be seen at once, not after the timeout), peer (a
-handler reads the new holder's PID at once, not after the next reap), close (a closed server
-must be seen at once, not after the server timeout).
+server never judges the client gone: heartbeats must cross), release (a clean detach must be
+seen at once, not after the timeout), peer (a handler reads the new holder's PID at once, not
+after the next reap), close (a closed server must be seen at once, not after the server
+timeout).
 """
 from __future__ import annotations
 

@@ -104,6 +104,15 @@ static inline void put_le(unsigned char *p, uint64_t v, int n) {
         p[i] = (v >> (8 * i)) & 0xFF;
 }
 
+/* A record's body of ``n`` (1 or 2) u64 words, little-endian: a FREE's offset (heap.OFFSET), a
+ * followed body's extent (heap.EXTENT: offset, length). */
+static PyObject *le_words(uint64_t first, uint64_t second, int n) {
+    unsigned char words[16];
+    put_le(words, first, 8);
+    put_le(words + 8, second, 8);
+    return PyBytes_FromStringAndSize((const char *)words, n == 2 ? 16 : 8);
+}
+
 /* A frame header into h[HEADER_SIZE] (frame.HEADER.pack's layout, little-endian). */
 static void fill_header(unsigned char *h, unsigned kind, unsigned flags, unsigned slot, uint32_t gen,
                         uint64_t call_id, double timeout, unsigned mlen) {
@@ -363,11 +372,9 @@ static int push_followed(Dispatcher *d, Req *r, PyObject *slot_obj, PyObject *ge
     char *extent = (char *)region.buf + d->heap_start + offset; /* inside: checked here and at init */
     uint64_t *progress = (uint64_t *)extent; /* 8-byte aligned: heap_start is (checked at init) */
     __atomic_store_n(progress, 0, __ATOMIC_RELEASE);
-    unsigned char h[HEADER_SIZE], where[16];
+    unsigned char h[HEADER_SIZE];
     fill_header(h, KIND_RESPONSE, flags | FLAG_HEAP | FLAG_FOLLOW, r->slot, r->gen, r->call_id, 0.0, 0);
-    put_le(where, offset, 8);
-    put_le(where + 8, (uint64_t)length, 8);
-    PyObject *ext = PyBytes_FromStringAndSize((const char *)where, sizeof where);
+    PyObject *ext = le_words(offset, (uint64_t)length, 2);
     if (ext == NULL)
         goto done;
     ok = push_record(PyList_GET_ITEM(d->responses, r->slot), h, &ext, 1, NULL, 0);
@@ -1346,12 +1353,10 @@ static int send_followed(Caller *self, PyObject *mb, PyObject *body, uint64_t ca
     char *extent = (char *)region.buf + self->heap_start + offset; /* inside: checked at init */
     uint64_t *progress = (uint64_t *)extent; /* 8-byte aligned: heap_start is (checked at init) */
     __atomic_store_n(progress, 0, __ATOMIC_RELEASE);
-    unsigned char h[HEADER_SIZE], where[16];
+    unsigned char h[HEADER_SIZE];
     fill_header(h, KIND_REQUEST, FLAG_RAW | FLAG_HEAP | FLAG_FOLLOW, self->slot, self->gen, call_id, timeout,
                 (unsigned)PyBytes_GET_SIZE(mb));
-    put_le(where, offset, 8);
-    put_le(where + 8, blen, 8);
-    PyObject *ext = PyBytes_FromStringAndSize((const char *)where, sizeof where);
+    PyObject *ext = le_words(offset, blen, 2);
     if (ext == NULL)
         goto done;
     PyObject *parts[2] = {mb, ext};
@@ -1385,10 +1390,9 @@ done:
  * server rung if parked; 1: pushed, 0: not (a full ring, a revoked claim: Client._give_back, the
  * reference, queues it or knows why), -1: an error to raise. */
 static int caller_free(Caller *self, uint64_t offset) {
-    unsigned char h[HEADER_SIZE], word[8];
+    unsigned char h[HEADER_SIZE];
     fill_header(h, KIND_FREE, FLAG_RAW, self->slot, self->gen, NO_REPLY, 0.0, 0);
-    put_le(word, offset, 8);
-    PyObject *part = PyBytes_FromStringAndSize((const char *)word, sizeof word);
+    PyObject *part = le_words(offset, 0, 1);
     if (part == NULL)
         return -1;
     PyObject *ok = push_record(self->requests, h, &part, 1, &PyTuple_GET_ITEM(self->push_args, 0),

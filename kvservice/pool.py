@@ -216,11 +216,11 @@ class Pool:
             self._mem.writeback(self._data_offset + offset, size)
         fence()
 
-    def slice(self, offset: int, size: int, readonly: bool = False) -> memoryview:
+    def slice(self, offset: int, size: int) -> memoryview:
         """The ``size`` bytes at ``offset``; RegionError if the range is not inside the pool."""
         if not (0 <= offset and 0 < size and offset + size <= self.capacity):
             raise RegionError(f"block [{offset}, {offset}+{size}) is outside the pool of {self.capacity}")
-        return (self._readable if readonly else self.data)[offset:offset + size]
+        return self.data[offset:offset + size]
 
     def write(self, offset: int, data: memoryview) -> None:
         """Copy ``data`` into the block at ``offset`` and fence, before the commit publishes it

@@ -1,7 +1,7 @@
 """Optional native pieces: cache-line write-back/invalidate for non-coherent memory, the rings'
-hot path over coherent memory, frame decoding, and the common call's dispatch on both sides.
-Without a compiler the package installs: the rings, frames and calls run their Python reference,
-and only coherence="flush" is unavailable."""
+hot path over coherent memory, frame decoding, the common call's dispatch on both sides, and
+kvservice's leased Block. Without a compiler the package installs: the rings, frames, calls and
+blocks run their Python reference, and only coherence="flush" is unavailable."""
 from setuptools import Extension, setup
 
 setup(ext_modules=[Extension("cxlrpc._flush", ["cxlrpc/_flush.c"], depends=["cxlrpc/_follow.h", "cxlrpc/_copy.h"],
@@ -11,4 +11,5 @@ setup(ext_modules=[Extension("cxlrpc._flush", ["cxlrpc/_flush.c"], depends=["cxl
                    Extension("cxlrpc._frame", ["cxlrpc/_frame.c"], depends=["cxlrpc/_copy.h"], optional=True),
                    Extension("cxlrpc._dispatch", ["cxlrpc/_dispatch.c"],
                              depends=["cxlrpc/_ring_api.h", "cxlrpc/_follow.h", "cxlrpc/_copy.h"],
-                             optional=True)])
+                             optional=True),
+                   Extension("kvservice._block", ["kvservice/_block.c"], optional=True)])

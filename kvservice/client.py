@@ -310,8 +310,9 @@ class KVClient(_Ops):
 
         The hot path of an inference engine: ``_drive`` of ``_get`` unrolled for one RPC (the
         generator and its driver cost the client more than the RPC layer did)."""
-        req = w.Get(namespace, [normalize_key(key)], lease_s, 0.0, self._carry())
-        if self._released:  # more than one request carries: they go first
+        queued = self._released
+        req = w.Get(namespace, [normalize_key(key)], lease_s, 0.0, self._carry() if queued else None)
+        if queued:  # more than one request carries: they go first
             self._flush()
         try:
             leases = await self.rpc.call("get", req, response_type=_LEASES)
@@ -505,7 +506,7 @@ class KVClient(_Ops):
         task.add_done_callback(self._tasks.discard)
 
     def _block(self, lease: w.Lease) -> Block:
-        block = super()._block(lease)
+        block = self.pool.leased(lease.offset, lease.size, lease.version, self, lease.lease_id)
         at = self._loop.time() + lease.duration / 2
         self._held[lease.lease_id] = (at, lease)  # a dict entry, not a timer, per get
         if at < self._renew_at:

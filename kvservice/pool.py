@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import mmap
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -27,6 +28,13 @@ import numpy as np
 
 from cxlrpc.memory import ACQUIRE, HARDWARE, RELEASE, copy_bytes, fence, to_bytes
 from cxlrpc.region import HEADER_SIZE, Region, RegionError, parse_url, prefault
+
+try:  # the leased Block in C (CXLRPC_NO_NATIVE=1: the reference only)
+    from kvservice import _block as _native
+except ImportError:  # built by the package where a C compiler exists
+    _native = None
+if os.environ.get("CXLRPC_NO_NATIVE"):
+    _native = None
 
 POOL_KIND = 2
 logger = logging.getLogger("kvservice.pool")
@@ -113,6 +121,14 @@ class Pool:
         self._data_offset = HEADER_SIZE + table
         self.data = region.buf[HEADER_SIZE + table:HEADER_SIZE + table + capacity]
         self._readable = self.data.toreadonly()  # what leased blocks are sliced from
+        #: Client: ``leased(offset, size, version, owner, lease_id)``, the Block a lease names
+        #: (RegionError for a range outside the pool); any stale cached copy of its lines is
+        #: dropped first (memory without coherence). Its release ends the lease through
+        #: ``owner``. In C (kvservice._block) over coherent memory: once per get.
+        self.leased: Callable[[int, int, int, LeaseOwner, int], Block] = self._leased
+        if _native is not None and not region.mem.flushing:
+            self.leased = _native.Leaser(Block, self._readable, self, self._leased, capacity,
+                                         alignment, self._versions, self._data_offset).lease
         self._prefault: threading.Thread | None = None
         self._prefault_stop = threading.Event()
 
@@ -128,10 +144,15 @@ class Pool:
         table = cls.table_size(capacity, alignment)
         region = Region.acquire(url, HEADER_SIZE + table + capacity, POOL_KIND, mode, stale_after,
                                 coherence)
-        region.mem.zero(HEADER_SIZE, table)  # a taken-over pool keeps its old versions
-        pool = cls(region, capacity, alignment)
-        pool._advise_huge_pages()
-        _prefault(region, HEADER_SIZE + table, capacity)
+        try:
+            region.mem.zero(HEADER_SIZE, table)  # a taken-over pool keeps its old versions
+            pool = cls(region, capacity, alignment)
+            pool._advise_huge_pages()
+            _prefault(region, HEADER_SIZE + table, capacity)
+        except BaseException:  # nothing left behind: a half-made pool is no one's
+            region.close()
+            region.unlink()
+            raise
         region.publish()
         return pool
 
@@ -185,11 +206,9 @@ class Pool:
         self._mem.store(entry, 0, RELEASE)
         self._mem.writeback(entry, 8)
 
-    def leased(self, offset: int, size: int, version: int, owner: LeaseOwner,
-               lease_id: int) -> "Block":
-        """Client: the block a lease names, to read in place (RegionError for a range outside
-        the pool); any stale cached copy of its lines is dropped first (memory without
-        coherence). Its release ends the lease through ``owner``."""
+    def _leased(self, offset: int, size: int, version: int, owner: LeaseOwner,
+                lease_id: int) -> "Block":
+        """``leased`` in Python: a pool without coherence's, and what the native one refuses."""
         alignment = self.alignment  # _entry's and slice's checks, inline: once per get
         if offset % alignment or not (0 <= offset and 0 < size and offset + size <= self.capacity):
             self._entry(offset)
@@ -246,16 +265,35 @@ class Pool:
         self.region.unlink()
 
 
-class Block:
-    """A leased value read in place: ``view()`` / ``array()``; use ``with`` to end the lease.
+class _Copies:
+    """A Block's arrays and copies, made through its ``view()``/``check()`` (both kinds)."""
 
-    ``view()``, ``array()`` and the copies (``tobytes``, ``copy_into``) raise
-    :class:`LeaseExpired` once the lease lapsed and the pool reused the block; the copies check
-    after copying, so a copy they return is never torn. A view already handed out cannot be
-    revoked: call :meth:`check` after reading through it. After :meth:`release` every view
-    handed out is released (using one raises ValueError); an array from :meth:`array` cannot
-    be revoked and must not be read after the block ends.
-    """
+    __slots__ = ()
+
+    def array(self, dtype: Any = np.uint8, shape: Any = None) -> np.ndarray:
+        """The value as a read-only numpy array (no copy), optionally reshaped."""
+        arr = np.frombuffer(self._tracked_view(), dtype=dtype)
+        return arr if shape is None else arr.reshape(shape)
+
+    def tobytes(self) -> bytes:
+        """A copy of the value (checked after the copy)."""
+        data = to_bytes(self.view())
+        self.check()
+        return data
+
+    def copy_into(self, out: Any) -> int:
+        """Copy the value into the writable buffer ``out`` (checked after the copy); its size."""
+        dst = memoryview(out).cast("B")
+        if len(dst) < self.size:
+            raise ValueError(f"buffer of {len(dst)} bytes is too small for {self.size}")
+        copy_bytes(dst, self.view())
+        self.check()
+        return self.size
+
+
+class ReferenceBlock(_Copies):
+    """Block in Python: the reference for kvservice._block.Block, and Block's base where that
+    did not build."""
 
     __slots__ = ("_view", "_views", "size", "version", "_owner", "_lease_id", "_pool", "_entry")
 
@@ -293,29 +331,13 @@ class Block:
         self.check()
         return self._view
 
-    def array(self, dtype: Any = np.uint8, shape: Any = None) -> np.ndarray:
-        """The value as a read-only numpy array (no copy), optionally reshaped."""
+    def _tracked_view(self) -> memoryview:
+        """A view of its own, released with the block (what array() wraps)."""
         view = self.view()[:]
         if self._views is None:
             self._views = []
         self._views.append(view)
-        arr = np.frombuffer(view, dtype=dtype)
-        return arr if shape is None else arr.reshape(shape)
-
-    def tobytes(self) -> bytes:
-        """A copy of the value (checked after the copy)."""
-        data = to_bytes(self.view())
-        self.check()
-        return data
-
-    def copy_into(self, out: Any) -> int:
-        """Copy the value into the writable buffer ``out`` (checked after the copy); its size."""
-        dst = memoryview(out).cast("B")
-        if len(dst) < self.size:
-            raise ValueError(f"buffer of {len(dst)} bytes is too small for {self.size}")
-        copy_bytes(dst, self.view())
-        self.check()
-        return self.size
+        return view
 
     def release(self) -> None:
         """End the lease (idempotent) and release the views into the pool."""
@@ -327,7 +349,7 @@ class Block:
             try:
                 view.release()
             except BufferError:
-                pass  # an array still exports it; see the class docstring
+                pass  # an array still exports it; see Block's docstring
         owner, self._owner = self._owner, None
         if owner is not None:
             owner._release(self._lease_id, False)
@@ -342,7 +364,7 @@ class Block:
             except Exception:  # at interpreter exit the client may be half torn down
                 pass
 
-    def __enter__(self) -> "Block":
+    def __enter__(self) -> "ReferenceBlock":
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -350,6 +372,24 @@ class Block:
 
     def __len__(self) -> int:
         return self.size
+
+
+class Block(_native.Block if _native is not None else ReferenceBlock, _Copies):  # type: ignore[misc]
+    """A leased value read in place: ``view()`` / ``array()``; use ``with`` to end the lease.
+
+    ``Block(view, version=0, owner=None, lease_id=0, pool=None, entry=0)``: see
+    :class:`ReferenceBlock`, whose behaviour kvservice._block's base has (in C: a get makes and
+    ends one per call).
+
+    ``view()``, ``array()`` and the copies (``tobytes``, ``copy_into``) raise
+    :class:`LeaseExpired` once the lease lapsed and the pool reused the block; the copies check
+    after copying, so a copy they return is never torn. A view already handed out cannot be
+    revoked: call :meth:`check` after reading through it. After :meth:`release` every view
+    handed out is released (using one raises ValueError); an array from :meth:`array` cannot
+    be revoked and must not be read after the block ends.
+    """
+
+    __slots__ = ()
 
 
 class PendingPut:

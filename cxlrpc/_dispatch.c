@@ -70,6 +70,8 @@ typedef struct {
     Py_ssize_t heap_start, heap_size, follow_min, body_limit, follow_chunk;
     double polled_at;
     double synced_at; /* the polled_at last written to server._polled_at (for the reference) */
+    long long batch;  /* records a batch takes: as many as its handlers ran in one loop turn's time */
+    double until;     /* when the loop's turn is due: a batch polled with the C API ends there */
     int enabled;
     int detoured;     /* a request went to the server's own code since serve() began */
 } Dispatcher;
@@ -883,18 +885,22 @@ static int dispatched(Dispatcher *self, int rc, PyObject *view) {
     return rc;
 }
 
-/* The C handler of request records (cxlrpc._ring's C API): a view is made only for the reference. */
+/* The C handler of request records (cxlrpc._ring's C API): a view is made only for the
+ * reference. It ends the batch (1) once the loop's turn is due, whatever the batch's size: a
+ * clock reading (~25 ns) a record. */
 static int dispatch_record(void *ctx, PyObject *buf, const unsigned char *p, Py_ssize_t n, Py_ssize_t start) {
     Dispatcher *self = ctx;
     int rc = dispatch(self, p, n, NULL, buf, start);
-    if (rc == 0)
-        return 0;
-    PyObject *view = NULL;
-    if (rc > 0 && (view = PySequence_GetSlice(buf, start, start + n)) == NULL)
-        return -1;
-    rc = dispatched(self, rc, view);
-    Py_XDECREF(view);
-    return rc;
+    if (rc != 0) {
+        PyObject *view = NULL;
+        if (rc > 0 && (view = PySequence_GetSlice(buf, start, start + n)) == NULL)
+            return -1;
+        rc = dispatched(self, rc, view);
+        Py_XDECREF(view);
+        if (rc < 0)
+            return -1;
+    }
+    return now_s() >= self->until;
 }
 
 /* Dispatcher(view): one request record, as Server._on_request takes it. */
@@ -919,56 +925,111 @@ static PyObject *dispatcher_call(PyObject *callable, PyObject *const *args, size
     Py_RETURN_NONE;
 }
 
+#define BATCH_MAX 256 /* the most records one batch takes (Server._BATCH_MAX) */
+#define BATCH_SPAN_S 1e-3 /* Server._TURN_EVERY_S: the serving time a batch is sized to */
+
+/* The next batch's size: the records that fit in BATCH_SPAN_S at ``got`` records per ``took``
+ * seconds, 1 to BATCH_MAX. Sized so, slow handlers (20 us each, or a client hammering the
+ * ring's counters) no longer keep the loop from its turn for a batch of 256 (5-40 ms). A batch
+ * that waited for its first record counts the wait too: the next one is smaller. */
+static long long fitting(long long got, double took) {
+    if (took <= 0.0)
+        return BATCH_MAX;
+    double fit = BATCH_SPAN_S * (double)got / took;
+    return fit >= BATCH_MAX ? BATCH_MAX : fit < 1.0 ? 1 : (long long)fit;
+}
+
+/* One batch of at most ``limit`` records with this dispatcher as their handler, ending once the
+ * clock passes ``until`` (the loop's turn): the ring's C API (its poll_within for ``seconds``
+ * when that is not NULL, else its poll), or else the ring's Python method with this as a
+ * Python handler (which ends at ``limit`` only). The count handed over; -1 with an error set. */
+static long long poll_batch(Dispatcher *self, PyObject *ring, long long limit, PyObject *seconds, double until) {
+    PyObject *n;
+    self->until = until;
+    if (PyObject_TypeCheck(ring, ring_api->ring_type))
+        n = seconds != NULL ? ring_api->poll_within(ring, limit, PyFloat_AS_DOUBLE(seconds), dispatch_record, self)
+                            : ring_api->poll(ring, limit, dispatch_record, self);
+    else
+        n = Py_NewRef(Py_NotImplemented);
+    if (n == Py_NotImplemented) {
+        Py_DECREF(n);
+        PyObject *py_limit = PyLong_FromLongLong(limit);
+        if (py_limit == NULL)
+            return -1;
+        PyObject *pargs[4] = {ring, (PyObject *)self, py_limit, seconds};
+        n = PyObject_VectorcallMethod(seconds != NULL ? s_poll_within : s_poll, pargs, seconds != NULL ? 4 : 3, NULL);
+        Py_DECREF(py_limit);
+    }
+    if (n == NULL)
+        return -1;
+    long long got = PyLong_AsLongLong(n);
+    Py_DECREF(n);
+    if (got < 0 && !PyErr_Occurred()) {
+        PyErr_SetString(PyExc_ValueError, "a ring's poll returned a negative count");
+        return -1;
+    }
+    return got;
+}
+
+/* poll(ring, now, until): one batch of the request ring (the reader's first look,
+ * Server._serve), ``polled_at`` set to ``now``, the clock reading it was taken after: at most
+ * ``batch`` records, the next batch's size from this one's pace, and none after the clock passes
+ * ``until`` (the loop's turn). The requests handed over. */
+static PyObject *dispatcher_poll(Dispatcher *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyFloat_Check(args[1]) || !PyFloat_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "poll(ring, now: float, until: float)");
+        return NULL;
+    }
+    if (self->server == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "Dispatcher is not initialised");
+        return NULL;
+    }
+    double now = PyFloat_AS_DOUBLE(args[1]);
+    self->polled_at = now;
+    long long got = poll_batch(self, args[0], self->batch, NULL, PyFloat_AS_DOUBLE(args[2]));
+    if (got < 0)
+        return NULL;
+    if (got > 0)
+        self->batch = fitting(got, now_s() - now);
+    return PyLong_FromLongLong(got);
+}
+
 /* serve(ring, seconds, until): the reader's hot loop (Server._serve), natively: batch after
- * batch, each the request ring's poll_within with this dispatcher as its handler (the ring's C
- * API, else ``ring.poll_within(self, 256, seconds)``) with ``polled_at`` read just before it,
- * until one finds nothing, a request went to the server's own code (which may have left work for
- * the loop), the dispatcher is disabled, or the clock passes ``until`` (the loop's turn,
- * housekeeping). The requests handed over; ``polled_at`` is the last reading. */
+ * batch, each the request ring's poll_within for ``seconds`` with this dispatcher as its
+ * handler (see poll_batch) with ``polled_at`` read just before it, until one finds nothing, a
+ * request went to the server's own code (which may have left work for the loop), the
+ * dispatcher is disabled, or the clock passes ``until`` (the loop's turn, housekeeping). Each
+ * batch takes the records that fit before ``until`` at the pace of the one before (``batch``,
+ * kept for the next call). The requests handed over; ``polled_at`` is the last reading. */
 static PyObject *dispatcher_serve(Dispatcher *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3 || !PyFloat_Check(args[1]) || !PyFloat_Check(args[2])) {
         PyErr_SetString(PyExc_TypeError, "serve(ring, seconds: float, until: float)");
         return NULL;
     }
-    PyObject *ring = args[0];
-    int native = PyObject_TypeCheck(ring, ring_api->ring_type);
-    double seconds = PyFloat_AS_DOUBLE(args[1]);
     if (self->server == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "Dispatcher is not initialised");
         return NULL;
     }
     double until = PyFloat_AS_DOUBLE(args[2]);
-    PyObject *limit = PyLong_FromLong(256);
-    if (limit == NULL)
-        return NULL;
     long long total = 0;
     self->detoured = 0;
+    double now = now_s();
     while (self->enabled && !self->detoured) {
-        double now = now_s();
         self->polled_at = now;
         if (now >= until)
             break;
-        PyObject *n = native ? ring_api->poll_within(ring, 256, seconds, dispatch_record, self) : Py_NewRef(Py_NotImplemented);
-        if (n == Py_NotImplemented) { /* the ring's Python method, with this as a Python handler */
-            Py_DECREF(n);
-            PyObject *pargs[4] = {ring, (PyObject *)self, limit, args[1]};
-            n = PyObject_VectorcallMethod(s_poll_within, pargs, 4, NULL);
-        }
-        if (n == NULL) {
-            Py_DECREF(limit);
+        double left = until - now; /* a turn due sooner than a batch's span: fewer records */
+        long long limit = left >= BATCH_SPAN_S ? self->batch : (long long)((double)self->batch * left / BATCH_SPAN_S);
+        long long got = poll_batch(self, args[0], limit < 1 ? 1 : limit, args[1], until);
+        if (got < 0)
             return NULL;
-        }
-        long long got = PyLong_AsLongLong(n);
-        Py_DECREF(n);
-        if (got == -1 && PyErr_Occurred()) {
-            Py_DECREF(limit);
-            return NULL;
-        }
-        if (got <= 0)
+        if (got == 0)
             break;
         total += got;
+        double after = now_s();
+        self->batch = fitting(got, after - now);
+        now = after;
     }
-    Py_DECREF(limit);
     return PyLong_FromLongLong(total);
 }
 
@@ -1014,6 +1075,8 @@ static PyObject *dispatcher_dispatch_body(Dispatcher *self, PyObject *const *arg
 }
 
 static PyMethodDef dispatcher_methods[] = {
+    {"poll", (PyCFunction)(void (*)(void))dispatcher_poll, METH_FASTCALL,
+     "poll(ring, now, until): one batch of the request ring, ending by the loop's turn."},
     {"serve", (PyCFunction)(void (*)(void))dispatcher_serve, METH_FASTCALL,
      "serve(ring, seconds, until): poll batch after batch while nothing needs the loop."},
     {"dispatch_body", (PyCFunction)(void (*)(void))dispatcher_dispatch_body, METH_FASTCALL,
@@ -1087,6 +1150,7 @@ static int dispatcher_init(Dispatcher *self, PyObject *args, PyObject *kwds) {
     KEEP(eager_type); KEEP(cancelled); KEEP(frame_type); KEEP(current_tasks); KEEP(heap); KEEP(heap_waiting);
 #undef KEEP
     self->reply_limit = reply_limit;
+    self->batch = BATCH_MAX;
     self->heap_start = heap_start;
     self->heap_size = heap_size;
     self->follow_min = follow_min;
@@ -1127,6 +1191,8 @@ static PyMemberDef dispatcher_members[] = {
      "0 sends every frame to the reference (draining, interceptors); set by the server"},
     {"polled_at", T_DOUBLE, offsetof(Dispatcher, polled_at), 0,
      "when the reader began its batch: deadlines count from it"},
+    {"batch", T_LONGLONG, offsetof(Dispatcher, batch), READONLY,
+     "the records the next batch takes: as many as the last one's pace fits in a loop turn's span"},
     {NULL},
 };
 

@@ -279,8 +279,11 @@ static PyObject *poll_records(RingCore *self, long long limit, PyObject *handler
         if (kind == KIND_DATA) {
             Py_ssize_t start = self->data + (Py_ssize_t)idx + HEADER_SIZE;
             if (fn != NULL) {
-                if (fn(ctx, self->buf, (const unsigned char *)self->base + start, (Py_ssize_t)length, start) < 0)
+                int rc = fn(ctx, self->buf, (const unsigned char *)self->base + start, (Py_ssize_t)length, start);
+                if (rc < 0)
                     return NULL; /* as the reference: nothing released, the record comes again */
+                if (rc > 0)
+                    limit = count + 1; /* the handler ends the poll after this record */
             } else {
                 PyObject *view = PySequence_GetSlice(self->buf, start, start + (Py_ssize_t)length);
                 if (view == NULL)

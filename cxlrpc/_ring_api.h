@@ -7,8 +7,9 @@
 #include <Python.h>
 
 /* A record handler: ``p``/``n`` are the record's bytes, which begin at ``start`` in ``buf`` (the
- * ring's region memoryview: slice it for a view). 0 to go on; -1 with an error set (nothing is
- * released: the record comes again, as when a Python handler raises). */
+ * ring's region memoryview: slice it for a view). 0 to go on; 1 to end the poll after this
+ * record (handed over, as with 0); -1 with an error set (nothing is released: the record comes
+ * again, as when a Python handler raises). */
 typedef int (*cxlrpc_record_fn)(void *ctx, PyObject *buf, const unsigned char *p, Py_ssize_t n,
                                 Py_ssize_t start);
 

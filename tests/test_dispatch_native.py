@@ -21,6 +21,8 @@ import pytest
 import cxlrpc
 from cxlrpc import frame as fr
 from cxlrpc import server as server_mod
+from cxlrpc.ring import SpscRing
+from ring_env import Env
 
 pytestmark = pytest.mark.timeout(120)
 native = pytest.mark.skipif(server_mod._Dispatcher is None, reason="cxlrpc._dispatch is not built")
@@ -569,6 +571,58 @@ async def test_serve_polls_batch_after_batch_until_the_loop_is_needed(name: str)
             fast.serve(Ring(1), 1, 2.0)  # seconds and until are floats
         async with cxlrpc.connect(f"shm://{name}") as client:  # the server goes on serving
             assert await client.call("aecho", b"after") == b"after"
+
+
+@native
+async def test_batches_are_sized_to_the_handlers_pace_and_end_by_the_loops_turn(name: str) -> None:
+    """Each batch takes the requests that fit in a loop turn's span (1 ms) at the pace of the one
+    before, fewer when the turn is due sooner; through the rings' C API a batch also ends at the
+    first request handled after the turn falls due (the rest stay in the ring for the next)."""
+    server = make_server(f"shm://{name}")
+    async with server:
+        fast = server._fast
+        limits: list[int] = []
+
+        class Ring:  # a ring without the rings' C API; its records take 50 us each
+            def poll_within(self, handler: Any, limit: int, seconds: float) -> int:
+                limits.append(limit)
+                end = time.perf_counter() + limit * 50e-6
+                while time.perf_counter() < end:
+                    pass
+                return limit
+
+        first = fast.batch
+        assert fast.serve(Ring(), 1e-5, time.monotonic() + 0.03) > first
+        assert limits[0] == first and len(limits) >= 2
+        assert all(1 <= n <= 20 for n in limits[1:]), limits  # 1 ms at 50 us a record, or fewer
+        assert 1 <= fast.batch <= 20
+        limits.clear()
+        fast.serve(Ring(), 1e-5, time.monotonic() + 0.0004)  # a turn due in 0.4 ms: 8 at most
+        assert limits and all(1 <= n <= 8 for n in limits), limits
+
+        ring = Env(SpscRing, 4096).ring  # a native ring: its records go to the dispatcher in C
+        garbage = bytes(fr.HEADER_SIZE + 8)  # not requests: the reference drops them
+        for _ in range(5):
+            assert ring.try_push(garbage)
+        now = time.monotonic()
+        assert fast.poll(ring, now, now - 1.0) == 1  # the turn is due: one record, then no more
+        assert fast.polled_at == now
+        assert fast.poll(ring, now, time.monotonic() + 60.0) == 4
+        assert fast.poll(ring, now, time.monotonic() + 60.0) == 0
+        with pytest.raises(TypeError):
+            fast.poll(ring, now)  # when the turn is due is an argument
+        async with cxlrpc.connect(f"shm://{name}") as client:  # the server goes on serving
+            assert await client.call("aecho", b"after") == b"after"
+
+
+def test_the_reference_sizes_its_batches_to_the_handlers_pace() -> None:
+    """The reference reader's batch: the requests that fit in a loop turn's span at the last
+    batch's pace, 1 to 256 (the native dispatcher's sizing)."""
+    fitting = server_mod._batch_fitting
+    assert fitting(256, 256 * 50e-6) == 20  # 50 us a request: 20 in 1 ms
+    assert fitting(10, 1e-6) == server_mod._BATCH_MAX  # fast handlers: the whole batch
+    assert fitting(1, 0.5) == 1  # slower than the span: one at a time, never none
+    assert fitting(3, 0.0) == server_mod._BATCH_MAX  # no time measured: no bound from it
 
 
 @native

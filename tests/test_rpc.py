@@ -4,6 +4,7 @@ Region has its own cache, so server and client behave as two hosts)."""
 from __future__ import annotations
 
 import asyncio
+import statistics
 import threading
 import time
 
@@ -663,7 +664,9 @@ async def test_handler_errors_are_logged_and_their_text_is_the_servers_choice(ur
 async def test_a_busy_server_still_gives_its_loop_turns(name):
     """A server whose request ring never runs dry (one-way calls from another process) skips
     the loop turn between batches, as nothing of its own waits, yet other callbacks in its
-    loop still run every few milliseconds at worst, not once the flood stops."""
+    loop still run every few milliseconds, not once the flood stops: its batches are sized to
+    the handlers' pace (256 of these 20 us handlers, a fixed batch, kept a 1 ms timer waiting
+    12-25 ms here and ~100 ms on a slower machine)."""
     from procs import flooding_client, stop
 
     url = f"shm://{name}"
@@ -678,24 +681,30 @@ async def test_a_busy_server_still_gives_its_loop_turns(name):
 
     server.add_method("echo", echo)
     gaps: list[float] = []
+    work: list[float] = []  # this thread's CPU time between turns: the scheduler's share aside
     async with server:
-        proc, sent = flooding_client(url, 1.5)
+        proc, sent = flooding_client(url, 30)  # stopped after the turns
         try:
             deadline = time.monotonic() + 30
             while handled[0] < 1000 and time.monotonic() < deadline:
                 await asyncio.sleep(0.001)
             start = handled[0]
-            last = time.monotonic()
-            for _ in range(300):  # 0.3 s of ticks while the ring stays full
-                await asyncio.sleep(0.001)
-                now = time.monotonic()
+            last = began = time.monotonic()
+            cpu = time.thread_time()
+            while last - began < 0.4:  # a loop turn after another while the ring stays full
+                await asyncio.sleep(0)
+                now, cpu_now = time.monotonic(), time.thread_time()
                 gaps.append(now - last)
-                last = now
+                work.append(cpu_now - cpu)
+                last, cpu = now, cpu_now
             served = handled[0] - start
         finally:
             stop(proc)
-    assert served >= 1000, f"the server handled only {served} calls during the ticks"
-    assert max(gaps) < 0.1, f"the loop stalled {max(gaps) * 1e3:.1f} ms under load"
+    assert served >= 1000, f"the server handled only {served} calls during the turns"
+    typical = statistics.median(work)
+    assert typical < 0.003, f"the server ran {typical * 1e3:.1f} ms between loop turns (median)"
+    # in wall time, a gap also takes what a shared machine's scheduler gives other processes
+    assert max(gaps) < 0.5, f"the loop stalled {max(gaps) * 1e3:.1f} ms under load"
 
 
 async def test_a_lone_server_looks_for_requests_between_loop_turns_until_it_parks(name):

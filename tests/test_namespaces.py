@@ -131,13 +131,15 @@ async def test_client_in_other_namespaces_is_served_fast_and_sees_server_death(u
         server_cpu = (cpu_seconds(server.proc.pid) - cpu0) / (time.monotonic() - t0)
         remote.expect("waiting_for_kill", 10)
         local_lat.sort()
+        local_p50_ms = statistics.median(local_lat) * 1e3
         local_p90_ms = local_lat[int(len(local_lat) * 0.9)] * 1e3
         server.kill()
         remote.tell("killed")
         gone = remote.expect("server_gone", 10)
         report("client in other namespaces", busy_p50_us=round(busy["p50_us"], 1),
                busy_p99_us=round(busy["p99_us"], 1), after_idle_us=[round(x) for x in after_idle_us],
-               local_client_p90_ms=round(local_p90_ms, 2), idle_cpu_client=round(client_cpu, 4),
+               local_client_p50_ms=round(local_p50_ms, 2), local_client_p90_ms=round(local_p90_ms, 2),
+               idle_cpu_client=round(client_cpu, 4),
                idle_cpu_server=round(server_cpu, 4), server_death_detect_s=round(gone["detect_s"], 2),
                connect_s=round(connected["connect_s"], 3))
         # ~1 ms of polling at most after idle (the old wake-up path cost ~102 ms), with slack
@@ -147,7 +149,10 @@ async def test_client_in_other_namespaces_is_served_fast_and_sees_server_death(u
         assert statistics.median(after_idle_us) < busy["p50_us"] + 5_000 + 4e6 * deep_wake_s, (idle, deep_wake_s)
         assert max(after_idle_us) < 50_000, idle
         assert busy["p50_us"] < 2_000, busy
-        assert local_p90_ms < 10, f"a local client suffered while a remote one was active: p90 {local_p90_ms:.1f} ms"
+        # no wake-up timeouts (~100 ms each) for the local client: with the remote client and
+        # the server both spinning on 2 cores, its p90 took 0.2-11 ms here (the same with the
+        # code of the day before) and 21.6 ms on CI's slower machine: what the scheduler gives it
+        assert local_p90_ms < 50, f"a local client suffered while a remote one was active: p90 {local_p90_ms:.1f} ms"
         # a 1 kHz timer alone costs ~1.9% of a core on this VM (each wake-up ~20 us of kernel
         # time), 7.7% in a bad hour; poll_interval= trades that against the after-idle
         # latency. The bounds, scaled by what a bare 1 kHz asyncio loop costs here, catch a

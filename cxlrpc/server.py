@@ -532,7 +532,8 @@ class Server:
             # one clock reading a batch: its requests' deadlines count from it
             self._polled_at = now = time.monotonic()
             if fast is not None:
-                n = fast.poll(ring, now, min(turned + _TURN_EVERY_S, next_housekeeping))
+                until = min(turned + _TURN_EVERY_S, next_housekeeping)  # the turn, or housekeeping
+                n = fast.poll(ring, now, until)
             else:
                 n = poll(on_request, batch)
                 if n:  # the next batch from this one's pace; the turn's due from its end
@@ -547,7 +548,7 @@ class Server:
             lone = not (self._tasks or self._backlog or self._following or chan.peers_in_process)
             if lone and hot_s and not (idle and self.strategy.park):
                 if fast is not None:
-                    n += fast.serve(ring, hot_s, min(turned + _TURN_EVERY_S, next_housekeeping))
+                    n += fast.serve(ring, hot_s, until)
                     self._polled_at = now = fast.polled_at
                 elif not n:
                     n = poll_within(on_request, batch, hot_s)

@@ -324,14 +324,20 @@ def test_call_after_idle_is_not_slow(scenario: dict[str, Any]) -> None:
     c = scenario["phases"]["c_idle"]
     assert "error" not in c, c["error"]
     assert all(row["ok"] for row in c["calls"]), c["calls"]
-    # target: busy p50 + ~1 ms poll + TCG noise. A lost wake-up costs up to the server's
-    # 0.1 s wait: systematic ones show in the bulk (p90, all but one period), and none may
-    # come near 0.1 s; one TCG hiccup of ~30 ms is not a lost wake-up
-    slow = [row for row in c["calls"] if row["latency_ms"] >= 30]
-    assert len(slow) <= 1 and all(row["latency_ms"] < 75 for row in slow), (
-        slow, scenario["phases"]["b_echo"].get("sequential_64B"))
+    # A call after idle finds the server parked: it costs a busy call plus one of the server's
+    # poll steps, a 1 ms sleep whose length in this guest the run measures (TCG's timers: 1-4 ms
+    # at p50, 30-80 ms at worst on a loaded host, when busy calls reach 30-70 ms at p99 too).
+    # A lost wake-up costs up to the server's 0.1 s wait on top: systematic ones move the
+    # median by ~50 ms; a single one is told from noise only past the run's own worst (busy
+    # p99 and the slowest sleep). The bounds never go below the fixed ones of a quiet host.
+    busy = scenario["phases"]["b_echo"]["sequential_64B"]
+    wake = c["server_1ms_sleep"]
     idle = c["after_0.3s_idle_x30"]
-    assert idle["p90_ms"] < 30 and idle["max_ms"] < 75, idle
+    median_bound = max(15.0, busy["p50_ms"] + wake["p90_ms"] + 20)
+    assert idle["p50_ms"] < median_bound, (idle, busy, wake, median_bound)
+    worst_bound = max(75.0, busy["p99_ms"] + wake["max_ms"] + 25)
+    worst = max([row["latency_ms"] for row in c["calls"]] + [idle["max_ms"]])
+    assert worst < worst_bound, (c["calls"], idle, busy, wake, worst_bound)
 
 
 def test_kv_values_cross_guests_zero_copy(scenario: dict[str, Any]) -> None:

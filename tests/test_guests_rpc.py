@@ -315,8 +315,12 @@ def test_ten_thousand_echoes_each_verified(scenario: dict[str, Any]) -> None:
     assert "error" not in b, b["error"]
     assert (b["wrong"], b["lost"], b["duplicated"], b["missing"]) == (0, 0, 0, 0), b
     assert b["calls"] == 10_000
-    # TCG runs guest Python ~20-50x slower than the host; 100 ms would mean a stuck doorbell
-    assert b["sequential_64B"]["p50_ms"] < 20, b["sequential_64B"]
+    # TCG runs guest Python ~20-50x slower than the host; 100 ms would mean a stuck doorbell.
+    # On a loaded host (TCG 27-31x) flush mode's p50 was 6-10 ms (p10 1.8 ms), in runs where
+    # the server guest's 1 ms sleep (measured in phase c) took 3-4 ms at p50, 10-16 at p90
+    wake = scenario["phases"].get("c_idle", {}).get("server_1ms_sleep") or {"p90_ms": 0.0}
+    bound = max(20.0, wake["p90_ms"] + 20)
+    assert b["sequential_64B"]["p50_ms"] < bound, (b["sequential_64B"], wake)
 
 
 def test_call_after_idle_is_not_slow(scenario: dict[str, Any]) -> None:

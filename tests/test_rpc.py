@@ -750,21 +750,24 @@ async def test_a_lone_server_looks_for_requests_between_loop_turns_until_it_park
 async def test_tasks_sharing_a_client_take_turns(name):
     """A call answered in place never suspends, so a task calling in a loop could keep the
     loop from the other tasks calling: they take turns, and each of many tasks sharing a
-    client makes about the mean's number of calls (without: some made 1-18% of the mean's)."""
+    client makes about the mean's number of calls (without: some made 1-18% of the mean's).
+    The tasks call until they made 3,200 calls together (not for a fixed time: a slow machine
+    made 94 a task in a second where this one makes ~1,200)."""
     from procs import echo_server
 
     url = f"shm://{name}"
     with echo_server(url):  # another process: replies are polled for in place
         async with cxlrpc.connect(url) as client:
             counts = [0] * 16
-            stop = time.monotonic() + 1.0
+            total = 200 * len(counts)
+            give_up = time.monotonic() + 30
 
             async def caller(i: int) -> None:
-                while time.monotonic() < stop:
+                while sum(counts) < total and time.monotonic() < give_up:
                     assert await client.call("echo", b"%d" % i, timeout=10) == b"%d" % i
                     counts[i] += 1
 
             await asyncio.gather(*(caller(i) for i in range(16)))
+    assert sum(counts) >= total, f"only {sum(counts)} calls in 30 s"
     mean = sum(counts) / len(counts)
-    assert mean > 100, f"only {mean:.0f} calls per task"
     assert min(counts) >= 0.5 * mean, f"a task made {min(counts)} calls where the mean was {mean:.0f}"

@@ -330,16 +330,20 @@ def test_call_after_idle_is_not_slow(scenario: dict[str, Any]) -> None:
     assert all(row["ok"] for row in c["calls"]), c["calls"]
     # A call after idle finds the server parked: it costs a busy call plus one of the server's
     # poll steps, a 1 ms sleep whose length in this guest the run measures (TCG's timers: 1-4 ms
-    # at p50, 30-80 ms at worst on a loaded host, when busy calls reach 30-70 ms at p99 too).
+    # at p50, 30-80 ms at worst on a loaded host, where single busy calls reach 100 ms too).
     # A lost wake-up costs up to the server's 0.1 s wait on top: systematic ones move the
-    # median by ~50 ms; a single one is told from noise only past the run's own worst (busy
-    # p99 and the slowest sleep). The bounds never go below the fixed ones of a quiet host.
+    # median by ~50 ms, frequent ones (a fifth of the calls) the p90 past the run's noise; a
+    # single one is told from the host's stalls only when it lasts longer than any of them.
+    # The bounds never go below the fixed ones of a quiet host.
     busy = scenario["phases"]["b_echo"]["sequential_64B"]
     wake = c["server_1ms_sleep"]
     idle = c["after_0.3s_idle_x30"]
     median_bound = max(15.0, busy["p50_ms"] + wake["p90_ms"] + 20)
     assert idle["p50_ms"] < median_bound, (idle, busy, wake, median_bound)
-    worst_bound = max(75.0, busy["p99_ms"] + wake["max_ms"] + 25)
+    tail_bound = max(30.0, busy["p90_ms"] + wake["p99_ms"] + 25)
+    slow = [row for row in c["calls"] if row["latency_ms"] >= tail_bound]
+    assert idle["p90_ms"] < tail_bound and len(slow) <= 1, (idle, slow, busy, wake, tail_bound)
+    worst_bound = max(75.0, busy["max_ms"] + wake["max_ms"] + 25)
     worst = max([row["latency_ms"] for row in c["calls"]] + [idle["max_ms"]])
     assert worst < worst_bound, (c["calls"], idle, busy, wake, worst_bound)
 

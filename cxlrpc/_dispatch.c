@@ -57,6 +57,7 @@ typedef struct {
     Py_ssize_t slots;
     PyObject *seen, *peers, *backlog, *methods, *responses, *chan;
     PyObject *context_type, *no_metadata, *current_call, *ring_client, *encode_body;
+    PyObject *pack; /* encode_body's MessagePack encoder: results that are not bytes-like, encoded here */
     PyObject *loop, *current_task, *enter_task, *leave_task, *eager_type, *cancelled, *frame_type;
     PyObject *current_tasks; /* asyncio's loop -> current task dict, where its functions use one; or None */
     PyObject *spare_eager;   /* a stand-in no handler kept (see first_step), or NULL */
@@ -425,6 +426,15 @@ static int reply(Dispatcher *d, Req *r, PyObject *slot_obj, PyObject *result) {
     if (PyBytes_Check(result) || PyByteArray_Check(result)) {
         flags = FLAG_RAW; /* encode_body passes these through raw (a memoryview made flat) */
         body = Py_NewRef(result);
+    } else if (!PyMemoryView_Check(result)) { /* encode_body's MessagePack, without its frame */
+        flags = 0;
+        if ((body = PyObject_CallOneArg(d->pack, result)) == NULL) {
+            if (!PyErr_ExceptionMatches(PyExc_Exception))
+                return -1;
+            PyErr_Clear(); /* the reference encodes again and answers how it failed */
+            PyObject *args[2] = {result, Py_True};
+            return call_with_frame(d, s_reply, r, args, 2);
+        }
     } else {
         PyObject *enc = PyObject_CallOneArg(d->encode_body, result);
         if (enc == NULL || !PyTuple_CheckExact(enc) || PyTuple_GET_SIZE(enc) != 2 ||
@@ -1095,22 +1105,26 @@ static int dispatcher_init(Dispatcher *self, PyObject *args, PyObject *kwds) {
     PyObject *server, *buf, *slot_at, *seen, *peers, *backlog, *methods, *responses, *chan;
     PyObject *context_type, *no_metadata, *current_call, *ring_client, *encode_body, *loop;
     PyObject *current_task, *enter_task, *leave_task, *eager_type, *cancelled, *frame_type, *current_tasks;
-    PyObject *parked_at, *heap, *heap_waiting;
+    PyObject *parked_at, *heap, *heap_waiting, *pack;
     unsigned long long me;
     Py_ssize_t reply_limit, heap_start, heap_size, follow_min, body_limit, follow_chunk;
     if (kwds != NULL && PyDict_GET_SIZE(kwds)) {
         PyErr_SetString(PyExc_TypeError, "Dispatcher takes positional arguments only");
         return -1;
     }
-    if (!PyArg_ParseTuple(args, "OO!O!O!O!O!O!O!OOOOOOOOOOOOnOOO!KOO!nnnnn", &server, &PyMemoryView_Type, &buf,
+    if (!PyArg_ParseTuple(args, "OO!O!O!O!O!O!O!OOOOOOOOOOOOnOOO!KOO!nnnnnO", &server, &PyMemoryView_Type, &buf,
                           &PyList_Type, &slot_at, &PyList_Type, &seen, &PyDict_Type, &peers,
                           &PyDict_Type, &backlog, &PyDict_Type, &methods, &PyList_Type, &responses,
                           &chan, &context_type, &no_metadata, &current_call, &ring_client,
                           &encode_body, &loop, &current_task, &enter_task, &leave_task,
                           &eager_type, &cancelled, &reply_limit, &frame_type, &current_tasks,
                           &PyList_Type, &parked_at, &me, &heap, &PyList_Type, &heap_waiting, &heap_start,
-                          &heap_size, &follow_min, &body_limit, &follow_chunk))
+                          &heap_size, &follow_min, &body_limit, &follow_chunk, &pack))
         return -1;
+    if (!PyCallable_Check(pack)) {
+        PyErr_SetString(PyExc_TypeError, "Dispatcher: pack must be callable");
+        return -1;
+    }
     if (!PyContextVar_CheckExact(current_call)) {
         PyErr_SetString(PyExc_TypeError, "current_call must be a ContextVar");
         return -1;
@@ -1148,6 +1162,7 @@ static int dispatcher_init(Dispatcher *self, PyObject *args, PyObject *kwds) {
     KEEP(chan); KEEP(context_type); KEEP(no_metadata); KEEP(current_call); KEEP(ring_client);
     KEEP(encode_body); KEEP(loop); KEEP(current_task); KEEP(enter_task); KEEP(leave_task);
     KEEP(eager_type); KEEP(cancelled); KEEP(frame_type); KEEP(current_tasks); KEEP(heap); KEEP(heap_waiting);
+    KEEP(pack);
 #undef KEEP
     self->reply_limit = reply_limit;
     self->batch = BATCH_MAX;
@@ -1162,7 +1177,7 @@ static int dispatcher_init(Dispatcher *self, PyObject *args, PyObject *kwds) {
 #define FIELDS(X) X(server) X(buf) X(seen) X(peers) X(backlog) X(methods) X(responses) X(chan) \
     X(context_type) X(no_metadata) X(current_call) X(ring_client) X(encode_body) X(loop) \
     X(current_task) X(enter_task) X(leave_task) X(eager_type) X(cancelled) X(frame_type) \
-    X(current_tasks) X(spare_eager) X(last_key) X(heap) X(heap_waiting)
+    X(current_tasks) X(spare_eager) X(last_key) X(heap) X(heap_waiting) X(pack)
 
 static int dispatcher_traverse(Dispatcher *self, visitproc visit, void *arg) {
 #define VISIT(f) Py_VISIT(self->f);
@@ -1201,7 +1216,8 @@ static PyTypeObject DispatcherType = {
     .tp_name = "cxlrpc._dispatch.Dispatcher",
     .tp_doc = "Dispatcher(server, buf, slot_at, seen, peers, backlog, methods, responses, chan, "
               "context_type, no_metadata, current_call, ring_client, encode_body, loop, current_task, "
-              "enter_task, leave_task, eager_type, cancelled, reply_limit, frame_type, current_tasks, parked_at, me): the request ring's "
+              "enter_task, leave_task, eager_type, cancelled, reply_limit, frame_type, current_tasks, parked_at, me, heap, "
+              "heap_waiting, heap_start, heap_size, follow_min, body_limit, follow_chunk, pack): the request ring's "
               "handler, dispatching the common request shape in C (Server._dispatch is the reference).",
     .tp_basicsize = sizeof(Dispatcher),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
@@ -1237,7 +1253,9 @@ typedef struct {
     unsigned slot;
     uint64_t expected; /* the call id whose reply the handler keeps */
     int raw;           /* that call takes a raw RESPONSE's body as it is (no response type) */
-    PyObject *reply;   /* that reply, once polled: a Frame, or (raw) the body's bytes */
+    PyObject *decoder; /* or decodes a MessagePack RESPONSE's body with this (its response type's) */
+    PyObject *pack;    /* encode_body's MessagePack encoder: arguments that are not bytes-like */
+    PyObject *reply;   /* that reply, once polled: a Frame, (raw) the body's bytes, or [decoded] */
     PyObject *in_place; /* the client's set of methods that read their bodies in place (never followed) */
     Py_ssize_t heap_start, heap_size, follow_chunk; /* the region's heap; a followed body's publish step */
     double follow_stall, follow_rate; /* a followed reply's writer is given up after (heap.FOLLOW_*; 0: not followed here) */
@@ -1280,6 +1298,33 @@ static int caller_take(Caller *self, const unsigned char *p, Py_ssize_t n, PyObj
                 self->followed_len = length;
                 return 0;
             }
+        }
+    }
+    if (ours && self->decoder != NULL && p[0] == KIND_RESPONSE && p[1] == 0 && le16(p + 26) == 0) {
+        /* what Client._answer returns of a plain MessagePack result (a kv get's leases), in a
+         * list (a decoded value may be of any type); decoded from a copy, as the reference's
+         * Frame holds one (a decoded value may keep views of its input) */
+        double timeout;
+        uint64_t bits = le64(p + 18);
+        memcpy(&timeout, &bits, sizeof timeout);
+        if (timeout >= 0) {
+            PyObject *body = bytes_copy(p + HEADER_SIZE, n - HEADER_SIZE), *value = NULL;
+            if (body == NULL)
+                return -1;
+            value = PyObject_CallOneArg(self->decoder, body);
+            Py_DECREF(body);
+            if (value != NULL) {
+                self->reply = PyList_New(1);
+                if (self->reply == NULL) {
+                    Py_DECREF(value);
+                    return -1;
+                }
+                PyList_SET_ITEM(self->reply, 0, value);
+                return 0;
+            }
+            if (!PyErr_ExceptionMatches(PyExc_Exception))
+                return -1;
+            PyErr_Clear(); /* the Frame: Client._answer says why it does not decode */
         }
     }
     PyObject *made = NULL;
@@ -1334,9 +1379,10 @@ static PyObject *caller_handle(PyObject *callable, PyObject *const *args, size_t
     Py_RETURN_NONE;
 }
 
-/* call(method, arg, timeout, call_id, hot, raw[, spin[, turned[, spare]]]): the reply Frame (with ``raw``, a RESPONSE
- * flagged RAW alone, or a followed one (RAW|HEAP|FOLLOW, follow_reply), is its body's bytes, as
- * Client._answer would return them); None once the
+/* call(method, arg, timeout, call_id, hot, raw[, spin[, turned[, spare]]]): the reply Frame (with ``raw`` True, a
+ * RESPONSE flagged RAW alone, or a followed one (RAW|HEAP|FOLLOW, follow_reply), is its body's bytes, as
+ * Client._answer would return them; with ``raw`` a decode function, a MessagePack RESPONSE
+ * that it decodes is ``[its value]``, unless the call has a ``spare``); None once the
  * request is out but its reply has not come within ``hot`` seconds (polled for without a pause
  * for the first ``spin`` of them, default all, then yielding the CPU between polls, as a wait
  * strategy's spin and yield phases do); (flags, body) when the request did not go
@@ -1347,10 +1393,10 @@ static PyObject *caller_handle(PyObject *callable, PyObject *const *args, size_t
  * client's spare heap extent (offset, size) for a bytes body to follow (send_followed): once
  * the result is neither a tuple nor NotImplemented, the request went through it. */
 static PyObject *caller_call(Caller *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs < 6 || nargs > 9 || !PyLong_CheckExact(args[3]) || !PyBool_Check(args[5]) ||
+    if (nargs < 6 || nargs > 9 || !PyLong_CheckExact(args[3]) || !(PyBool_Check(args[5]) || PyCallable_Check(args[5])) ||
         (nargs >= 8 && !PyBool_Check(args[7])) ||
         (nargs == 9 && args[8] != Py_None && (!PyTuple_CheckExact(args[8]) || PyTuple_GET_SIZE(args[8]) != 2))) {
-        PyErr_SetString(PyExc_TypeError, "call(method: str, arg, timeout: float, call_id: int, hot: float, raw: bool"
+        PyErr_SetString(PyExc_TypeError, "call(method: str, arg, timeout: float, call_id: int, hot: float, raw: bool | decode"
                                          "[, spin: float[, turned: bool[, spare: tuple | None]]])");
         return NULL;
     }
@@ -1547,22 +1593,33 @@ static PyObject *caller_send(Caller *self, PyObject *mb, PyObject *const *args, 
     if (call_id == (uint64_t)-1 && PyErr_Occurred())
         return NULL;
     unsigned flags;
-    PyObject *body, *encoded = NULL;
-    if (PyBytes_CheckExact(args[1])) {
+    PyObject *body, *encoded = NULL; /* encoded: what holds body, unless it is the caller's bytes */
+    PyObject *arg = args[1];
+    if (PyBytes_CheckExact(arg)) {
         flags = FLAG_RAW;
-        body = args[1];
+        body = arg;
+    } else if (!PyBytes_Check(arg) && !PyByteArray_Check(arg) && !PyMemoryView_Check(arg) &&
+               (encoded = PyObject_CallOneArg(self->pack, arg)) != NULL) {
+        flags = 0; /* encode_body's MessagePack, without its frame */
+        body = encoded;
     } else {
-        encoded = PyObject_CallOneArg(self->encode_body, args[1]);
-        if (encoded == NULL)
+        if (PyErr_Occurred()) { /* encode_body raises how it failed */
+            if (!PyErr_ExceptionMatches(PyExc_Exception))
+                return NULL;
+            PyErr_Clear();
+        }
+        PyObject *pair = PyObject_CallOneArg(self->encode_body, arg);
+        if (pair == NULL)
             return NULL;
-        if (!PyTuple_CheckExact(encoded) || PyTuple_GET_SIZE(encoded) != 2 ||
-            !PyLong_CheckExact(PyTuple_GET_ITEM(encoded, 0))) {
-            Py_DECREF(encoded);
+        if (!PyTuple_CheckExact(pair) || PyTuple_GET_SIZE(pair) != 2 || !PyLong_CheckExact(PyTuple_GET_ITEM(pair, 0))) {
+            Py_DECREF(pair);
             PyErr_SetString(PyExc_TypeError, "encode_body must return (flags, body)");
             return NULL;
         }
-        flags = (unsigned)PyLong_AsLong(PyTuple_GET_ITEM(encoded, 0));
-        body = PyTuple_GET_ITEM(encoded, 1);
+        flags = (unsigned)PyLong_AsLong(PyTuple_GET_ITEM(pair, 0));
+        encoded = Py_NewRef(PyTuple_GET_ITEM(pair, 1));
+        Py_DECREF(pair);
+        body = encoded;
     }
     Py_ssize_t blen = PyObject_Length(body);
     if (blen < 0) {
@@ -1582,7 +1639,7 @@ static PyObject *caller_send(Caller *self, PyObject *mb, PyObject *const *args, 
         }
     }
     if (HEADER_SIZE + mlen + blen > self->max_payload) /* out of line: the reference */
-        return encoded != NULL ? encoded : Py_BuildValue("(iO)", FLAG_RAW, body);
+        goto not_out;
     unsigned char h[HEADER_SIZE];
     fill_header(h, KIND_REQUEST, flags, self->slot, self->gen, call_id, timeout, (unsigned)mlen);
     /* the request ring's try_push_parts((head, mb, body), *push_args), as ClientChannel.push calls it */
@@ -1593,7 +1650,7 @@ static PyObject *caller_send(Caller *self, PyObject *mb, PyObject *const *args, 
         goto fail;
     if (ok != Py_True) { /* the ring is full: the reference waits for room */
         Py_DECREF(ok);
-        return encoded != NULL ? encoded : Py_BuildValue("(iO)", FLAG_RAW, body);
+        goto not_out;
     }
     Py_CLEAR(ok);
     Py_CLEAR(encoded);
@@ -1608,6 +1665,7 @@ wait:
         Py_RETURN_NONE;
     self->expected = call_id;
     self->raw = args[5] == Py_True;
+    Py_XSETREF(self->decoder, spare == NULL && !PyBool_Check(args[5]) ? Py_NewRef(args[5]) : NULL);
     Py_CLEAR(self->reply);
     double start = now_s(), end = start + hot, spin_end = start + spin;
     PyObject *limit = PyLong_FromLong(1024);
@@ -1646,9 +1704,15 @@ wait:
     } while (1);
     Py_DECREF(limit);
     self->expected = 0; /* NO_REPLY: never a reply's id */
+    Py_CLEAR(self->decoder);
     if (result == NULL && !PyErr_Occurred())
         Py_RETURN_NONE;
     return result;
+not_out: { /* (flags, body): the reference sends it */
+    PyObject *pair = Py_BuildValue("(iO)", (int)flags, body);
+    Py_XDECREF(encoded);
+    return pair;
+}
 fail:
     Py_XDECREF(encoded);
     return NULL;
@@ -1663,7 +1727,7 @@ static PyObject *caller_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
 
 static int caller_init(Caller *self, PyObject *args, PyObject *kwds) {
     PyObject *client, *methods, *requests, *push_args, *ring_bell, *ring, *encode_body, *decode, *buf, *idle_when,
-        *turn_when, *in_place;
+        *turn_when, *in_place, *pack;
     unsigned int slot;
     unsigned long gen;
     unsigned long long me;
@@ -1673,12 +1737,16 @@ static int caller_init(Caller *self, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_TypeError, "Caller takes positional arguments only");
         return -1;
     }
-    if (!PyArg_ParseTuple(args, "OO!OO!OOOOIknO!nKO!O!O!nnndd", &client, &PyDict_Type, &methods, &requests, &PyTuple_Type,
+    if (!PyArg_ParseTuple(args, "OO!OO!OOOOIknO!nKO!O!O!nnnddO", &client, &PyDict_Type, &methods, &requests, &PyTuple_Type,
                           &push_args, &ring_bell, &ring, &encode_body, &decode, &slot, &gen, &max_payload,
                           &PyMemoryView_Type, &buf, &bell_at, &me, &PyTuple_Type, &idle_when, &PyTuple_Type,
                           &turn_when, &PySet_Type, &in_place, &heap_start, &heap_size, &follow_chunk,
-                          &follow_stall, &follow_rate))
+                          &follow_stall, &follow_rate, &pack))
         return -1;
+    if (!PyCallable_Check(pack)) {
+        PyErr_SetString(PyExc_TypeError, "Caller: pack must be callable");
+        return -1;
+    }
     if (slot > 0xFFFF || gen > 0xFFFFFFFFUL || max_payload < HEADER_SIZE || PyTuple_GET_SIZE(push_args) > MAX_PUSH_ARGS) {
         PyErr_SetString(PyExc_ValueError, "Caller: slot, generation, ring limit or push arguments out of range");
         return -1;
@@ -1696,7 +1764,7 @@ static int caller_init(Caller *self, PyObject *args, PyObject *kwds) {
     }
 #define KEEP(field) Py_XSETREF(self->field, Py_NewRef(field))
     KEEP(client); KEEP(methods); KEEP(requests); KEEP(push_args); KEEP(ring_bell); KEEP(ring); KEEP(encode_body);
-    KEEP(decode); KEEP(buf); KEEP(idle_when); KEEP(turn_when); KEEP(in_place);
+    KEEP(decode); KEEP(buf); KEEP(idle_when); KEEP(turn_when); KEEP(in_place); KEEP(pack);
 #undef KEEP
     self->bell_at = bell_at;
     self->me = me;
@@ -1713,7 +1781,7 @@ static int caller_init(Caller *self, PyObject *args, PyObject *kwds) {
 }
 
 #define CALLER_FIELDS(X) X(client) X(methods) X(requests) X(push_args) X(ring_bell) X(ring) X(encode_body) \
-    X(decode) X(buf) X(idle_when) X(turn_when) X(reply) X(in_place)
+    X(decode) X(buf) X(idle_when) X(turn_when) X(reply) X(in_place) X(pack) X(decoder)
 
 static int caller_traverse(Caller *self, visitproc visit, void *arg) {
 #define VISIT(f) Py_VISIT(self->f);
@@ -1739,7 +1807,8 @@ static PyMethodDef caller_methods[] = {
     {"call", (PyCFunction)(void (*)(void))caller_call, METH_FASTCALL,
      "call(method, arg, timeout, call_id, hot, raw[, spin[, turned[, spare]]]): push a request and wait hot seconds for its reply "
      "(spinning the first spin of them, then yielding the CPU between polls) "
-     "(the reply Frame, or with raw a raw RESPONSE's body bytes; None: it is out, its reply not here "
+     "(the reply Frame, or with raw True a raw RESPONSE's body bytes, with raw a decode function [the value "
+     "it decodes]; None: it is out, its reply not here "
      "yet; (flags, body): it did not go; NotImplemented: a method name not yet encoded)."},
     {NULL},
 };
@@ -1748,7 +1817,8 @@ static PyTypeObject CallerType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "cxlrpc._dispatch.Caller",
     .tp_doc = "Caller(client, methods, requests, push_args, ring_bell, ring, encode_body, decode, slot, gen, "
-              "max_payload, buf, bell_at, me, idle_when, turn_when, in_place, heap_start, heap_size, follow_chunk): a connection's calls of the common shape in C (Client.call is the "
+              "max_payload, buf, bell_at, me, idle_when, turn_when, in_place, heap_start, heap_size, follow_chunk, follow_stall, "
+              "follow_rate, pack): a connection's calls of the common shape in C (Client.call is the "
               "reference); called with a record, it is the reply ring's handler.",
     .tp_basicsize = sizeof(Caller),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,

@@ -109,6 +109,15 @@ def _grant(reply: bytes) -> tuple[int, bool]:
     return offset, spare == 1
 
 
+def _native_decode(response_type: Any) -> Any:
+    """What the native caller decodes a typed reply with: ``response_type``'s decode function,
+    or False (a Frame back) for a type msgspec cannot decode into (``_answer`` says so)."""
+    try:
+        return fr.decoder(response_type)
+    except Exception:
+        return False
+
+
 def _chained(interceptors: tuple, last: Callable[[str, Any, dict], Any]) -> Callable[[str, Any, dict], Any]:
     """``last`` wrapped in the interceptors, the first outermost."""
     def wrap(interceptor: ClientInterceptor, inner: Callable) -> Callable[[str, Any, dict], Any]:
@@ -345,7 +354,7 @@ class _Base:
                                    chan.region.buf, bell.parked_at, bell.me, self._in_flight(),
                                    self._owed_turns(), self._in_place, geo.heap, geo.heap_size,
                                    FOLLOW_CHUNK, heap_settings.FOLLOW_STALL_S if following else 0.0,
-                                   heap_settings.FOLLOW_MIN_RATE)
+                                   heap_settings.FOLLOW_MIN_RATE, fr.encode_msgpack)
         self._heap = HeapAccess(region.buf, region.mem, geo.heap, geo.heap_size)
         self._finalizer = weakref.finalize(self, _collected, link, f"{type(self).__name__}({self.url!r})")
         self._finalizer.atexit = False  # at exit the server reclaims the slot by our PID
@@ -872,8 +881,9 @@ class Client(_Base):
             deadline = None if timeout is None else self._loop.time() + timeout
             spare = self._spare_for(arg)
             try:  # (see _dispatch.c: what each outcome means)
-                got = caller.call(method, arg, timeout or 0.0, call_id, self._hot_s,
-                                  response_type is None, self._hot_spin_s, False, spare)
+                decode = response_type is None or _native_decode(response_type)
+                got = caller.call(method, arg, timeout or 0.0, call_id, self._hot_s, decode,
+                                  self._hot_spin_s, False, spare)
                 if got is NotImplemented and (self._woken or self._yielding):
                     # other tasks are owed a turn: give it, then call natively if nothing else
                     # is in flight (tasks sharing a client take turns at native cost)
@@ -884,8 +894,8 @@ class Client(_Base):
                     if caller is not None and self._gone is None:
                         deadline = None if timeout is None else self._loop.time() + timeout
                         spare = self._spare_for(arg)  # (another task may have taken it meanwhile)
-                        got = caller.call(method, arg, timeout or 0.0, call_id, self._hot_s,
-                                          response_type is None, self._hot_spin_s, True, spare)
+                        got = caller.call(method, arg, timeout or 0.0, call_id, self._hot_s, decode,
+                                          self._hot_spin_s, True, spare)
             except ClaimRevoked as exc:
                 raise self._revoked(exc) from exc
             except BaseException:
@@ -904,6 +914,8 @@ class Client(_Base):
                                                 response_type)
             if type(got) is bytes:
                 return got
+            if type(got) is list:  # decoded by response_type's decoder
+                return got[0]
             if type(got) is fr.Frame:
                 return self._answer(got, response_type)
             if got is None:  # out; its reply comes later
@@ -1523,11 +1535,13 @@ class SyncClient(_Base):
                 deadline = None if timeout is None else time.monotonic() + timeout
                 try:
                     got = caller.call(method, arg, timeout or 0.0, call_id, self._hot_s,
-                                      response_type is None, self._hot_spin_s)
+                                      response_type is None or _native_decode(response_type), self._hot_spin_s)
                 except ClaimRevoked as exc:
                     raise self._revoked(exc) from exc
                 if type(got) is bytes:
                     return got
+                if type(got) is list:  # decoded by response_type's decoder
+                    return got[0]
                 if got is None:  # out; its reply comes later
                     got = self._roundtrip(call_id, None, deadline)
                 if type(got) is fr.Frame:

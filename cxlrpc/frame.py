@@ -54,6 +54,9 @@ _META_LEN = struct.Struct("<H")
 NO_METADATA: Mapping[str, str] = MappingProxyType({})
 
 _encode = msgspec.msgpack.Encoder().encode
+#: encode_body's MessagePack encoder, for the native paths: they encode values that are not
+#: bytes-like with it, and call encode_body only to pass memoryviews or to say why one failed
+encode_msgpack = _encode
 _decoders: dict[Any, Callable[[bytes | memoryview], Any]] = {}  # type -> its decode function
 #: id(type) -> (type, its decode function), for the types callers pass again and again (a
 #: response_type such as ``list[Lease | None]`` is looked up by identity: hashing a generic alias

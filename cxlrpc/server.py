@@ -641,7 +641,7 @@ class Server:
                            asyncio.CancelledError, self._reply_limit(chan), fr.Frame,
                            _current_tasks(), *chan.client_bell_words(), self._heap,
                            self._heap_waiting, self.geometry.heap, self.geometry.heap_size,
-                           self._follow_min, self._body_limit, FOLLOW_CHUNK)
+                           self._follow_min, self._body_limit, FOLLOW_CHUNK, fr.encode_msgpack)
         fast.enabled = 0 if self._interceptors or self._draining else 1
         return fast
 

@@ -193,23 +193,35 @@ CALLS = [
     ("view", b"v" * 300, None), ("view", b"", None), ("view", {"typed": 1}, None), ("aview", b"abc", None),
     ("viewkeep", b"kk", None), ("kept", None, None), ("viewcoro", b"c", None),
 ]
+#: (method, argument, timeout, response_type): typed replies, which the native caller decodes
+#: itself when they decode (TYPED_DECODED of them), and their failures
+TYPED = [
+    ("swap", Point(1, 2), None, Point), ("norm", Point(3, 4), None, int), ("anyecho", [1, 2], None, list[int]),
+    ("anyecho", {"x": 5, "y": 6}, None, Point), ("nothing", None, None, type(None)),
+    ("norm", Point(3, 4), None, str), ("swap", Point(1, 2), None, list[int]), ("anyecho", [1, 2], None, Unencodable),
+    ("echo", b"raw", None, bytes), ("echo", b"raw", None, int), ("boom", b"q", None, Point),
+    ("missing", b"", None, int), ("echo", Unencodable(), None, None), ("echo", Unencodable(), None, int),
+]
+TYPED_DECODED = 5
 
 
-async def outcomes(client: cxlrpc.Client) -> list:
+async def outcomes(client: cxlrpc.Client, calls: list = CALLS) -> list:
     got = []
-    for method, arg, timeout in CALLS:
+    for method, arg, timeout, *typed in calls:
         try:
-            got.append(("ok", method, await client.call(method, arg, timeout=timeout)))
+            got.append(("ok", method, await client.call(method, arg, timeout=timeout,
+                                                        response_type=typed[0] if typed else None)))
         except cxlrpc.RpcError as exc:
             got.append(("error", method, type(exc).__name__, exc.code, exc.message))
     return got
 
 
-def sync_outcomes(client: cxlrpc.SyncClient) -> list:
+def sync_outcomes(client: cxlrpc.SyncClient, calls: list = CALLS) -> list:
     got = []
-    for method, arg, timeout in CALLS:
+    for method, arg, timeout, *typed in calls:
         try:
-            got.append(("ok", method, client.call(method, arg, timeout=timeout)))
+            got.append(("ok", method, client.call(method, arg, timeout=timeout,
+                                                  response_type=typed[0] if typed else None)))
         except cxlrpc.RpcError as exc:
             got.append(("error", method, type(exc).__name__, exc.code, exc.message))
     return got
@@ -445,6 +457,42 @@ async def test_the_native_caller_answers_as_the_reference_across_processes(name:
     assert in_place >= len(CALLS) - 2
     assert raw_in_place >= 5  # the echoes, asleep, wrapped (raw bytes back)
     assert ("ok", "echo", b"x" * 64) in hot
+
+
+@native
+async def test_typed_replies_decoded_natively_answer_as_the_reference(name: str) -> None:
+    """Calls with a response_type, and arguments the native caller encodes itself: the replies
+    it decodes in its hot wait (a value in a list, no Frame), those it leaves to the client
+    (types that do not match, errors, raw bodies), and the reference client give identical
+    results and errors, asyncio and blocking alike."""
+    url = f"shm://{name}"
+    with served_elsewhere(url):
+        async with cxlrpc.connect(url) as client:
+            await outcomes(client, TYPED)  # every method name encoded once
+            counting = client._caller = CountingCaller(client._caller)
+            client._hot_s = 5.0
+            hot = await outcomes(client, TYPED)
+            decoded = counting.returned.count("list")
+            client._hot_s = 0.0  # replies awaited as the reference awaits them
+            later = await outcomes(client, TYPED)
+            client._caller = None
+            reference = await outcomes(client, TYPED)
+        with cxlrpc.connect_sync(url) as sync:
+            sync_outcomes(sync, TYPED)
+            counting = sync._caller = CountingCaller(sync._caller)
+            sync._hot_s = 5.0
+            sync_hot = sync_outcomes(sync, TYPED)
+            sync_decoded = counting.returned.count("list")
+            sync._caller = None
+            sync_reference = sync_outcomes(sync, TYPED)
+    assert hot == later == reference == sync_hot == sync_reference
+    assert decoded == sync_decoded == TYPED_DECODED
+    assert hot[:TYPED_DECODED] == [("ok", "swap", Point(2, 1)), ("ok", "norm", 25), ("ok", "anyecho", [1, 2]),
+                                   ("ok", "anyecho", Point(5, 6)), ("ok", "nothing", None)]
+    failed = {o[1:3] for o in hot[TYPED_DECODED:] if o[0] == "error"}
+    assert failed == {("norm", "InvalidArgument"), ("swap", "InvalidArgument"), ("anyecho", "InvalidArgument"),
+                      ("echo", "InvalidArgument"), ("boom", "Internal"), ("missing", "Unimplemented")}
+    assert ("ok", "echo", b"raw") in hot
 
 
 @native

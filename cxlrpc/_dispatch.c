@@ -1268,6 +1268,14 @@ static PyObject *s_on_reply, *s_give_back, *s_reply_unfollowed;
 static PyObject *caller_send(Caller *self, PyObject *mb, PyObject *const *args, double timeout, double hot,
                              double spin, PyObject *spare);
 
+/* Is the reply header at ``p`` a sound one's: no method name, a timeout decode accepts? */
+static int sound_reply(const unsigned char *p) {
+    double timeout;
+    uint64_t bits = le64(p + 18);
+    memcpy(&timeout, &bits, sizeof timeout);
+    return le16(p + 26) == 0 && timeout >= 0;
+}
+
 /* A reply record, ``p``/``n``: given as a view (``view``), or where it begins in the region's
  * (``buf``, ``start``; a view is made only for the Python code it goes to). 0, or -1 on error. */
 static int caller_take(Caller *self, const unsigned char *p, Py_ssize_t n, PyObject *view, PyObject *buf,
@@ -1278,10 +1286,7 @@ static int caller_take(Caller *self, const unsigned char *p, Py_ssize_t n, PyObj
         /* what Client._answer returns of it, without a Frame: the body, when the header is a
          * sound reply's (no method name, a timeout decode accepts); anything else goes to
          * decode, which says why not */
-        double timeout;
-        uint64_t bits = le64(p + 18);
-        memcpy(&timeout, &bits, sizeof timeout);
-        int sound = le16(p + 26) == 0 && timeout >= 0;
+        int sound = sound_reply(p);
         if (sound && p[1] == FLAG_RAW) {
             self->reply = bytes_copy(p + HEADER_SIZE, n - HEADER_SIZE);
             return self->reply == NULL ? -1 : 0;
@@ -1300,14 +1305,11 @@ static int caller_take(Caller *self, const unsigned char *p, Py_ssize_t n, PyObj
             }
         }
     }
-    if (ours && self->decoder != NULL && p[0] == KIND_RESPONSE && p[1] == 0 && le16(p + 26) == 0) {
+    if (ours && self->decoder != NULL && p[0] == KIND_RESPONSE && p[1] == 0) {
         /* what Client._answer returns of a plain MessagePack result (a kv get's leases), in a
          * list (a decoded value may be of any type); decoded from a copy, as the reference's
          * Frame holds one (a decoded value may keep views of its input) */
-        double timeout;
-        uint64_t bits = le64(p + 18);
-        memcpy(&timeout, &bits, sizeof timeout);
-        if (timeout >= 0) {
+        if (sound_reply(p)) {
             PyObject *body = bytes_copy(p + HEADER_SIZE, n - HEADER_SIZE), *value = NULL;
             if (body == NULL)
                 return -1;

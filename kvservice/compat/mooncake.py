@@ -17,7 +17,10 @@ from __future__ import annotations
 import bisect
 import ctypes
 import functools
+import itertools
 import logging
+import mmap
+import os
 import re
 import threading
 import time
@@ -32,17 +35,21 @@ import cxlrpc
 from cxlrpc.region import RegionError, parse_url
 from kvservice.client import KeyNotFound, SyncKVClient
 from kvservice.index import LEASED, REMOVED
+from kvservice.keys import normalize_key
 from kvservice.pool import Block, LeaseExpired
 
 logger = logging.getLogger("kvservice.compat.mooncake")
 
-__all__ = ["MooncakeDistributedStore", "ReplicateConfig", "BufferHandle", "ErrorCode",
-           "DEFAULT_KV_LEASE_TTL", "parse_segment_size"]
+__all__ = ["MooncakeDistributedStore", "ReplicateConfig", "SoftPinAction", "BufferHandle",
+           "ErrorCode", "MooncakeHostMemAllocator", "DEFAULT_KV_LEASE_TTL", "parse_segment_size",
+           "memory_problem"]
 
 #: Mooncake's default read lease (``DEFAULT_DEFAULT_KV_LEASE_TTL`` = 5000 ms in types.h): after a
 #: read, a non-forced remove of the object fails with OBJECT_HAS_LEASE for this long.
 DEFAULT_KV_LEASE_TTL = 5.0
 
+#: The shortest lease a copying read asks for: time enough to copy a value out of the pool.
+_COPY_LEASE_S = 0.25
 _DEFAULT_SEGMENT = 16 << 20      # DEFAULT_GLOBAL_SEGMENT_SIZE / DEFAULT_LOCAL_BUFFER_SIZE
 _MIN_SEGMENT = 1 << 10           # MIN_SEGMENT_SIZE (1 KB); 0 means "contribute none"
 _MAX_SEGMENT = 1 << 40           # MAX_SEGMENT_SIZE (1 TB)
@@ -107,23 +114,64 @@ def parse_segment_size(value: Any) -> int:
     return int(value)
 
 
+class SoftPinAction(IntEnum):
+    """Mooncake 0.3.13's soft-pin request of a put (``ReplicateConfig.soft_pin_action``)."""
+
+    PRESERVE = 0
+    ENABLE = 1
+    DISABLE = 2
+
+
 class ReplicateConfig:
-    """Mooncake's replication settings. Accepted for compatibility; kvservice has one pool, so
-    ``replica_num`` and the placement hints are ignored (``with_hard_pin`` is not enforced)."""
+    """Mooncake 0.3.13's replication settings, with its fields and defaults. kvservice has one
+    pool, so replicas, pins, groups and placement hints are accepted and ignored; what is
+    checked, as Mooncake does: ``soft_pin_ttl_ms`` comes only with ``ENABLE``, and
+    ``group_ids`` has one entry per key of the put."""
+
+    __slots__ = ("replica_num", "nof_replica_num", "dfs_replica_num", "soft_pin_action",
+                 "soft_pin_ttl_ms", "with_hard_pin", "preferred_segment", "preferred_segments",
+                 "preferred_nof_segments", "prefer_alloc_in_same_node", "group_ids")
 
     def __init__(self) -> None:
         self.replica_num = 1
-        self.with_soft_pin = False
+        self.nof_replica_num = 0
+        self.dfs_replica_num = 0
+        self.soft_pin_action = SoftPinAction.PRESERVE
+        self.soft_pin_ttl_ms: int | None = None
         self.with_hard_pin = False
         self.preferred_segment = ""
         self.preferred_segments: list[str] = []
+        self.preferred_nof_segments: list[str] = []
         self.prefer_alloc_in_same_node = False
+        self.group_ids: list[str] | None = None
+
+    def problem(self, n_keys: int) -> str | None:
+        """Why Mooncake would refuse a put of ``n_keys`` keys with this config, or None."""
+        if self.group_ids is not None and len(self.group_ids) != n_keys:
+            return f"{len(self.group_ids)} group_ids for {n_keys} keys (one per key)"
+        if self.soft_pin_ttl_ms is not None and self.soft_pin_action != SoftPinAction.ENABLE:
+            return "soft_pin_ttl_ms is only valid with soft_pin_action=ENABLE"
+        if self.soft_pin_ttl_ms is not None and self.soft_pin_ttl_ms <= 0:
+            return "soft_pin_ttl_ms must be positive"
+        return None
 
     def __str__(self) -> str:
-        return (f"ReplicateConfig(replica_num={self.replica_num}, with_soft_pin={self.with_soft_pin}, "
-                f"with_hard_pin={self.with_hard_pin}, preferred_segment={self.preferred_segment!r})")
+        ttl = "default" if self.soft_pin_ttl_ms is None else self.soft_pin_ttl_ms
+        return (f"ReplicateConfig: {{ replica_num: {self.replica_num}, soft_pin_action: "
+                f"{SoftPinAction(self.soft_pin_action).name}, soft_pin_ttl_ms: {ttl}, "
+                f"with_hard_pin: {int(self.with_hard_pin)}, preferred_segments: "
+                f"{self.preferred_segments}, group_ids: {self.group_ids} }}")
 
     __repr__ = __str__
+
+
+def _config_code(config: Any, n_keys: int) -> int:
+    """INVALID_PARAMS for a config Mooncake refuses for a put of ``n_keys`` keys, else OK."""
+    problem = config.problem(n_keys) if isinstance(config, ReplicateConfig) else None
+    if problem is not None:
+        logger.error("invalid ReplicateConfig: %s", problem)
+        return ErrorCode.INVALID_PARAMS
+    return ErrorCode.OK
 
 
 class BufferHandle:
@@ -186,6 +234,92 @@ def _close_block(block: Block, on_close: Any) -> None:
     on_close()
 
 
+_CU_POINTER_ATTRIBUTE_MEMORY_TYPE, _CU_MEMORYTYPE_HOST = 2, 1
+
+
+def _device_memory(addr: int) -> bool:
+    """True if CUDA says ``addr`` is device (or array) memory. Asked only when the CUDA driver
+    is already loaded in this process (``RTLD_NOLOAD``): without it no device pointer exists."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+    except OSError:
+        return False
+    kind = ctypes.c_uint(0)
+    rc = cuda.cuPointerGetAttribute(ctypes.byref(kind), _CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                                    ctypes.c_uint64(addr))
+    return rc == 0 and kind.value != _CU_MEMORYTYPE_HOST  # rc != 0: not CUDA's (plain host)
+
+
+def _host_writable(addr: int, size: int) -> bool:
+    """True if ``[addr, addr+size)`` is covered by readable and writable mappings of this
+    process (``/proc/self/maps``): what the facade may read and write from the CPU. Device
+    memory under CUDA's unified addressing is reserved without access, so it fails here too."""
+    end, at = addr + size, addr
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                span, perms = line.split(None, 2)[:2]
+                lo, hi = (int(x, 16) for x in span.split("-"))
+                if hi <= at:
+                    continue
+                if lo > at or perms[:2] != "rw":
+                    return False
+                at = hi
+                if at >= end:
+                    return True
+    except OSError:  # no procfs: trust the caller, as Mooncake does
+        return True
+    return False
+
+
+def memory_problem(addr: int, size: int) -> str | None:
+    """Why the facade must not touch ``[addr, addr+size)`` from the CPU, or None if it may."""
+    if _device_memory(addr):
+        return "device memory (the facade copies from the CPU; register host memory)"
+    if not _host_writable(addr, size):
+        return "not readable and writable host memory of this process"
+    return None
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+class MooncakeHostMemAllocator:
+    """Mooncake's host allocator (SGLang's ``MooncakeHostTensorAllocator`` allocates its host KV
+    pool with it): ``alloc(size)`` maps ``size`` bytes of shared anonymous memory and returns
+    the address; ``free(ptr)`` unmaps it (0, or INVALID_PARAMS for an address it did not
+    give). Mooncake maps memory its store process can reach; with kvservice the engine's
+    registered memory stays private, so plain shared anonymous memory is what it needs."""
+
+    def __init__(self) -> None:
+        self._sizes: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def alloc(self, size: int) -> int:
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+            raise RuntimeError("Failed to map shared memory: Invalid argument")  # as Mooncake
+        ptr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE,
+                         mmap.MAP_SHARED | mmap.MAP_ANONYMOUS, -1, 0)
+        if ptr in (None, _MAP_FAILED):
+            raise RuntimeError(f"Failed to map shared memory: {os.strerror(ctypes.get_errno())}")
+        with self._lock:
+            self._sizes[ptr] = size
+        return ptr
+
+    def free(self, ptr: int) -> int:
+        with self._lock:
+            size = self._sizes.pop(ptr, None)
+        if size is None:
+            return int(ErrorCode.INVALID_PARAMS)
+        _libc.munmap(ptr, size)
+        return 0
+
+
 class _Registered:
     """Address ranges given to register_buffer, and memoryviews over sub-ranges of them."""
 
@@ -241,6 +375,7 @@ class MooncakeDistributedStore:
         self._kv: SyncKVClient | None = None
         self._lock = threading.RLock()
         self._hostname = ""
+        self._local_buffer = 0  # local_buffer_size of setup: 0 refuses the copying calls
         self._registered = _Registered()
         self._lease_until: dict[str, float] = {}  # key -> end of the read lease we granted
         self._handles: dict[str, int] = {}        # key -> open get_buffer handles
@@ -251,24 +386,36 @@ class MooncakeDistributedStore:
     def setup(self, *args: Any, **kwargs: Any) -> int:
         """Connect to the kvservice server at ``master_server_addr``; 0 or an error code.
         Positional/keyword form ``setup(local_hostname, metadata_server, global_segment_size=16MB,
-        local_buffer_size=16MB, protocol="tcp", rdma_devices="", master_server_addr, engine=None)``
-        or ``setup(config_dict)`` with Mooncake's keys (values are read as strings)."""
+        local_buffer_size=16MB, protocol="tcp", rdma_devices="", master_server_addr, engine=None,
+        enable_ssd_offload=False, ssd_offload_path="", tenant_id="default",
+        enable_client_http_server=False, client_http_port=9300)`` (0.3.13's; the SSD, tenant and
+        HTTP arguments are type-checked and ignored: the kvservice server owns storage tiers and
+        namespaces) or ``setup(config_dict)`` with Mooncake's keys (values read as strings)."""
         return int(self._setup_args(*args, **kwargs))
 
     def _setup_args(self, local_hostname: Any = None, metadata_server: str | None = None,
               global_segment_size: Any = _DEFAULT_SEGMENT,
               local_buffer_size: Any = _DEFAULT_SEGMENT, protocol: str = "tcp",
               rdma_devices: str = "", master_server_addr: str = "127.0.0.1:50051",
-              engine: Any = None) -> int:
+              engine: Any = None, enable_ssd_offload: bool = False, ssd_offload_path: str = "",
+              tenant_id: str = "default", enable_client_http_server: bool = False,
+              client_http_port: int = 9300) -> int:
         if isinstance(local_hostname, dict):
             if metadata_server is not None:
                 raise TypeError("setup(config) takes the config dict alone")
             return self._setup_dict(local_hostname)
         for name, value in (("local_hostname", local_hostname), ("metadata_server", metadata_server),
                             ("protocol", protocol), ("rdma_devices", rdma_devices),
-                            ("master_server_addr", master_server_addr)):
+                            ("master_server_addr", master_server_addr),
+                            ("ssd_offload_path", ssd_offload_path), ("tenant_id", tenant_id)):
             if not isinstance(value, str):
                 raise TypeError(f"setup(): {name} must be a str, not {type(value).__name__}")
+        for name, value in (("enable_ssd_offload", enable_ssd_offload),
+                            ("enable_client_http_server", enable_client_http_server)):
+            if not isinstance(value, bool):
+                raise TypeError(f"setup(): {name} must be a bool, not {type(value).__name__}")
+        if isinstance(client_http_port, bool) or not isinstance(client_http_port, int):
+            raise TypeError("setup(): client_http_port must be an int")
         sizes = []
         for name, value in (("global_segment_size", global_segment_size),
                             ("local_buffer_size", local_buffer_size)):
@@ -290,16 +437,17 @@ class MooncakeDistributedStore:
         sizes = []
         for name in ("global_segment_size", "local_buffer_size"):
             text = conf.get(name)
-            if text is None or text.lstrip().startswith("-"):
-                if text is not None:
-                    logger.warning("invalid negative %s %r, using the default", name, text)
+            if text is None:
                 sizes.append(_DEFAULT_SEGMENT)
                 continue
             try:
-                sizes.append(parse_segment_size(text))
+                size = parse_segment_size(text)
             except ValueError:
-                logger.warning("invalid %s %r, using the default", name, text)
-                sizes.append(_DEFAULT_SEGMENT)
+                size = -1
+            if size < 0:
+                logger.error("invalid %s %r", name, text)
+                return ErrorCode.INVALID_PARAMS
+            sizes.append(size)
         return self._setup(conf.get("local_hostname", ""), conf.get("metadata_server", ""),
                            sizes[0], sizes[1], conf.get("protocol", "tcp"),
                            conf.get("master_server_addr",
@@ -335,13 +483,24 @@ class MooncakeDistributedStore:
             except Exception as exc:  # no server there, or a stale region
                 logger.error("cannot connect to kvservice at %s: %s", url, exc)
                 return ErrorCode.RPC_FAIL
-            self._hostname = local_hostname
+            self._hostname = local_hostname if ":" in local_hostname else \
+                f"{local_hostname}:{_segment_port()}"
+            self._local_buffer = local_buffer_size
         return ErrorCode.OK
 
     def setup_dummy(self, mem_pool_size: int, local_buffer_size: int, server_address: str) -> int:
-        """Mooncake's dummy (IPC) client; here the same connection, to ``server_address``."""
+        """Mooncake's dummy client (SGLang's standalone-storage mode) attaches to a store
+        process at ``server_address``; here the same connection as ``setup``: the address is
+        the kvservice URL (SGLang: ``client_server_address``). A ``host:port`` gets
+        INVALID_PARAMS with a log saying so (kvservice has no store process to attach to)."""
         return int(self._setup("localhost", "P2PHANDSHAKE", int(mem_pool_size),
                                int(local_buffer_size), "tcp", server_address))
+
+    def alloc_from_mem_pool(self, size: int) -> int:
+        """Mooncake: memory from a dummy client's shared pool, 0 (null) on other clients. The
+        facade has no such pool (the engine's memory stays its own): always 0; allocate with
+        :class:`MooncakeHostMemAllocator` and register_buffer instead."""
+        return 0
 
     def init_all(self, protocol: str, device_name: str, mount_segment_size: int = _DEFAULT_SEGMENT) -> int:
         return int(ErrorCode.INVALID_PARAMS)  # needs a master address; use setup()
@@ -386,6 +545,13 @@ class MooncakeDistributedStore:
             raise _NotSetUp
         return self._kv
 
+    def _buffered(self) -> SyncKVClient:
+        """The client, for a call Mooncake stages through its local buffer."""
+        kv = self._client()
+        if not self._local_buffer:
+            raise _NoLocalBuffer
+        return kv
+
     def _note_read(self, key: str) -> None:
         self._known[key] = None
         if self._kv_lease_ttl > 0:
@@ -403,7 +569,12 @@ class MooncakeDistributedStore:
         return True
 
     def _leases(self, keys: Sequence[str], lease_s: float | None = None) -> list[Block | None]:
-        # the read lease blocks removal and eviction for kv_lease_ttl, for every client
+        """Leases on ``keys``. The read lease (``hold``) blocks removal and eviction for
+        kv_lease_ttl, for every client. A copying read asks for a lease of that length too, so
+        the server ends it then even if our release is still queued in the client (with the
+        server's default lease, another store's remove stayed blocked 10 s)."""
+        if lease_s is None:
+            lease_s = max(self._kv_lease_ttl, _COPY_LEASE_S)
         blocks = self._client().batch_get(keys, self._namespace, lease_s, self._kv_lease_ttl)
         for key, block in zip(keys, blocks):
             if block is not None:
@@ -452,6 +623,9 @@ class MooncakeDistributedStore:
             except _NotSetUp:
                 logger.error("Client is not initialized")
                 code = ErrorCode.INVALID_PARAMS
+            except _NoLocalBuffer:
+                logger.error("no local buffer (local_buffer_size=0): use the registered-buffer calls")
+                code = ErrorCode.INVALID_PARAMS
             except Exception as exc:
                 code = _code(exc)
                 if code == ErrorCode.INTERNAL_ERROR:
@@ -463,60 +637,66 @@ class MooncakeDistributedStore:
     def put(self, key: str, value: Any, config: ReplicateConfig | None = None) -> int:
         """Store ``value`` (bytes-like) unless ``key`` exists (then 0, the old value stays)."""
         value = _bytes(value)  # TypeError for a non-buffer, as pybind's py::buffer
-        return self._guard(ErrorCode.INVALID_PARAMS,
-                           lambda: self._store([key], [value], overwrite=False)[0])
+        return self._guard(ErrorCode.INVALID_PARAMS, self._put_copy, [key], [value], False, config)
 
     def upsert(self, key: str, value: Any, config: ReplicateConfig | None = None) -> int:
         """Store ``value``, replacing any existing one."""
         value = _bytes(value)
-        return self._guard(ErrorCode.INVALID_PARAMS,
-                           lambda: self._store([key], [value], overwrite=True)[0])
+        return self._guard(ErrorCode.INVALID_PARAMS, self._put_copy, [key], [value], True, config)
 
     def put_batch(self, keys: list[str], values: list[Any], config: ReplicateConfig | None = None) -> int:
         """Store several values (no overwrite); 0, or the first failing key's code."""
-        return self._guard(ErrorCode.INVALID_PARAMS, self._batch_one_code, keys, values, False)
+        return self._guard(ErrorCode.INVALID_PARAMS, self._put_copy, keys, values, False, config)
 
     def upsert_batch(self, keys: list[str], values: list[Any], config: ReplicateConfig | None = None) -> int:
-        return self._guard(ErrorCode.INVALID_PARAMS, self._batch_one_code, keys, values, True)
+        return self._guard(ErrorCode.INVALID_PARAMS, self._put_copy, keys, values, True, config)
 
-    def _batch_one_code(self, keys: list[str], values: list[Any], overwrite: bool) -> int:
+    def _put_copy(self, keys: list[str], values: list[Any], overwrite: bool, config: Any) -> int:
+        """A put staged through Mooncake's local buffer: 0, or the first failing key's code."""
         if len(keys) != len(values):
             return ErrorCode.INVALID_PARAMS
+        if _config_code(config, len(keys)):
+            return ErrorCode.INVALID_PARAMS
+        self._buffered()
         codes = self._store(list(keys), [_bytes(v) for v in values], overwrite)
         return next((c for c in codes if c != ErrorCode.OK), ErrorCode.OK)
 
     def put_parts(self, key: str, *parts: Any, config: ReplicateConfig | None = None) -> int:
         """Store the concatenation of ``parts`` (1-D bytes-like); an empty total stores nothing."""
-        return self._guard(ErrorCode.INVALID_PARAMS, self._parts, key, [_part(p) for p in parts], False)
+        return self._guard(ErrorCode.INVALID_PARAMS, self._parts, key, [_part(p) for p in parts],
+                           False, config)
 
     def upsert_parts(self, key: str, *parts: Any, config: ReplicateConfig | None = None) -> int:
-        return self._guard(ErrorCode.INVALID_PARAMS, self._parts, key, [_part(p) for p in parts], True)
+        return self._guard(ErrorCode.INVALID_PARAMS, self._parts, key, [_part(p) for p in parts],
+                           True, config)
 
-    def _parts(self, key: str, views: list, overwrite: bool) -> int:
+    def _parts(self, key: str, views: list, overwrite: bool, config: Any) -> int:
         if sum(len(v) for v in views) == 0:
             return ErrorCode.OK  # as Mooncake: a warning, nothing stored
-        return self._store([key], [b"".join(views)], overwrite)[0]
+        return self._put_copy([key], [b"".join(views)], overwrite, config)
 
     def put_from(self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig | None = None) -> int:
         """Store ``size`` bytes at ``buffer_ptr`` (inside a registered buffer), no overwrite."""
         return self._guard(ErrorCode.INVALID_PARAMS,
-                           lambda: self._store([key], [self._registered.view(buffer_ptr, size)], False)[0])
+                           lambda: self._put_from_many([key], [buffer_ptr], [size], False, config)[0])
 
     def upsert_from(self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig | None = None) -> int:
         return self._guard(ErrorCode.INVALID_PARAMS,
-                           lambda: self._store([key], [self._registered.view(buffer_ptr, size)], True)[0])
+                           lambda: self._put_from_many([key], [buffer_ptr], [size], True, config)[0])
 
     def batch_put_from(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int],
                        config: ReplicateConfig | None = None) -> list[int]:
         """Store each registered range under its key (no overwrite); a code per key."""
-        return self._guard(lambda c: [c] * len(keys), self._put_from_many, keys, buffer_ptrs, sizes, False)
+        return self._guard(lambda c: [c] * len(keys), self._put_from_many, keys, buffer_ptrs, sizes, False,
+                           config)
 
     def batch_upsert_from(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int],
                           config: ReplicateConfig | None = None) -> list[int]:
-        return self._guard(lambda c: [c] * len(keys), self._put_from_many, keys, buffer_ptrs, sizes, True)
+        return self._guard(lambda c: [c] * len(keys), self._put_from_many, keys, buffer_ptrs, sizes, True,
+                           config)
 
-    def _put_from_many(self, keys, buffer_ptrs, sizes, overwrite: bool) -> list[int]:
-        if not len(keys) == len(buffer_ptrs) == len(sizes):
+    def _put_from_many(self, keys, buffer_ptrs, sizes, overwrite: bool, config: Any) -> list[int]:
+        if not len(keys) == len(buffer_ptrs) == len(sizes) or _config_code(config, len(keys)):
             return [ErrorCode.INVALID_PARAMS] * len(keys)
         views = [self._registered.view(p, s) for p, s in zip(buffer_ptrs, sizes)]
         return self._store(list(keys), views, overwrite)
@@ -526,7 +706,7 @@ class MooncakeDistributedStore:
                                      config: ReplicateConfig | None = None) -> list[int]:
         """Store each key's buffers, concatenated (one copy through a bounce buffer)."""
         def run() -> list[int]:
-            if not len(keys) == len(all_buffer_ptrs) == len(all_sizes):
+            if not len(keys) == len(all_buffer_ptrs) == len(all_sizes) or _config_code(config, len(keys)):
                 return [ErrorCode.INVALID_PARAMS] * len(keys)
             values: list[Any] = []
             for ptrs, sizes in zip(all_buffer_ptrs, all_sizes):
@@ -548,6 +728,7 @@ class MooncakeDistributedStore:
         return self._guard(lambda c: [b""] * len(keys), self._get_bytes, list(keys))
 
     def _get_bytes(self, keys: list[str]) -> list[bytes]:
+        self._buffered()
         out: list[bytes] = []
         for block in self._leases(keys):
             if block is None:
@@ -622,7 +803,7 @@ class MooncakeDistributedStore:
                 continue
             with block:
                 if block.size > len(dsts[i]):
-                    results[i] = ErrorCode.BUFFER_OVERFLOW
+                    results[i] = ErrorCode.INVALID_PARAMS  # as Mooncake: the size is wrong
                     continue
                 try:
                     results[i] = block.copy_into(dsts[i])
@@ -655,7 +836,7 @@ class MooncakeDistributedStore:
         if bad is not None:
             return bad
         if sum(len(d) for d in dsts) < block.size:
-            return ErrorCode.BUFFER_OVERFLOW
+            return ErrorCode.INVALID_PARAMS  # as Mooncake
         try:
             src, done = block.view(), 0
             for dst in dsts:
@@ -671,12 +852,14 @@ class MooncakeDistributedStore:
                         all_dst_offsets: list[list[list[int]]],
                         all_src_offsets: list[list[list[int]]],
                         all_sizes: list[list[list[int]]]) -> list[list[list[int]]]:
-        """Copy byte ranges of values into registered buffers; bytes or a code per fragment."""
+        """Copy byte ranges of values into registered buffers; bytes or a code per fragment
+        (INVALID_PARAMS, as Mooncake, for a range outside the object or the registered buffer,
+        and for an unregistered buffer)."""
         def shaped(code: int) -> list[list[list[int]]]:
             return [[[code] * len(frag) for frag in (sizes if isinstance(sizes, list) else [])]
                     for sizes in all_sizes]
         if not len(buffer_ptrs) == len(all_keys) == len(all_dst_offsets) == len(all_src_offsets) == len(all_sizes):
-            return shaped(ErrorCode.INVALID_PARAMS)
+            return [[[int(ErrorCode.INVALID_PARAMS)]] for _ in buffer_ptrs]  # Mooncake's shape
         return self._guard(shaped, self._ranges, buffer_ptrs, all_keys, all_dst_offsets,
                            all_src_offsets, all_sizes)
 
@@ -708,16 +891,10 @@ class MooncakeDistributedStore:
                     block.release()
 
     def _fragment(self, block: Block | None, ptr: int, room: int, d: int, s: int, n: int) -> int:
-        if room < 0:
-            return ErrorCode.TRANSFER_FAIL
         if block is None:
             return ErrorCode.OBJECT_NOT_FOUND
-        if min(d, s, n) < 0:
+        if room < 0 or min(d, s, n) < 0 or s + n > block.size or d + n > room:
             return ErrorCode.INVALID_PARAMS
-        if s + n > block.size:
-            return ErrorCode.INVALID_PARAMS  # source range outside the object
-        if d + n > room:
-            return ErrorCode.BUFFER_OVERFLOW
         if n == 0:
             return 0
         dst = self._registered.view(ptr + d, n)
@@ -739,7 +916,7 @@ class MooncakeDistributedStore:
         return self._guard(lambda c: [c] * len(keys), self._exist_codes, keys)
 
     def _exist_codes(self, keys: list[str]) -> list[int]:
-        valid = [isinstance(k, str) and bool(k) for k in keys]
+        valid = [isinstance(k, str) and _valid_key(k) for k in keys]
         found = iter(self._client().batch_exists([k for k, ok in zip(keys, valid) if ok], self._namespace))
         return [(1 if next(found) else 0) if ok else int(ErrorCode.INVALID_PARAMS) for ok in valid]
 
@@ -794,9 +971,16 @@ class MooncakeDistributedStore:
     # ---- registered memory ----------------------------------------------------------------
 
     def register_buffer(self, buffer_ptr: int, size: int) -> int:
-        """Allow put_from/get_into on ``[buffer_ptr, buffer_ptr+size)``."""
+        """Allow put_from/get_into on ``[buffer_ptr, buffer_ptr+size)``. The facade copies
+        with the CPU, so device memory (a GPU KV cache) or memory this process cannot read and
+        write is refused with INVALID_PARAMS (then transfers on it get TRANSFER_FAIL), never
+        dereferenced."""
         if isinstance(buffer_ptr, bool) or not isinstance(buffer_ptr, int) or buffer_ptr <= 0 \
                 or isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+            return int(ErrorCode.INVALID_PARAMS)
+        problem = memory_problem(buffer_ptr, size)
+        if problem is not None:
+            logger.error("register_buffer(%#x, %d) refused: %s", buffer_ptr, size, problem)
             return int(ErrorCode.INVALID_PARAMS)
         with self._lock:
             self._registered.add(buffer_ptr, size)
@@ -814,6 +998,28 @@ def _plain(result: Any) -> Any:
     if isinstance(result, list):
         return [_plain(r) for r in result]
     return result
+
+
+_PORTS = itertools.count(12300 + os.getpid() % 20000)
+
+
+def _segment_port() -> int:
+    """A port number for get_hostname's ``host:port`` (Mooncake: its transfer engine's port;
+    here only a distinct name per store, since nothing listens)."""
+    return next(_PORTS)
+
+
+def _valid_key(key: str) -> bool:
+    """kvservice takes the key (non-empty, at most MAX_KEY_BYTES in UTF-8)."""
+    try:
+        normalize_key(key)
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
+class _NoLocalBuffer(Exception):
+    """A copying call on a store set up with local_buffer_size=0 (Mooncake: INVALID_PARAMS)."""
 
 
 class _NotSetUp(Exception):

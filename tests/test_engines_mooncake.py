@@ -275,3 +275,61 @@ def test_bad_sizes_keys_and_closed_store(url):
         assert s.put_from("k", p, 8) == INVALID and s.get_into("k", p, 100) == INVALID
         assert s.batch_get_into(["k"], [p], [100]) == [INVALID] and s.is_exist("k") == INVALID
         assert s.remove("k") == INVALID and s.health_check() == INVALID
+
+
+# ---- LMCache's own Mooncake connector through the shim -------------------------------------
+
+_LMCACHE = r'''
+import asyncio, sys, torch
+from lmcache.v1.config import LMCacheEngineConfig
+from lmcache.v1.metadata import LMCacheMetadata
+from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
+from lmcache.v1.storage_backend.connector.mooncakestore_connector import MooncakestoreConnector
+from lmcache.utils import CacheEngineKey
+import mooncake.store
+assert "kvservice" in mooncake.store.__doc__  # the shim, not the wheel
+url, meta = sys.argv[1], sys.argv[2] == "meta"
+cfg = LMCacheEngineConfig.from_defaults(chunk_size=16, local_cpu=True, max_local_cpu_size=0.05,
+    extra_config={"local_hostname": "localhost", "metadata_server": "P2PHANDSHAKE",
+                  "master_server_address": url, "global_segment_size": "64MB", "local_buffer_size": "16MB",
+                  "save_chunk_meta": meta, "mooncake_prefer_local_alloc": True})
+md = LMCacheMetadata(model_name="m", world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
+                     kv_dtype=torch.bfloat16, kv_shape=(2, 2, 16, 4, 8))
+backend = LocalCPUBackend(cfg, md)
+loop = asyncio.new_event_loop()
+conn = MooncakestoreConnector(loop, backend, cfg)
+assert conn.registered_buffer_ptr is not None  # its pinned CPU pool was registered
+keys = [CacheEngineKey("m", 1, 0, h, torch.bfloat16) for h in (11, 22, 33)]
+objs = []
+for i in range(3):
+    o = backend.allocate(conn.meta_shapes, conn.meta_dtypes, conn.meta_fmt)
+    o.raw_tensor.copy_(torch.full_like(o.raw_tensor, 7 + i))
+    objs.append(o)
+async def main():
+    await conn.put(keys[0], objs[0])
+    await conn.batched_put(keys[1:], objs[1:])
+    ex = [conn.exists_sync(k) for k in keys] + [conn.exists_sync(CacheEngineKey("m", 1, 0, 99, torch.bfloat16))]
+    got = await conn.batched_get(keys + [CacheEngineKey("m", 1, 0, 99, torch.bfloat16)])
+    same = [g is not None and torch.equal(g.raw_tensor, o.raw_tensor) for g, o in zip(got, objs)]
+    contains = await conn.batched_async_contains("lookup", keys, pin=False) if hasattr(conn, "batched_async_contains") else None
+    await conn.close()
+    return ex, same, got[3] is None, contains
+print(repr(loop.run_until_complete(main())))
+'''
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", ["meta", "nometa"])
+def test_lmcache_mooncakestore_connector_through_shim(url, mode):
+    """LMCache 0.5.6's MooncakestoreConnector, unchanged, on the facade (``import mooncake.store``
+    resolves to the shim): dict setup, its pinned CPU pool registered, put/batched_put and
+    batched_get, exists and batched_async_contains. ``meta`` (save_chunk_meta): put_parts and
+    batch_get_buffer; ``nometa``: put_from/batch_put_from and batch_get_into (zero-copy)."""
+    from kvservice.compat import mooncake_shim_path  # noqa: PLC0415
+    with ThreadServer(url) as srv:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([mooncake_shim_path(), ROOT])}
+        res = subprocess.run([sys.executable, "-c", _LMCACHE, srv.url, mode], env=env, cwd=ROOT,
+                             capture_output=True, text=True, timeout=150)
+    assert res.returncode == 0, res.stderr[-3000:]
+    # exists: three keys and a missing one; the bytes back equal; the missing key None
+    assert res.stdout.strip().splitlines()[-1] == "([1, 1, 1, 0], [True, True, True], True, 3)"

@@ -103,6 +103,7 @@ def scenario(mod: types.ModuleType, new_store: Callable[[], MooncakeDistributedS
         r["upsert"] = [a.upsert("sd_k", b"third"), b.get("sd_k")]
         r["missing"] = [a.get("sd_none"), a.get_size("sd_none"), a.get_buffer("sd_none")]
         r["size"] = a.get_size("sd_k")
+        r["empty_value"] = a.put("sd_e", b"")
         r["batches"] = [a.put_batch(["sd_b1", "sd_b2"], [b"1", b"22"]),
                         a.upsert_batch(["sd_b2"], [b"23"]),
                         a.get_batch(["sd_b1", "sd_none", "sd_b2"])]

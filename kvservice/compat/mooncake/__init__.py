@@ -21,19 +21,37 @@ __all__ = ["MooncakeDistributedStore", "ReplicateConfig", "SoftPinAction", "Buff
            "ErrorCode", "MooncakeHostMemAllocator", "DEFAULT_KV_LEASE_TTL", "parse_segment_size",
            "memory_problem"]
 
-#: Where this facade knowingly differs from Mooncake Store (the README has the table).
+#: Where this facade knowingly differs from Mooncake Store 0.3.13 (the README has the table);
+#: tests/test_engines_mooncake.py checks the rest against the real wheel.
 SEMANTIC_DIFFERENCES = {
-    "setup": "master_server_addr is a kvservice URL; other arguments validated then ignored; "
-             "size strings ('16MB', '16 MB', '1.5GB') accepted in both forms",
-    "ReplicateConfig": "accepted, ignored (one pool: no replicas, pins or placement)",
-    "put no-overwrite": "exists-then-put on the client: two writers racing on a new key may "
-                        "both write (last commit wins)",
-    "read leases": "OBJECT_HAS_LEASE only for reads through this store object (kvservice "
-                   "does not report other clients' leases)",
-    "remove_by_regex/remove_all": "only keys this store object put or read",
-    "get_buffer": "zero-copy view of the pool under a kvservice lease (Mooncake copies into "
-                  "its local buffer); check() raises LeaseExpired if held past the lease",
-    "empty values": "put of b'' returns INVALID_PARAMS (kvservice stores no empty values)",
-    "unregistered address": "TRANSFER_FAIL (-800) instead of undefined behaviour",
+    "setup": "master_server_addr (dict: master_server_addr / master_server_address) is the "
+             "kvservice URL; the other arguments, 0.3.13's enable_ssd_offload, ssd_offload_path, "
+             "tenant_id, enable_client_http_server and client_http_port included, are validated "
+             "as Mooncake does, then ignored (the server owns tiers and namespaces)",
+    "setup_dummy": "server_address is the kvservice URL too (SGLang: client_server_address); "
+                   "a host:port is INVALID_PARAMS. alloc_from_mem_pool returns 0 (no shared pool: "
+                   "allocate with MooncakeHostMemAllocator and register_buffer)",
+    "ReplicateConfig": "0.3.13's fields; checked as Mooncake (soft_pin_ttl_ms only with ENABLE, "
+                       "one group_id per key), otherwise ignored: one pool, no replicas, pins or "
+                       "placement",
+    "read lease": "its length is the store's kv_lease_ttl keyword (Mooncake: the master's "
+                  "--default_kv_lease_ttl); reads by every client count, as in Mooncake",
+    "get_buffer": "a zero-copy view of the pool under a kvservice lease (Mooncake copies into its "
+                  "local buffer): while a handle is open a plain remove gets OBJECT_HAS_LEASE "
+                  "(Mooncake: 0 once the read lease ends); remove(force=True) removes the key and "
+                  "the handle keeps its bytes",
+    "object lifetime": "objects outlive their writer's close() (a shared pool; Mooncake drops "
+                       "them with the writer's segment)",
+    "device memory": "register_buffer refuses device memory and ranges this process cannot "
+                     "read and write (INVALID_PARAMS; transfers on them TRANSFER_FAIL): the "
+                     "facade copies with the CPU. Mooncake moves GPU memory with its transport",
+    "unregistered address": "TRANSFER_FAIL (-800); Mooncake returned -800 in one run and "
+                            "crashed the process in another",
+    "keys": "at most 1024 bytes of UTF-8 (longer: INVALID_PARAMS); Mooncake took 5000 bytes",
+    "remove_by_regex": "Python re.search over the store's namespace (Mooncake: std::regex)",
+    "not provided": "batch_replica_clear, batch_get_replica_desc, get_replica_desc (no replicas); "
+                    "the tensor, safetensor, session, task, segment-mount and *_ranges put/get "
+                    "variants and mooncake.structured_object_store (no engine path here calls "
+                    "them; their wire formats would have to match Mooncake's to interoperate)",
     "concurrency": "calls on one store object are serialized by a lock",
 }

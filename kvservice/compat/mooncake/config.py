@@ -14,9 +14,10 @@ from kvservice.pool import LeaseExpired
 
 logger = logging.getLogger("kvservice.compat.mooncake")
 
-#: Mooncake's default read lease (``DEFAULT_DEFAULT_KV_LEASE_TTL`` = 5000 ms in types.h): after a
-#: read, a non-forced remove of the object fails with OBJECT_HAS_LEASE for this long.
-DEFAULT_KV_LEASE_TTL = 5.0
+#: Mooncake's default read lease (0.3.13's ``mooncake_master --default_kv_lease_ttl``, 10000 ms):
+#: after a read, a non-forced remove of the object fails with OBJECT_HAS_LEASE for this long.
+#: Mooncake sets it on the master; here it is the store's ``kv_lease_ttl`` keyword.
+DEFAULT_KV_LEASE_TTL = 10.0
 
 #: The shortest lease a copying read asks for: time enough to copy a value out of the pool.
 _COPY_LEASE_S = 0.25

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.engines
 MiB = 1 << 20
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LEASE_MS = 500  # the read lease both sides are configured with (master flag / facade kwarg)
-OK, INVALID, NOT_FOUND, HAS_LEASE, TRANSFER_FAIL = 0, -600, -704, -706, -800
+OK, INVALID, HAS_LEASE, TRANSFER_FAIL = 0, -600, -706, -800
 
 
 def _free_port() -> int:

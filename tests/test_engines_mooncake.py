@@ -288,11 +288,11 @@ from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 from lmcache.v1.storage_backend.connector.mooncakestore_connector import MooncakestoreConnector
 from lmcache.utils import CacheEngineKey
 import mooncake.store
-assert "kvservice" in mooncake.store.__doc__  # the shim, not the wheel
-url, meta = sys.argv[1], sys.argv[2] == "meta"
+url, meta, shim = sys.argv[1], sys.argv[2] == "meta", sys.argv[3] == "shim"
+assert ("kvservice" in (mooncake.store.__doc__ or "")) == shim  # the shim, or the wheel
 cfg = LMCacheEngineConfig.from_defaults(chunk_size=16, local_cpu=True, max_local_cpu_size=0.05,
     extra_config={"local_hostname": "localhost", "metadata_server": "P2PHANDSHAKE",
-                  "master_server_address": url, "global_segment_size": "64MB", "local_buffer_size": "16MB",
+                  "mooncake_master_server_addr": url, "global_segment_size": "64MB", "local_buffer_size": "16MB",
                   "save_chunk_meta": meta, "mooncake_prefer_local_alloc": True})
 md = LMCacheMetadata(model_name="m", world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
                      kv_dtype=torch.bfloat16, kv_shape=(2, 2, 16, 4, 8))
@@ -321,16 +321,23 @@ print(repr(loop.run_until_complete(main())))
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("mode", ["meta", "nometa"])
-def test_lmcache_mooncakestore_connector_through_shim(url, mode):
+def test_lmcache_mooncakestore_connector_through_shim(url, real_master, mode):
     """LMCache 0.5.6's MooncakestoreConnector, unchanged, on the facade (``import mooncake.store``
-    resolves to the shim): dict setup, its pinned CPU pool registered, put/batched_put and
-    batched_get, exists and batched_async_contains. ``meta`` (save_chunk_meta): put_parts and
-    batch_get_buffer; ``nometa``: put_from/batch_put_from and batch_get_into (zero-copy)."""
+    resolves to the shim) and on real Mooncake: dict setup, its pinned CPU pool registered,
+    put/batched_put, batched_get, exists and batched_async_contains answer the same.
+    ``meta`` (save_chunk_meta): put_parts and batch_get_buffer; ``nometa``: put_from /
+    batch_put_from and batch_get_into (zero-copy on the registered pool)."""
     from kvservice.compat import mooncake_shim_path  # noqa: PLC0415
+
+    def run(pythonpath: str, address: str, shim: str) -> str:
+        env = {**os.environ, "PYTHONPATH": pythonpath}
+        res = subprocess.run([sys.executable, "-c", _LMCACHE, address, mode, shim], env=env,
+                             cwd=ROOT, capture_output=True, text=True, timeout=80)
+        assert res.returncode == 0, res.stderr[-3000:]
+        return res.stdout.strip().splitlines()[-1]
+
     with ThreadServer(url) as srv:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([mooncake_shim_path(), ROOT])}
-        res = subprocess.run([sys.executable, "-c", _LMCACHE, srv.url, mode], env=env, cwd=ROOT,
-                             capture_output=True, text=True, timeout=150)
-    assert res.returncode == 0, res.stderr[-3000:]
+        ours = run(os.pathsep.join([mooncake_shim_path(), ROOT]), srv.url, "shim")
+    theirs = run(ROOT, real_master[0], "real")
     # exists: three keys and a missing one; the bytes back equal; the missing key None
-    assert res.stdout.strip().splitlines()[-1] == "([1, 1, 1, 0], [True, True, True], True, 3)"
+    assert ours == theirs == "([1, 1, 1, 0], [True, True, True], True, 3)"

@@ -5,8 +5,10 @@ from kvservice.compat.mooncake import (  # noqa: F401
     BufferHandle,
     ErrorCode,
     MooncakeDistributedStore,
+    MooncakeHostMemAllocator,
     ReplicateConfig,
+    SoftPinAction,
 )
 
-__all__ = ["MooncakeDistributedStore", "ReplicateConfig", "BufferHandle", "ErrorCode",
-           "DEFAULT_KV_LEASE_TTL"]
+__all__ = ["MooncakeDistributedStore", "ReplicateConfig", "SoftPinAction", "BufferHandle",
+           "ErrorCode", "MooncakeHostMemAllocator", "DEFAULT_KV_LEASE_TTL"]

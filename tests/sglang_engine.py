@@ -1,0 +1,204 @@
+"""Real SGLang 0.5.23 pieces for the engines tests, and the second process they start.
+
+SGLang's host pools import ``sglang.srt.configs``, whose multimodal configs import
+``torchvision`` at module level (``sglang/srt/multimodal/internvl_utils.py``; nothing on the
+storage path uses it). PyPI's torchvision is a CUDA build that would replace the CPU torch, so
+:func:`load_sglang` imports SGLang (its transformers patches decide then that torchvision is
+absent) and only then lets ``import torchvision`` yield an inert module whose every name raises
+when used: the storage code runs exactly as shipped.
+
+Run as a script (``python tests/sglang_engine.py write|read URL OUT_DIR``) it is one engine
+process: it builds real host pools (MHA and MLA, each storage layout), SGLang's backend factory
+builds the kvservice backend from the README's extra config, and SGLang's own cache-controller
+methods store (``write``) or load (``read``) pages; it saves the pages' bytes to OUT_DIR and
+prints a JSON summary.
+"""
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import json
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+PAGE = 4          # tokens per page
+PAGES = 8         # pages each combination stores
+LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+KINDS = ("mha", "mla")
+PATHS = ("generic", "interface_v1")
+EXTRA = {"backend_name": "kvservice", "module_path": "kvservice.integrations.sglang",
+         "class_name": "KVServiceHiCacheStorage", "url": "kvservice://kv",
+         "namespace": "sglang", "interface_v1": 1}
+
+
+class _InertTorchvision(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Serves ``torchvision`` (and submodules) as modules whose names raise when used."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name == "torchvision" or name.startswith("torchvision."):
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec: Any) -> None:
+        return None
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        def absent(*_a: Any, **_k: Any) -> Any:
+            raise RuntimeError("torchvision is not installed (engines suite: CPU torch)")
+
+        def __getattr__(attr: str) -> Any:
+            if attr.startswith("__"):
+                raise AttributeError(attr)
+            return type(attr, (), {"__init__": absent, "__getattr__": absent})
+
+        module.__getattr__ = __getattr__  # type: ignore[method-assign]
+        module.__path__ = []
+
+
+def load_sglang() -> None:
+    """Import SGLang so that its host pools and cache controller import without torchvision."""
+    import sglang  # noqa: F401  (applies its transformers patches first)
+    from transformers.utils import import_utils
+
+    if not any(isinstance(f, _InertTorchvision) for f in sys.meta_path):
+        assert not import_utils.is_torchvision_available()
+        sys.meta_path.append(_InertTorchvision())
+
+
+def host_pool(kind: str, layout: str, slots: int = 64) -> Any:
+    """A real SGLang host pool (MHA or MLA) over a real device pool, both on CPU tensors."""
+    load_sglang()
+    import torch
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _mha_host_inputs
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    host = dict(host_to_device_ratio=2.0, host_size=0, page_size=PAGE, layout=layout,
+                pin_memory=False, device="cpu")
+    if kind == "mha":
+        dev = MHATokenToKVPool(size=slots, page_size=PAGE, dtype=torch.bfloat16, head_num=2,
+                               head_dim=8, layer_num=3, device="cpu", enable_memory_saver=False)
+        cls, info, kw = _mha_host_inputs(dev)
+        return cls(info, **kw, **host)
+    dev = MLATokenToKVPool(size=slots, page_size=PAGE, dtype=torch.bfloat16, kv_lora_rank=16,
+                           qk_rope_head_dim=8, layer_num=3, device="cpu",
+                           enable_memory_saver=False)
+    return MLATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info,
+                                device_capacity_tokens=dev.size, start_layer=dev.start_layer,
+                                end_layer=dev.end_layer, target_layer_num=dev.layer_num,
+                                override_kv_cache_dim=dev.kv_cache_dim, **host)
+
+
+def fill(pool: Any, seed: int) -> None:
+    """Random bytes in every host tensor of ``pool``."""
+    import torch
+
+    from kvservice.integrations.sglang import _tensors
+
+    gen = torch.Generator().manual_seed(seed)
+    for t in _tensors(pool.kv_buffer):
+        raw = t.view(-1).view(torch.uint8)
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
+
+
+def backend(url: str, kind: str, interface_v1: bool, namespace: str = "sglang",
+            enable_storage_metrics: bool = False, **extra: Any) -> Any:
+    """SGLang's factory building our backend from the command-line JSON, parsed by SGLang."""
+    load_sglang()
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+    from sglang.srt.mem_cache.storage import StorageBackendFactory
+
+    arg = json.dumps({**EXTRA, "url": _service(url),
+                      "namespace": namespace, "interface_v1": int(interface_v1), **extra})
+    config, *_ = HybridCacheController.parse_storage_backend_extra_config(arg)
+    storage_config = HiCacheStorageConfig(
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        is_mla_model=kind == "mla", enable_storage_metrics=enable_storage_metrics,
+        is_page_first_layout=False, model_name="Qwen/Qwen3-0.6B", extra_config=config)
+    return StorageBackendFactory.create_backend("dynamic", storage_config, None)
+
+
+def _service(url: str) -> str:
+    """The kvservice:// form of a server URL (shm://NAME -> kvservice://NAME)."""
+    scheme, rest = url.split("://", 1)
+    return f"kvservice://{rest}" if scheme == "shm" else f"kvservice://{scheme}{rest}"
+
+
+def controller(pool: Any, storage: Any) -> Any:
+    """What SGLang's ``HiCacheController`` storage methods read from ``self``."""
+    return types.SimpleNamespace(storage_host_pool=pool, mem_pool_host=pool,
+                                 storage_backend=storage, page_size=PAGE)
+
+
+class _Op:
+    request_id = "engines-test"
+
+    @staticmethod
+    def is_terminated() -> bool:
+        return False
+
+
+def tokens(kind: str, layout: str, path: str) -> list[int]:
+    """Token ids of one combination (disjoint page hashes across combinations)."""
+    base = (KINDS.index(kind) * 100 + LAYOUTS.index(layout) * 10 + PATHS.index(path)) * 10_000
+    return list(range(base, base + PAGES * PAGE))
+
+
+def page_bytes(pool: Any, first_slot: int) -> list[bytes]:
+    """The flat data page of each of PAGES pages starting at ``first_slot``."""
+    import torch
+
+    return [pool.get_data_page(first_slot + i * PAGE, flat=True).view(-1).view(torch.uint8)
+            .numpy().tobytes() for i in range(PAGES)]
+
+
+def run(role: str, url: str, out: Path) -> dict[str, Any]:
+    """One engine process: store (write) or load (read) every combination's pages."""
+    load_sglang()
+    import torch
+    from sglang.srt.managers.cache_controller import HiCacheController
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    from kvservice.integrations.sglang import _tensors
+
+    summary: dict[str, Any] = {}
+    for kind in KINDS:
+        for layout in LAYOUTS:
+            pool = host_pool(kind, layout)
+            for path in PATHS:
+                v1 = path == "interface_v1"
+                storage = backend(url, kind, v1)
+                try:
+                    storage.register_mem_pool_host(pool)
+                    ctrl = controller(pool, storage)
+                    hashes = get_storage_hash_str(tokens(kind, layout, path), None, PAGE)
+                    name = f"{kind}-{layout}-{path}"
+                    if role == "write":
+                        fill(pool, seed=len(summary) + 1)
+                        slots = torch.arange(2 * PAGE, (2 + PAGES) * PAGE)
+                        set_fn = (HiCacheController._page_set_zero_copy if v1
+                                  else HiCacheController._generic_page_set)
+                        ok = set_fn(ctrl, hashes, slots)
+                        summary[name] = {"stored": bool(ok) and PAGES,
+                                         "bytes": len(b"".join(page_bytes(pool, 2 * PAGE)))}
+                        (out / f"{name}.w").write_bytes(b"".join(page_bytes(pool, 2 * PAGE)))
+                    else:
+                        for t in _tensors(pool.kv_buffer):
+                            t.zero_()
+                        hit = storage.batch_exists(hashes)
+                        slots = torch.arange(5 * PAGE, (5 + PAGES) * PAGE)
+                        get_fn = (HiCacheController._page_get_zero_copy if v1
+                                  else HiCacheController._generic_page_get)
+                        got = get_fn(ctrl, _Op(), hashes, slots)
+                        summary[name] = {"hit": hit, "read": got}
+                        (out / f"{name}.r").write_bytes(b"".join(page_bytes(pool, 5 * PAGE)))
+                finally:
+                    storage.close()
+    return summary
+
+
+if __name__ == "__main__":
+    print(json.dumps(run(sys.argv[1], sys.argv[2], Path(sys.argv[3]))), flush=True)

@@ -1,0 +1,364 @@
+"""kvservice as SGLang 0.5.23's HiCache storage, driven by the real package (CPU).
+
+SGLang's own backend factory builds the backend from the README's ``--hicache-storage-backend-
+extra-config`` JSON (parsed by SGLang), over SGLang's real host pools (MHA and MLA, each storage
+layout), and SGLang's cache-controller methods move the pages. ``sglang_engine`` explains how
+SGLang is imported without torchvision.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+import sglang_engine as eng
+from kvservice import KVClient, KVServer
+from kvservice.keys import MAX_KEY_BYTES
+
+pytestmark = pytest.mark.engines
+
+MiB = 1 << 20
+P = eng.PAGE
+run = asyncio.to_thread
+
+eng.load_sglang()
+import torch  # noqa: E402
+from sglang.srt.managers.cache_controller import HiCacheController  # noqa: E402
+from sglang.srt.mem_cache.hicache_storage import (HiCacheStorage, PoolHitPolicy,  # noqa: E402
+                                                  PoolName, PoolTransfer)
+from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
+
+from kvservice.integrations.sglang import (KVServiceHiCacheStorage,  # noqa: E402
+                                           storage_metrics_class)
+
+
+def page(pool, slot: int) -> bytes:
+    return pool.get_data_page(slot, flat=True).view(-1).view(torch.uint8).numpy().tobytes()
+
+
+def raw(pool) -> bytes:
+    from kvservice.integrations.sglang import _tensors
+    return b"".join(t.view(-1).view(torch.uint8).numpy().tobytes()
+                    for t in _tensors(pool.kv_buffer))
+
+
+def attach(url: str, pool, kind: str = "mha", v1: bool = True, **kw) -> KVServiceHiCacheStorage:
+    storage = eng.backend(url, kind, v1, **kw)
+    storage.register_mem_pool_host(pool)
+    return storage
+
+
+# ---- two engine processes --------------------------------------------------------------------
+
+@pytest.mark.timeout(300)
+async def test_pages_round_trip_across_two_processes(url, tmp_path):
+    """A writer process stores 8 pages per (pool kind, layout, path) through SGLang's controller
+    methods; a fresh reader process with its own pools finds and loads them: same bytes, page
+    by page."""
+    async with KVServer(url, pool_size=64 * MiB):
+        summaries = {}
+        for role in ("write", "read"):
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, str(Path(eng.__file__)), role, url, str(tmp_path),
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            try:
+                out, err = await asyncio.wait_for(proc.communicate(), 240)
+            finally:
+                if proc.returncode is None:
+                    proc.kill()
+                    await proc.wait()
+            assert proc.returncode == 0, err.decode()[-3000:]
+            summaries[role] = json.loads(out.decode().strip().splitlines()[-1])
+    combos = [f"{k}-{lay}-{p}" for k in eng.KINDS for lay in eng.LAYOUTS for p in eng.PATHS]
+    assert sorted(summaries["write"]) == sorted(combos) == sorted(summaries["read"])
+    compared = 0
+    for name in combos:
+        assert summaries["write"][name]["stored"] == eng.PAGES, name
+        assert summaries["read"][name] == {"hit": eng.PAGES, "read": eng.PAGES}, name
+        written = (tmp_path / f"{name}.w").read_bytes()
+        read = (tmp_path / f"{name}.r").read_bytes()
+        size = len(written) // eng.PAGES
+        assert size and len(read) == len(written)
+        assert any(written), name  # the writer's random pages, not an all-zero pool
+        for i in range(eng.PAGES):
+            assert read[i * size:(i + 1) * size] == written[i * size:(i + 1) * size], (name, i)
+        compared += len(read)
+    print(f"\n{len(combos)} combinations x {eng.PAGES} pages, {compared} bytes compared")
+
+
+# ---- the factory, the paths, every method ----------------------------------------------------
+
+async def test_factory_builds_backend_from_extra_config(url, name):
+    async with KVServer(url, pool_size=8 * MiB):
+        s = await run(eng.backend, url, "mha", True, namespace="sglang-test")
+        try:
+            assert type(s) is KVServiceHiCacheStorage and isinstance(s, HiCacheStorage)
+            assert (s.service_url, s.namespace) == (url, "sglang-test")
+            assert s.storage_config.extra_config["interface_v1"] == 1
+            assert s.suffix == "_Qwen-Qwen3-0.6B_0_1"  # SGLang's file-backend naming
+        finally:
+            await run(s.close)
+        mla = await run(eng.backend, url, "mla", False)
+        try:
+            assert mla.suffix == "_Qwen-Qwen3-0.6B" and mla.tp_suffix == "_Qwen-Qwen3-0.6B_0_1"
+        finally:
+            await run(mla.close)
+
+
+@pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
+async def test_zero_copy_and_generic_paths_share_pages(url, layout):
+    """In the page-first layouts a page written through batch_set_v1 reads back through the
+    generic batch_get (and the reverse): the stored value is the flat data page."""
+    async with KVServer(url, pool_size=16 * MiB):
+        src, dst = eng.host_pool("mha", layout), eng.host_pool("mha", layout)
+        eng.fill(src, seed=7)
+        s = await run(attach, url, src)
+        try:
+            hashes = get_storage_hash_str(list(range(4 * P)), None, P)
+            assert await run(s.batch_set_v1, hashes[:2], torch.arange(0, 2 * P)) == [True] * 2
+            assert await run(s.batch_set, hashes[2:], [src.get_data_page(i * P) for i in (2, 3)])
+            ctrl = eng.controller(dst, s)
+            got = await run(HiCacheController._generic_page_get, ctrl, eng._Op(), hashes,
+                            torch.arange(8 * P, 12 * P))
+            assert got == 4
+            assert [page(dst, (8 + i) * P) for i in range(4)] == [page(src, i * P)
+                                                                   for i in range(4)]
+        finally:
+            await run(s.close)
+
+
+async def test_every_method(url, name):
+    async with KVServer(url, pool_size=16 * MiB):
+        pool = eng.host_pool("mha", "page_first")
+        eng.fill(pool, seed=3)
+        s = await run(attach, url, pool, v1=False, enable_storage_metrics=True, namespace="sglang-test")
+
+        def calls():
+            p0 = pool.get_data_page(0)
+            assert s.set("p0", p0) is True
+            assert s.exists("p0") and not s.exists("nope")
+            out = pool.get_dummy_flat_data_page()
+            assert s.get("p0", out) is out and page_of(out) == page_of(p0)
+            assert s.get("nope", pool.get_dummy_flat_data_page()) is None
+            assert page_of(s.get("p0")) == page_of(p0)  # no target: a dummy page of the host pool
+            buf = torch.zeros(p0.numel() * p0.element_size(), dtype=torch.uint8)
+            assert s.get("p0", buf.data_ptr(), buf.numel()) == buf.data_ptr()  # address form
+            assert buf.numpy().tobytes() == page(pool, 0)
+            assert s.set("p-raw", None, p0.data_ptr(), buf.numel())
+            assert page_of(s.get("p-raw", pool.get_dummy_flat_data_page())) == page(pool, 0)
+
+            pages = [pool.get_data_page(i * P) for i in range(1, 5)]
+            assert s.batch_set(["p1", "p2", "p3", "p4"], pages) is True
+            got = s.batch_get(["p1", "p2", "gone", "p3", "p4"],
+                              [pool.get_dummy_flat_data_page() for _ in range(5)])
+            assert got[2] is None
+            assert [page_of(g) for g in got[:2] + got[3:]] == [page_of(p) for p in pages]
+            assert s.batch_get([], []) == [] and s.batch_set([], []) is True
+            assert s.batch_exists(["p0", "p1", "p2", "gone", "p3"]) == 3
+            assert s.batch_exists([]) == 0
+
+            stats = s.get_stats()
+            assert isinstance(stats, storage_metrics_class())
+            assert sum(stats.backup_pgs) == 6 and sum(stats.prefetch_pgs) >= 6
+            assert all(bw > 0 for bw in stats.backup_bandwidth)
+            assert s.get_stats().backup_pgs == []  # reset by each call
+            assert s.kv_stats()["namespaces"]["sglang-test"]
+            assert s.clear() is True
+            assert s.batch_exists(["p0", "p1"]) == 0 and not s.exists("p-raw")
+            s.close()
+            s.close()  # idempotent
+
+        await run(calls)
+
+
+def page_of(t) -> bytes:
+    return t.view(-1).view(torch.uint8).numpy().tobytes()
+
+
+def test_storage_metrics_from_either_module(monkeypatch):
+    """StorageMetrics comes from sglang.srt.observability.metrics_collector (0.5.23) and, on
+    an SGLang without it, from sglang.srt.metrics.collector."""
+    from sglang.srt.observability.metrics_collector import StorageMetrics
+
+    assert storage_metrics_class() is StorageMetrics
+    assert "sglang.srt.metrics.collector" not in sys.modules
+    old = types.ModuleType("sglang.srt.metrics.collector")
+    old.StorageMetrics = type("StorageMetrics", (), {})
+    monkeypatch.setitem(sys.modules, "sglang.srt.observability.metrics_collector", None)
+    monkeypatch.setitem(sys.modules, "sglang.srt.metrics", types.ModuleType("sglang.srt.metrics"))
+    monkeypatch.setitem(sys.modules, "sglang.srt.metrics.collector", old)
+    assert storage_metrics_class() is old.StorageMetrics
+
+
+async def test_metrics_off_and_pool_full(url):
+    """Without storage metrics get_stats is None; a full pool fails a set (False)."""
+    async with KVServer(url, pool_size=1 * MiB):
+        pool = eng.host_pool("mla", "page_first")
+        s = await run(attach, url, pool, kind="mla")
+
+        def calls():
+            assert s.get_stats() is None
+            assert s.set("too-big", torch.zeros(2 * MiB, dtype=torch.uint8)) is False
+            assert not s.exists("too-big")
+            s.close()
+
+        await run(calls)
+
+
+async def test_file_region(tmp_path):
+    path = tmp_path / "kv.region"
+    async with KVServer(f"file://{path}", pool_size=8 * MiB):
+        pool = eng.host_pool("mha", "layer_first")
+        eng.fill(pool, seed=5)
+        s = await run(attach, f"file://{path}", pool)
+        try:
+            assert s.service_url == f"file://{path}"
+            hashes = get_storage_hash_str(list(range(2 * P)), None, P)
+            assert await run(s.batch_set_v1, hashes, torch.arange(2 * P)) == [True, True]
+            assert await run(s.batch_exists, hashes) == 2
+        finally:
+            await run(s.close)
+
+
+async def test_service_gone(url):
+    """Once the service is gone the backend reports misses and failed writes, never raises
+    into SGLang's storage threads."""
+    pool = eng.host_pool("mha", "page_first")
+    server = KVServer(url, pool_size=8 * MiB)
+    await server.start()
+    try:
+        s = await run(attach, url, pool)
+        assert await run(s.set, "p", pool.get_data_page(0))
+    finally:
+        await server.close()
+
+    def calls():
+        assert s.batch_exists(["p"]) == 0 and s.exists("p") is False
+        assert s.batch_get(["p"], [pool.get_dummy_flat_data_page()]) == [None]
+        assert s.set("q", pool.get_data_page(P)) is False
+        assert s.batch_get_v1(["p"], torch.arange(P)) == [False]
+        assert s.batch_set_v1(["p"], torch.arange(P)) == [False]
+        s.close()
+
+    await run(calls)
+
+
+# ---- hybrid pools: the v2 interface ----------------------------------------------------------
+
+class _NoPageMeta:
+    page_size = P
+
+
+async def test_v2_hybrid_pools_round_trip(url):
+    """A KV pool and an SWA pool (both real MHA host pools) registered through
+    register_mem_host_pool_v2: batch_set_v2 stores both, a fresh backend with fresh pools finds
+    them (batch_exists_v2, per hit policy) and loads them (batch_get_v2), byte for byte."""
+    async with KVServer(url, pool_size=32 * MiB):
+        kv, swa = eng.host_pool("mha", "page_first"), eng.host_pool("mha", "layer_first")
+        eng.fill(kv, seed=11)
+        eng.fill(swa, seed=12)
+        w = await run(attach, url, kv)
+        r = None
+        try:
+            w.register_mem_host_pool_v2(kv, PoolName.KV)
+            w.register_mem_host_pool_v2(swa, PoolName.SWA)
+            with pytest.raises(TypeError, match="get_page_buffer_meta"):
+                w.register_mem_host_pool_v2(_NoPageMeta(), PoolName.MAMBA)
+            hashes = get_storage_hash_str(list(range(6 * P)), None, P)
+            src = torch.arange(P, 7 * P)
+            res = await run(w.batch_set_v2, [
+                PoolTransfer(PoolName.KV, host_indices=src, keys=hashes),
+                PoolTransfer(PoolName.SWA, host_indices=src[-2 * P:], keys=hashes[-2:]),
+                PoolTransfer(PoolName.MAMBA, host_indices=src[:P], keys=hashes[:1])])
+            assert res == {PoolName.KV: [True] * 6, PoolName.SWA: [True] * 2,
+                           PoolName.MAMBA: [False]}  # never registered: refused, logged
+
+            kv2, swa2 = eng.host_pool("mha", "page_first"), eng.host_pool("mha", "layer_first")
+            r = await run(attach, url, kv2)
+            r.register_mem_host_pool_v2(kv2, PoolName.KV)
+            r.register_mem_host_pool_v2(swa2, PoolName.SWA)
+            trailing = PoolTransfer(PoolName.SWA, keys=hashes[-2:],
+                                    hit_policy=PoolHitPolicy.TRAILING_PAGES)
+            hit = await run(r.batch_exists_v2, hashes, [trailing])
+            assert (hit.kv_hit_pages, hit.restorable_prefix_pages) == (6, [6])
+            assert hit.extra_pool_hit_pages == {PoolName.KV: 6, PoolName.SWA: 6}
+            every = PoolTransfer(PoolName.SWA, keys=hashes, hit_policy=PoolHitPolicy.ALL_PAGES)
+            assert (await run(r.batch_exists_v2, hashes, [every])).kv_hit_pages == 0
+            with pytest.raises(ValueError, match="hit policy"):
+                await run(r.batch_exists_v2, hashes, [PoolTransfer(
+                    PoolName.SWA, keys=hashes, hit_policy=PoolHitPolicy.BLOCK_GROUPS)])
+
+            dst = torch.arange(20 * P, 26 * P)
+            got = await run(r.batch_get_v2, [
+                PoolTransfer(PoolName.KV, host_indices=dst, keys=hashes),
+                PoolTransfer(PoolName.SWA, host_indices=dst[-2 * P:], keys=hashes[-2:])])
+            assert got == {PoolName.KV: [True] * 6, PoolName.SWA: [True] * 2}
+            assert [page(kv2, (20 + i) * P) for i in range(6)] == [page(kv, (1 + i) * P)
+                                                                   for i in range(6)]
+            assert [page(swa2, (24 + i) * P) for i in range(2)] == [page(swa, (5 + i) * P)
+                                                                    for i in range(2)]
+            # the KV pool's v2 pages are its v1 pages: one key per page hash
+            assert await run(r.batch_get_v1, hashes[:1], torch.arange(30 * P, 31 * P)) == [True]
+            assert page(kv2, 30 * P) == page(kv, P)
+        finally:
+            await run(w.close)
+            if r is not None:
+                await run(r.close)
+
+
+# ---- bad input from the engine ---------------------------------------------------------------
+
+async def test_bad_input_is_refused_not_crashed(url):
+    async with KVServer(url, pool_size=16 * MiB), KVClient.connect(url) as client:
+        pool = eng.host_pool("mha", "page_first")
+        eng.fill(pool, seed=21)
+        s = await run(attach, url, pool)
+
+        def calls():
+            hashes = get_storage_hash_str(list(range(2 * P)), None, P)
+            assert s.batch_set_v1(hashes, torch.arange(2 * P)) == [True, True]
+            before = raw(pool)
+            # host indices past the pool (slot `size` of K is V's slot 0 in this layout),
+            # negative, or not one page per key: refused, and the pool is left untouched
+            assert s.batch_get_v1(hashes[:1], torch.arange(pool.size, pool.size + P)) == [False]
+            assert s.batch_get_v1(hashes[:1], torch.arange(-P, 0)) == [False]
+            assert s.batch_get_v1(hashes, torch.arange(P)) == [False, False]
+            assert s.batch_set_v1(["x"], torch.arange(pool.size, pool.size + P)) == [False]
+            assert raw(pool) == before
+
+            # a target of the wrong size is a miss, and stays as it was
+            small = torch.full((pool.get_dummy_flat_data_page().numel() - 1,), 7,
+                               dtype=pool.dtype)
+            assert s.get(hashes[0], small) is None
+            assert bool((small == 7).all())
+
+            # a key over kvservice's limit is a miss / a failed write, and ends a prefix
+            long = "k" * MAX_KEY_BYTES
+            assert s.set(long, pool.get_data_page(0)) is False
+            assert s.get(long, pool.get_dummy_flat_data_page()) is None
+            assert s.exists(long) is False
+            assert s.batch_exists([hashes[0], long, hashes[1]]) == 1
+            assert s.batch_set_v1([long], torch.arange(P)) == [False]
+            assert s.batch_get_v1([hashes[0], long], torch.arange(4 * P, 6 * P)) == [True, False]
+
+            s.close()
+            for call in (lambda: s.get(hashes[0]), lambda: s.set("y", pool.get_data_page(0)),
+                         lambda: s.exists(hashes[0]), lambda: s.batch_exists(hashes),
+                         lambda: s.batch_get_v1(hashes, torch.arange(2 * P)),
+                         lambda: s.batch_set_v1(hashes, torch.arange(2 * P)),
+                         lambda: s.batch_set_v2([]), lambda: s.clear()):
+                with pytest.raises(RuntimeError, match="closed"):
+                    call()
+
+        await run(calls)
+        # the service is fine afterwards
+        assert await client.exists(hashes_key(pool, s), "sglang")
+
+
+def hashes_key(pool, s) -> str:
+    return get_storage_hash_str(list(range(2 * P)), None, P)[0] + s.suffix

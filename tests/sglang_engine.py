@@ -28,6 +28,7 @@ PAGES = 8         # pages each combination stores
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 KINDS = ("mha", "mla")
 PATHS = ("generic", "interface_v1")
+SWA_PAGES = 2     # the sliding window's pages a hybrid model keeps per prefix
 EXTRA = {"backend_name": "kvservice", "module_path": "kvservice.integrations.sglang",
          "class_name": "KVServiceHiCacheStorage", "url": "kvservice://kv",
          "namespace": "sglang", "interface_v1": 1}
@@ -89,6 +90,46 @@ def host_pool(kind: str, layout: str, slots: int = 64) -> Any:
                                 device_capacity_tokens=dev.size, start_layer=dev.start_layer,
                                 end_layer=dev.end_layer, target_layer_num=dev.layer_num,
                                 override_kv_cache_dim=dev.kv_cache_dim, **host)
+
+
+def hybrid_swa_group(layout: str = "page_first") -> Any:
+    """SGLang's ``HostPoolGroup`` of a hybrid sliding-window model on CPU: a real ``SWAKVPool``
+    (full-attention layers 1 and 3, SWA layers 0 and 2) and a host pool for each of its
+    sub-pools, entries ``kv`` (the anchor) and ``swa`` as SGLang's assembler names them."""
+    load_sglang()
+    import torch
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import (_mha_host_inputs,
+                                                                         build_pool_entry)
+    from sglang.srt.mem_cache.pool_host import HostPoolGroup
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+    dev = SWAKVPool(size=64, size_swa=32, page_size=PAGE, dtype=torch.bfloat16, head_num=2,
+                    head_dim=8, swa_attention_layer_ids=[0, 2], full_attention_layer_ids=[1, 3],
+                    device="cpu")
+
+    def host(pool: Any) -> Any:
+        cls, info, kw = _mha_host_inputs(pool)
+        return cls(info, **kw, host_to_device_ratio=2.0, host_size=0, page_size=PAGE,
+                   layout=layout, pin_memory=False, device="cpu")
+
+    return HostPoolGroup([
+        build_pool_entry(name=PoolName.KV, host_pool=host(dev.full_kv_pool),
+                         device_pool=dev.full_kv_pool, layer_mapping={1: 0, 3: 1},
+                         transfer_layer_id_max=4, is_anchor=True),
+        build_pool_entry(name=PoolName.SWA, host_pool=host(dev.swa_kv_pool),
+                         device_pool=dev.swa_kv_pool, layer_mapping={0: 0, 2: 1},
+                         transfer_layer_id_max=4)])
+
+
+def attach_group(storage: Any, group: Any) -> Any:
+    """Register a host pool group as SGLang's ``HybridCacheController.attach_storage_backend``
+    does: the anchor's pool, then every entry through the v2 call."""
+    storage.register_mem_pool_host(group.anchor_entry.host_pool)
+    for entry in group.entries:
+        storage.register_mem_host_pool_v2(entry.host_pool, entry.name)
+    storage.on_host_pools_registered()
+    return storage
 
 
 def fill(pool: Any, seed: int) -> None:
@@ -155,6 +196,52 @@ def page_bytes(pool: Any, first_slot: int) -> list[bytes]:
             .numpy().tobytes() for i in range(PAGES)]
 
 
+def run_hybrid(role: str, url: str, out: Path) -> dict[str, Any]:
+    """The hybrid SWA model's storage traffic: KV pages through the controller's zero-copy
+    path, the sliding window's last SWA_PAGES pages through the v2 calls (as SGLang's hybrid
+    controller backs them up and prefetches them)."""
+    import torch
+    from sglang.srt.managers.cache_controller import HiCacheController
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    from kvservice.integrations.sglang import _tensors
+
+    group = hybrid_swa_group()
+    kv, swa = group.get_pool(PoolName.KV), group.get_pool(PoolName.SWA)
+    storage = attach_group(backend(url, "mha", True), group)
+    try:
+        hashes = get_storage_hash_str(list(range(7_000_000, 7_000_000 + PAGES * PAGE)), None,
+                                      PAGE)
+        first = 2 if role == "write" else 5
+        kv_slots = torch.arange(first * PAGE, (first + PAGES) * PAGE)
+        swa_slots = torch.arange(first * PAGE, (first + SWA_PAGES) * PAGE)
+        window = PoolTransfer(PoolName.SWA, host_indices=swa_slots, keys=hashes[-SWA_PAGES:],
+                              hit_policy=PoolHitPolicy.TRAILING_PAGES)
+        ctrl = controller(kv, storage)
+        if role == "write":
+            fill(kv, seed=101)
+            fill(swa, seed=102)
+            swa_ok = storage.batch_set_v2([window])[PoolName.SWA]
+            kv_ok = HiCacheController._page_set_zero_copy(ctrl, hashes, kv_slots)
+            summary = {"stored": PAGES if kv_ok else 0, "swa_stored": sum(swa_ok)}
+        else:
+            for t in _tensors(kv.kv_buffer) + _tensors(swa.kv_buffer):
+                t.zero_()
+            hit = storage.batch_exists_v2(hashes, [window])
+            kv_read = HiCacheController._page_get_zero_copy(ctrl, _Op(), hashes, kv_slots)
+            swa_read = storage.batch_get_v2([window])[PoolName.SWA]
+            summary = {"hit": hit.kv_hit_pages, "swa_hit": hit.extra_pool_hit_pages.get("swa"),
+                       "read": kv_read, "swa_read": sum(swa_read)}
+        suffix = "w" if role == "write" else "r"
+        (out / f"swa-hybrid-kv.{suffix}").write_bytes(b"".join(page_bytes(kv, first * PAGE)))
+        (out / f"swa-hybrid-swa.{suffix}").write_bytes(
+            b"".join(page_bytes(swa, first * PAGE)[:SWA_PAGES]))
+    finally:
+        storage.close()
+    return summary
+
+
 def run(role: str, url: str, out: Path) -> dict[str, Any]:
     """One engine process: store (write) or load (read) every combination's pages."""
     load_sglang()
@@ -182,7 +269,7 @@ def run(role: str, url: str, out: Path) -> dict[str, Any]:
                         set_fn = (HiCacheController._page_set_zero_copy if v1
                                   else HiCacheController._generic_page_set)
                         ok = set_fn(ctrl, hashes, slots)
-                        summary[name] = {"stored": bool(ok) and PAGES,
+                        summary[name] = {"stored": PAGES if ok else 0,
                                          "bytes": len(b"".join(page_bytes(pool, 2 * PAGE)))}
                         (out / f"{name}.w").write_bytes(b"".join(page_bytes(pool, 2 * PAGE)))
                     else:
@@ -197,6 +284,7 @@ def run(role: str, url: str, out: Path) -> dict[str, Any]:
                         (out / f"{name}.r").write_bytes(b"".join(page_bytes(pool, 5 * PAGE)))
                 finally:
                     storage.close()
+    summary["swa-hybrid"] = run_hybrid(role, url, out)
     return summary
 
 

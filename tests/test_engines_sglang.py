@@ -75,20 +75,27 @@ async def test_pages_round_trip_across_two_processes(url, tmp_path):
             assert proc.returncode == 0, err.decode()[-3000:]
             summaries[role] = json.loads(out.decode().strip().splitlines()[-1])
     combos = [f"{k}-{lay}-{p}" for k in eng.KINDS for lay in eng.LAYOUTS for p in eng.PATHS]
-    assert sorted(summaries["write"]) == sorted(combos) == sorted(summaries["read"])
-    compared = 0
+    assert sorted(summaries["write"]) == sorted(combos + ["swa-hybrid"]) == sorted(
+        summaries["read"])
     for name in combos:
         assert summaries["write"][name]["stored"] == eng.PAGES, name
         assert summaries["read"][name] == {"hit": eng.PAGES, "read": eng.PAGES}, name
+    n, w = eng.PAGES, eng.SWA_PAGES
+    assert summaries["write"]["swa-hybrid"] == {"stored": n, "swa_stored": w}
+    assert summaries["read"]["swa-hybrid"] == {"hit": n, "swa_hit": n, "read": n, "swa_read": w}
+    compared = pages = 0
+    for name, count in [(c, n) for c in combos] + [("swa-hybrid-kv", n), ("swa-hybrid-swa", w)]:
         written = (tmp_path / f"{name}.w").read_bytes()
         read = (tmp_path / f"{name}.r").read_bytes()
-        size = len(written) // eng.PAGES
+        size = len(written) // count
         assert size and len(read) == len(written)
         assert any(written), name  # the writer's random pages, not an all-zero pool
-        for i in range(eng.PAGES):
+        for i in range(count):
             assert read[i * size:(i + 1) * size] == written[i * size:(i + 1) * size], (name, i)
         compared += len(read)
-    print(f"\n{len(combos)} combinations x {eng.PAGES} pages, {compared} bytes compared")
+        pages += count
+    print(f"\n{len(combos)} combinations x {n} pages + a hybrid SWA model ({n} KV, {w} SWA "
+          f"pages): {pages} pages, {compared} bytes compared")
 
 
 # ---- the factory, the paths, every method ----------------------------------------------------
@@ -106,6 +113,9 @@ async def test_factory_builds_backend_from_extra_config(url, name):
         mla = await run(eng.backend, url, "mla", False)
         try:
             assert mla.suffix == "_Qwen-Qwen3-0.6B" and mla.tp_suffix == "_Qwen-Qwen3-0.6B_0_1"
+            # pool pages are named as SGLang's file backend names them (Mamba state per rank)
+            assert [mla._key("h", n) for n in (PoolName.KV, PoolName.SWA, PoolName.MAMBA)] == [
+                "h_Qwen-Qwen3-0.6B", "h.swa_Qwen-Qwen3-0.6B", "h.mamba_Qwen-Qwen3-0.6B_0_1"]
         finally:
             await run(mla.close)
 
@@ -255,33 +265,37 @@ class _NoPageMeta:
 
 
 async def test_v2_hybrid_pools_round_trip(url):
-    """A KV pool and an SWA pool (both real MHA host pools) registered through
-    register_mem_host_pool_v2: batch_set_v2 stores both, a fresh backend with fresh pools finds
-    them (batch_exists_v2, per hit policy) and loads them (batch_get_v2), byte for byte."""
+    """SGLang's host pool group of a hybrid SWA model (a real SWAKVPool's full and SWA
+    sub-pools), registered as its hybrid controller does: batch_set_v2 stores both pools' pages,
+    a fresh backend over a fresh group finds them (batch_exists_v2, per hit policy) and loads
+    them (batch_get_v2), byte for byte; what it cannot serve is refused, logged."""
     async with KVServer(url, pool_size=32 * MiB):
-        kv, swa = eng.host_pool("mha", "page_first"), eng.host_pool("mha", "layer_first")
+        group = eng.hybrid_swa_group()
+        kv, swa = group.get_pool(PoolName.KV), group.get_pool(PoolName.SWA)
         eng.fill(kv, seed=11)
         eng.fill(swa, seed=12)
-        w = await run(attach, url, kv)
+        w = eng.attach_group(await run(eng.backend, url, "mha", True), group)
         r = None
         try:
-            w.register_mem_host_pool_v2(kv, PoolName.KV)
-            w.register_mem_host_pool_v2(swa, PoolName.SWA)
             with pytest.raises(TypeError, match="get_page_buffer_meta"):
                 w.register_mem_host_pool_v2(_NoPageMeta(), PoolName.MAMBA)
             hashes = get_storage_hash_str(list(range(6 * P)), None, P)
             src = torch.arange(P, 7 * P)
             res = await run(w.batch_set_v2, [
                 PoolTransfer(PoolName.KV, host_indices=src, keys=hashes),
-                PoolTransfer(PoolName.SWA, host_indices=src[-2 * P:], keys=hashes[-2:]),
+                PoolTransfer(PoolName.SWA, host_indices=src[:2 * P], keys=hashes[-2:]),
                 PoolTransfer(PoolName.MAMBA, host_indices=src[:P], keys=hashes[:1])])
             assert res == {PoolName.KV: [True] * 6, PoolName.SWA: [True] * 2,
                            PoolName.MAMBA: [False]}  # never registered: refused, logged
+            # SWA slots past its pool (68 slots here) are refused, not written
+            past = torch.arange(swa.size, swa.size + P)
+            assert (await run(w.batch_get_v2, [PoolTransfer(PoolName.SWA, host_indices=past,
+                                                             keys=hashes[:1])])
+                    == {PoolName.SWA: [False]})
 
-            kv2, swa2 = eng.host_pool("mha", "page_first"), eng.host_pool("mha", "layer_first")
-            r = await run(attach, url, kv2)
-            r.register_mem_host_pool_v2(kv2, PoolName.KV)
-            r.register_mem_host_pool_v2(swa2, PoolName.SWA)
+            group2 = eng.hybrid_swa_group()
+            kv2, swa2 = group2.get_pool(PoolName.KV), group2.get_pool(PoolName.SWA)
+            r = eng.attach_group(await run(eng.backend, url, "mha", True), group2)
             trailing = PoolTransfer(PoolName.SWA, keys=hashes[-2:],
                                     hit_policy=PoolHitPolicy.TRAILING_PAGES)
             hit = await run(r.batch_exists_v2, hashes, [trailing])
@@ -289,6 +303,7 @@ async def test_v2_hybrid_pools_round_trip(url):
             assert hit.extra_pool_hit_pages == {PoolName.KV: 6, PoolName.SWA: 6}
             every = PoolTransfer(PoolName.SWA, keys=hashes, hit_policy=PoolHitPolicy.ALL_PAGES)
             assert (await run(r.batch_exists_v2, hashes, [every])).kv_hit_pages == 0
+            assert (await run(r.batch_exists_v2, hashes, [])).kv_hit_pages == 6
             with pytest.raises(ValueError, match="hit policy"):
                 await run(r.batch_exists_v2, hashes, [PoolTransfer(
                     PoolName.SWA, keys=hashes, hit_policy=PoolHitPolicy.BLOCK_GROUPS)])
@@ -296,11 +311,11 @@ async def test_v2_hybrid_pools_round_trip(url):
             dst = torch.arange(20 * P, 26 * P)
             got = await run(r.batch_get_v2, [
                 PoolTransfer(PoolName.KV, host_indices=dst, keys=hashes),
-                PoolTransfer(PoolName.SWA, host_indices=dst[-2 * P:], keys=hashes[-2:])])
+                PoolTransfer(PoolName.SWA, host_indices=dst[:2 * P] - 10 * P, keys=hashes[-2:])])
             assert got == {PoolName.KV: [True] * 6, PoolName.SWA: [True] * 2}
             assert [page(kv2, (20 + i) * P) for i in range(6)] == [page(kv, (1 + i) * P)
                                                                    for i in range(6)]
-            assert [page(swa2, (24 + i) * P) for i in range(2)] == [page(swa, (5 + i) * P)
+            assert [page(swa2, (10 + i) * P) for i in range(2)] == [page(swa, (1 + i) * P)
                                                                     for i in range(2)]
             # the KV pool's v2 pages are its v1 pages: one key per page hash
             assert await run(r.batch_get_v1, hashes[:1], torch.arange(30 * P, 31 * P)) == [True]

@@ -25,8 +25,10 @@ is the host pool's flat data page (``get_data_page(i, flat=True)``). SGLang reac
   value into the flat page tensors SGLang hands in, ``batch_set(keys, pages)`` stores them;
 - the zero-copy path (``"interface_v1": 1`` in the extra config): ``batch_get_v1`` /
   ``batch_set_v1`` copy between the pool and the host KV buffer in place, through the page
-  pointers of ``mem_pool_host.get_page_buffer_meta`` (a page's buffers, in that order, are its
-  flat data page in the page-first layouts SGLang's zero-copy backends require).
+  pointers of ``mem_pool_host.get_page_buffer_meta``, stored in that order: the flat data
+  page in every layout SGLang 0.5.23 stores from (``layer_first``, ``page_first``,
+  ``page_first_direct``) but MHA's ``layer_first``, where K and V alternate per layer (so
+  there the two paths do not read each other's pages).
 
 Either way one ``batch_get`` RPC leases a whole batch and one copy moves each page;
 ``batch_exists`` is one ``lookup_prefix`` RPC.
@@ -37,9 +39,9 @@ pool ``P`` is stored under ``{hash}.{P}`` (the KV pool's under ``{hash}``, so v1
 it), copied through that pool's page buffers as in the zero-copy path.
 
 Bad input from the engine never reaches memory it does not own: host indices outside the pool,
-or page buffers the pool reports outside its own tensors, raise ``ValueError``; a key longer than
-kvservice's limit is a miss (False); a wrong-sized target is a miss; a closed backend raises
-``RuntimeError``.
+not one page per key, or page buffers the pool reports outside its own tensors fail the
+transfer (all False, logged); a key longer than kvservice's limit and a target of the wrong
+size are misses (None/False); a closed backend raises ``RuntimeError``.
 """
 from __future__ import annotations
 

@@ -158,93 +158,9 @@ def _copy_out(block: Block, parts: Sequence[memoryview]) -> bool:
     return True
 
 
-class _HybridPools:
-    """SGLang's v2 calls for hybrid models: one host pool per ``PoolName``, each page copied
-    through its pool's page buffers (see the module docstring)."""
-
-    registered_pools: dict
-
-    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
-        """Remember ``host_pool`` under its name; refuses, at registration, a pool that cannot
-        describe its pages (no ``get_page_buffer_meta``)."""
-        if not callable(getattr(host_pool, "get_page_buffer_meta", None)):
-            raise TypeError(f"host pool {host_pool_name!s} ({type(host_pool).__name__}) has no "
-                            "get_page_buffer_meta: kvservice cannot move its pages")
-        if not hasattr(self, "registered_pools"):
-            self.registered_pools = {}
-        self.registered_pools[host_pool_name] = host_pool
-
-    def _pool_pages(self, transfer: Any) -> list[list[memoryview]] | None:
-        pool = getattr(self, "registered_pools", {}).get(transfer.name)
-        if pool is None:
-            logger.error("no host pool registered as %s", transfer.name)
-            return None
-        if transfer.host_indices is None:
-            logger.error("pool %s: a transfer without host indices", transfer.name)
-            return None
-        try:
-            return page_views(pool, transfer.keys or [], transfer.host_indices)
-        except ValueError as exc:
-            logger.error("pool %s: %s", transfer.name, exc)
-            return None
-
-    def batch_set_v2(self, transfers: List[Any], extra_info: Optional[Any] = None
-                     ) -> dict[str, List[bool]]:
-        """Store each transfer's pages from its host pool; per pool, one bool per page."""
-        self._check_open()
-        out: dict[str, List[bool]] = {}
-        for t in transfers:
-            keys = list(t.keys or [])
-            pages = self._pool_pages(t) if keys else []
-            out[t.name] = ([False] * len(keys) if pages is None else
-                           self._set_pages([self._key(k, t.name) for k in keys], pages))
-        return out
-
-    def batch_get_v2(self, transfers: List[Any], extra_info: Optional[Any] = None
-                     ) -> dict[str, List[bool]]:
-        """Copy each transfer's stored pages into its host pool; per pool, one bool per page."""
-        self._check_open()
-        out: dict[str, List[bool]] = {}
-        for t in transfers:
-            keys = list(t.keys or [])
-            pages = self._pool_pages(t) if keys else []
-            out[t.name] = ([False] * len(keys) if pages is None else
-                           self._get_pages([self._key(k, t.name) for k in keys], pages))
-        return out
-
-    def batch_exists_v2(self, keys: List[str], pool_transfers: Optional[List[Any]] = None,
-                        extra_info: Optional[Any] = None) -> Any:
-        """The usable prefix: the stored KV prefix, cut by each pool's hit policy
-        (``ALL_PAGES``: every page of the pool; ``TRAILING_PAGES``: the last
-        ``len(transfer.keys)`` pages before each stop point). Other policies raise
-        ``ValueError`` (SGLang logs it and treats the query as a miss)."""
-        from sglang.srt.mem_cache.hicache_storage import (PoolHitPolicy, PoolName,
-                                                          PoolTransferResult)
-
-        kv_pages = self.batch_exists(keys)
-        hits: dict[str, int] = {PoolName.KV: kv_pages} if kv_pages else {}
-        restorable = set(range(1, kv_pages + 1))
-        for t in pool_transfers or []:
-            if not restorable:
-                break
-            present = self._present([self._key(k, t.name) for k in keys[:kv_pages]])
-            if t.hit_policy == PoolHitPolicy.ALL_PAGES:
-                first_gap = present.index(False) if False in present else kv_pages
-                ok = set(range(1, first_gap + 1))
-            elif t.hit_policy == PoolHitPolicy.TRAILING_PAGES:
-                window = max(1, len(t.keys or ()))
-                ok = {n for n in range(1, kv_pages + 1) if all(present[max(0, n - window):n])}
-            else:
-                raise ValueError(f"pool {t.name}: unsupported hit policy {t.hit_policy}")
-            if ok:
-                hits[t.name] = max(ok)
-            restorable &= ok
-        stops = sorted(restorable)
-        return PoolTransferResult(stops[-1] if stops else 0, hits, stops)
-
-
-class KVServiceHiCacheStorage(_HybridPools, HiCacheStorage):
-    """SGLang ``HiCacheStorage`` over a kvservice (see the module docstring)."""
+class _KVServiceStorage(HiCacheStorage):
+    """SGLang's single-pool ``HiCacheStorage`` calls over a kvservice: the generic and the
+    zero-copy (v1) interfaces (see the module docstring)."""
 
     def __init__(self, storage_config: HiCacheStorageConfig | None = None,
                  kwargs: dict | None = None) -> None:
@@ -261,8 +177,8 @@ class KVServiceHiCacheStorage(_HybridPools, HiCacheStorage):
         self.kv = SyncKVClient.connect(self.service_url)
         self._lock = threading.Lock()
         self._stored: dict[str, None] = {}  # insertion-ordered set of keys stored here
-        self._metrics = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [],
-                         "backup_bandwidth": []}
+        self._metrics: dict[str, list[float]] = {
+            "prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [], "backup_bandwidth": []}
         self._closed = False
 
     # ---- helpers -------------------------------------------------------------------------
@@ -340,10 +256,11 @@ class KVServiceHiCacheStorage(_HybridPools, HiCacheStorage):
         is gathered into one value first)."""
         if not keys:
             return []
-        if None in keys:
+        full = [k for k in keys if k is not None]
+        if len(full) != len(keys):
             return [False] * len(keys)
         items = {k: parts[0] if len(parts) == 1 else b"".join(parts)
-                 for k, parts in zip(keys, pages)}
+                 for k, parts in zip(full, pages)}
         return [self._put(items, "backup")] * len(keys)
 
     def _get_pages(self, keys: List[str | None], pages: List[List[memoryview]]) -> List[bool]:
@@ -439,8 +356,8 @@ class KVServiceHiCacheStorage(_HybridPools, HiCacheStorage):
         sizes = list(target_sizes) if target_sizes is not None else [None] * n
         if not len(values) == len(locations) == len(sizes) == n:
             raise ValueError(f"{n} keys, {len(values)} values, {len(locations)} targets")
-        full = [self._key(k) for k in keys]
-        if None in full:
+        full = [k for k in map(self._key, keys) if k is not None]
+        if len(full) != n:
             return False
         try:
             items = {k: self._source(v, loc, s)
@@ -458,9 +375,12 @@ class KVServiceHiCacheStorage(_HybridPools, HiCacheStorage):
         """How many leading pages are stored: one lookup_prefix RPC (0 if the service fails;
         the prefix ends at a key over kvservice's limit)."""
         self._check_open()
-        full = [self._key(k) for k in keys]
-        if None in full:
-            full = full[:full.index(None)]
+        full: list[str] = []
+        for k in keys:  # the prefix ends at a key over the limit
+            key = self._key(k)
+            if key is None:
+                break
+            full.append(key)
         if not full:
             return 0
         try:
@@ -530,3 +450,89 @@ class KVServiceHiCacheStorage(_HybridPools, HiCacheStorage):
         if not self._closed:
             self._closed = True
             self.kv.close()
+
+
+class KVServiceHiCacheStorage(_KVServiceStorage):
+    """SGLang ``HiCacheStorage`` over a kvservice, with the v2 calls of hybrid models: one host
+    pool per ``PoolName``, each page copied through its pool's page buffers (see the module
+    docstring)."""
+
+    registered_pools: dict[Any, Any]
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """Remember ``host_pool`` under its name; refuses, at registration, a pool that cannot
+        describe its pages (no ``get_page_buffer_meta``)."""
+        if not callable(getattr(host_pool, "get_page_buffer_meta", None)):
+            raise TypeError(f"host pool {host_pool_name!s} ({type(host_pool).__name__}) has no "
+                            "get_page_buffer_meta: kvservice cannot move its pages")
+        if not hasattr(self, "registered_pools"):
+            self.registered_pools = {}
+        self.registered_pools[host_pool_name] = host_pool
+
+    def _pool_pages(self, transfer: Any) -> list[list[memoryview]] | None:
+        pool = getattr(self, "registered_pools", {}).get(transfer.name)
+        if pool is None:
+            logger.error("no host pool registered as %s", transfer.name)
+            return None
+        if transfer.host_indices is None:
+            logger.error("pool %s: a transfer without host indices", transfer.name)
+            return None
+        try:
+            return page_views(pool, transfer.keys or [], transfer.host_indices)
+        except ValueError as exc:
+            logger.error("pool %s: %s", transfer.name, exc)
+            return None
+
+    def batch_set_v2(self, transfers: List[Any], extra_info: Optional[Any] = None
+                     ) -> dict[str, List[bool]]:
+        """Store each transfer's pages from its host pool; per pool, one bool per page."""
+        self._check_open()
+        out: dict[str, List[bool]] = {}
+        for t in transfers:
+            keys = list(t.keys or [])
+            pages = self._pool_pages(t) if keys else []
+            out[t.name] = ([False] * len(keys) if pages is None else
+                           self._set_pages([self._key(k, t.name) for k in keys], pages))
+        return out
+
+    def batch_get_v2(self, transfers: List[Any], extra_info: Optional[Any] = None
+                     ) -> dict[str, List[bool]]:
+        """Copy each transfer's stored pages into its host pool; per pool, one bool per page."""
+        self._check_open()
+        out: dict[str, List[bool]] = {}
+        for t in transfers:
+            keys = list(t.keys or [])
+            pages = self._pool_pages(t) if keys else []
+            out[t.name] = ([False] * len(keys) if pages is None else
+                           self._get_pages([self._key(k, t.name) for k in keys], pages))
+        return out
+
+    def batch_exists_v2(self, keys: List[str], pool_transfers: Optional[List[Any]] = None,
+                        extra_info: Optional[Any] = None) -> Any:
+        """The usable prefix: the stored KV prefix, cut by each pool's hit policy
+        (``ALL_PAGES``: every page of the pool; ``TRAILING_PAGES``: the last
+        ``len(transfer.keys)`` pages before each stop point). Other policies raise
+        ``ValueError`` (SGLang logs it and treats the query as a miss)."""
+        from sglang.srt.mem_cache.hicache_storage import (PoolHitPolicy, PoolName,
+                                                          PoolTransferResult)
+
+        kv_pages = self.batch_exists(keys)
+        hits: dict[str, int] = {PoolName.KV: kv_pages} if kv_pages else {}
+        restorable = set(range(1, kv_pages + 1))
+        for t in pool_transfers or []:
+            if not restorable:
+                break
+            present = self._present([self._key(k, t.name) for k in keys[:kv_pages]])
+            if t.hit_policy == PoolHitPolicy.ALL_PAGES:
+                first_gap = present.index(False) if False in present else kv_pages
+                ok = set(range(1, first_gap + 1))
+            elif t.hit_policy == PoolHitPolicy.TRAILING_PAGES:
+                window = max(1, len(t.keys or ()))
+                ok = {n for n in range(1, kv_pages + 1) if all(present[max(0, n - window):n])}
+            else:
+                raise ValueError(f"pool {t.name}: unsupported hit policy {t.hit_policy}")
+            if ok:
+                hits[t.name] = max(ok)
+            restorable &= ok
+        stops = sorted(restorable)
+        return PoolTransferResult(stops[-1] if stops else 0, hits, stops)

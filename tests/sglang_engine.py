@@ -122,6 +122,23 @@ def hybrid_swa_group(layout: str = "page_first") -> Any:
                          transfer_layer_id_max=4)])
 
 
+def mamba_host_pool(slots: int = 8) -> Any:
+    """A real ``MambaPoolHost`` (page_first, one slot a page: the conv and temporal states of
+    two Mamba2 layers) over a real ``MambaPool`` on CPU."""
+    load_sglang()
+    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+    from sglang.srt.mem_cache.memory_pool import MambaPool
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+
+    shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=32, n_groups=1,
+                                    num_heads=2, head_dim=16, state_size=8, conv_kernel=4)
+    dev = MambaPool(size=slots, spec_state_size=0, cache_params=Mamba2CacheParams(
+        shape=shape, layers=[0, 2]), mamba_layer_ids=[0, 2], device="cpu")
+    return MambaPoolHost(dev.get_device_pool_infos()[0].buffer_info, 2.0, 0,
+                         device_capacity=dev.size, pin_memory=False, device="cpu",
+                         layout="page_first")
+
+
 def attach_group(storage: Any, group: Any) -> Any:
     """Register a host pool group as SGLang's ``HybridCacheController.attach_storage_backend``
     does: the anchor's pool, then every entry through the v2 call."""

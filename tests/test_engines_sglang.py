@@ -264,6 +264,15 @@ class _NoPageMeta:
     page_size = P
 
 
+class _FailingPageMeta:
+    """A pool whose page description fails (as SGLang's Mamba pool with slot side states
+    does): refused at registration, not on the first transfer."""
+    page_size = P
+
+    def get_page_buffer_meta(self, indices):
+        raise NotImplementedError("no zero-copy for this pool")
+
+
 async def test_v2_hybrid_pools_round_trip(url):
     """SGLang's host pool group of a hybrid SWA model (a real SWAKVPool's full and SWA
     sub-pools), registered as its hybrid controller does: batch_set_v2 stores both pools' pages,
@@ -279,6 +288,8 @@ async def test_v2_hybrid_pools_round_trip(url):
         try:
             with pytest.raises(TypeError, match="get_page_buffer_meta"):
                 w.register_mem_host_pool_v2(_NoPageMeta(), PoolName.MAMBA)
+            with pytest.raises(TypeError, match="cannot move its pages"):
+                w.register_mem_host_pool_v2(_FailingPageMeta(), PoolName.MAMBA)
             hashes = get_storage_hash_str(list(range(6 * P)), None, P)
             src = torch.arange(P, 7 * P)
             res = await run(w.batch_set_v2, [
@@ -287,11 +298,13 @@ async def test_v2_hybrid_pools_round_trip(url):
                 PoolTransfer(PoolName.MAMBA, host_indices=src[:P], keys=hashes[:1])])
             assert res == {PoolName.KV: [True] * 6, PoolName.SWA: [True] * 2,
                            PoolName.MAMBA: [False]}  # never registered: refused, logged
-            # SWA slots past its pool (68 slots here) are refused, not written
-            past = torch.arange(swa.size, swa.size + P)
+            # SWA slots past its pool (68 slots; slot 68 of K would be V's slot 0) are refused,
+            # and the pool is left as it was
+            before, past = raw(swa), torch.arange(swa.size, swa.size + P)
             assert (await run(w.batch_get_v2, [PoolTransfer(PoolName.SWA, host_indices=past,
-                                                             keys=hashes[:1])])
+                                                             keys=hashes[-1:])])
                     == {PoolName.SWA: [False]})
+            assert raw(swa) == before
 
             group2 = eng.hybrid_swa_group()
             kv2, swa2 = group2.get_pool(PoolName.KV), group2.get_pool(PoolName.SWA)
@@ -320,6 +333,50 @@ async def test_v2_hybrid_pools_round_trip(url):
             # the KV pool's v2 pages are its v1 pages: one key per page hash
             assert await run(r.batch_get_v1, hashes[:1], torch.arange(30 * P, 31 * P)) == [True]
             assert page(kv2, 30 * P) == page(kv, P)
+        finally:
+            await run(w.close)
+            if r is not None:
+                await run(r.close)
+
+
+async def test_v2_mamba_state_round_trip(url):
+    """A hybrid Mamba model: KV pages through the zero-copy path, the last page's Mamba state
+    (a real MambaPoolHost: conv and temporal buffers, one slot a page) through the v2 calls,
+    stored per TP rank as SGLang's file backend names it; a fresh backend over fresh pools
+    finds the prefix only while that trailing state is stored, and loads the same bytes."""
+    async with KVServer(url, pool_size=16 * MiB), KVClient.connect(url) as client:
+        kv, mamba = eng.host_pool("mha", "page_first"), eng.mamba_host_pool()
+        eng.fill(kv, seed=31)
+        eng.fill(mamba, seed=32)
+        w = await run(attach, url, kv)
+        r = None
+        try:
+            w.register_mem_host_pool_v2(kv, PoolName.KV)
+            w.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+            hashes = get_storage_hash_str(list(range(50_000, 50_000 + 4 * P)), None, P)
+            state = PoolTransfer(PoolName.MAMBA, host_indices=torch.tensor([3]),
+                                 keys=hashes[-1:], hit_policy=PoolHitPolicy.TRAILING_PAGES)
+            assert await run(w.batch_set_v1, hashes, torch.arange(4 * P)) == [True] * 4
+            assert await run(w.batch_set_v2, [state]) == {PoolName.MAMBA: [True]}
+            assert await client.exists(f"{hashes[-1]}.mamba{w.tp_suffix}", "sglang")
+
+            kv2, mamba2 = eng.host_pool("mha", "page_first"), eng.mamba_host_pool()
+            r = await run(attach, url, kv2)
+            r.register_mem_host_pool_v2(kv2, PoolName.KV)
+            r.register_mem_host_pool_v2(mamba2, PoolName.MAMBA)
+            probe = PoolTransfer(PoolName.MAMBA, keys=hashes[-1:],
+                                 hit_policy=PoolHitPolicy.TRAILING_PAGES)
+            hit = await run(r.batch_exists_v2, hashes, [probe])
+            assert (hit.kv_hit_pages, hit.restorable_prefix_pages) == (4, [4])
+            assert hit.extra_pool_hit_pages[PoolName.MAMBA] == 4
+            load = PoolTransfer(PoolName.MAMBA, host_indices=torch.tensor([6]), keys=hashes[-1:])
+            assert await run(r.batch_get_v2, [load]) == {PoolName.MAMBA: [True]}
+            assert page(mamba2, 6) == page(mamba, 3) and any(page(mamba, 3))
+            # without the trailing state no prefix is restorable
+            assert await client.remove(f"{hashes[-1]}.mamba{w.tp_suffix}", "sglang")
+            hit = await run(r.batch_exists_v2, hashes, [probe])
+            assert (hit.kv_hit_pages, hit.restorable_prefix_pages) == (0, [])
+            assert await run(r.batch_get_v2, [load]) == {PoolName.MAMBA: [False]}
         finally:
             await run(w.close)
             if r is not None:

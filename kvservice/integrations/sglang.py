@@ -52,6 +52,7 @@ from collections.abc import Sequence
 from typing import Any, List, Optional
 
 import numpy as np
+import torch
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
@@ -83,18 +84,30 @@ def storage_metrics_class() -> type:
 
 
 def _tensors(obj: Any) -> list[Any]:
-    """The tensors a host pool's ``kv_buffer`` holds (one, or a list/tuple of them)."""
-    if obj is None:
-        return []
+    """The tensors ``obj`` is or holds (a tensor, or a list/tuple of them)."""
     if isinstance(obj, (list, tuple)):
         return [t for o in obj for t in _tensors(o)]
-    return [obj] if hasattr(obj, "data_ptr") else []
+    return [obj] if hasattr(obj, "data_ptr") and hasattr(obj, "element_size") else []
+
+
+def _pool_ranges(pool: Any) -> list[tuple[int, int]]:
+    """The address ranges of every CPU tensor or array a host pool holds (``kv_buffer``, and
+    the other buffers some pools page from: Mamba's conv/temporal states, DSA's indexer)."""
+    ranges = []
+    for value in vars(pool).values():
+        for t in _tensors(value):
+            if t.device.type == "cpu":
+                ranges.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()))
+        for a in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(a, np.ndarray):
+                ranges.append((a.ctypes.data, a.ctypes.data + a.nbytes))
+    return ranges
 
 
 def page_views(pool: Any, keys: Sequence[str], host_indices: Any) -> list[list[memoryview]]:
     """Each page's host buffers (``pool.get_page_buffer_meta``), checked to lie inside the
     pool's own tensors so that bad indices raise ``ValueError`` instead of touching memory the
-    pool does not own."""
+    pool does not own (a pool without CPU tensors has no pages to give)."""
     page_size = getattr(pool, "page_size", 1) or 1
     n = len(host_indices)
     if n != len(keys) * page_size:
@@ -105,15 +118,17 @@ def page_views(pool: Any, keys: Sequence[str], host_indices: Any) -> list[list[m
         size = getattr(pool, "size", None)
         if lo < 0 or (size is not None and hi >= size):
             raise ValueError(f"host indices {lo}..{hi} outside the host pool of {size} slots")
-    ptrs, sizes = pool.get_page_buffer_meta(host_indices)
+    try:
+        ptrs, sizes = pool.get_page_buffer_meta(host_indices)
+    except (NotImplementedError, AssertionError, ValueError) as exc:
+        raise ValueError(f"{type(pool).__name__} cannot describe these pages: {exc!r}") from exc
     if not ptrs or len(ptrs) % len(keys) or len(ptrs) != len(sizes):
         raise ValueError(f"host pool gave {len(ptrs)} buffers for {len(keys)} pages")
-    ranges = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
-              for t in _tensors(getattr(pool, "kv_buffer", None))]
+    ranges = _pool_ranges(pool)
     views = []
     for p, sz in zip(ptrs, sizes):
         p, sz = int(p), int(sz)
-        if ranges and not any(a <= p and p + sz <= b for a, b in ranges):
+        if not any(a <= p and p + sz <= b for a, b in ranges):
             raise ValueError(f"host page buffer {p:#x}+{sz} lies outside the host pool")
         views.append(writable_bytes(p, sz))
     per = len(ptrs) // len(keys)
@@ -460,11 +475,19 @@ class KVServiceHiCacheStorage(_KVServiceStorage):
     registered_pools: dict[Any, Any]
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
-        """Remember ``host_pool`` under its name; refuses, at registration, a pool that cannot
-        describe its pages (no ``get_page_buffer_meta``)."""
+        """Remember ``host_pool`` under its name. Refuses, at registration (SGLang's attach then
+        fails with this error), a pool whose pages kvservice cannot move: no
+        ``get_page_buffer_meta``, or one that fails for the pool's first page (e.g. a Mamba
+        pool with slot side states)."""
         if not callable(getattr(host_pool, "get_page_buffer_meta", None)):
             raise TypeError(f"host pool {host_pool_name!s} ({type(host_pool).__name__}) has no "
                             "get_page_buffer_meta: kvservice cannot move its pages")
+        page_size = getattr(host_pool, "page_size", 1) or 1
+        try:
+            page_views(host_pool, ["probe"], torch.arange(page_size))
+        except ValueError as exc:
+            raise TypeError(f"host pool {host_pool_name!s}: kvservice cannot move its pages: "
+                            f"{exc}") from exc
         if not hasattr(self, "registered_pools"):
             self.registered_pools = {}
         self.registered_pools[host_pool_name] = host_pool

@@ -15,11 +15,15 @@ prints a JSON summary.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.abc
 import importlib.machinery
 import json
 import sys
+import threading
+import time
 import types
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +33,7 @@ LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 KINDS = ("mha", "mla")
 PATHS = ("generic", "interface_v1")
 SWA_PAGES = 2     # the sliding window's pages a hybrid model keeps per prefix
+MODEL = "Qwen/Qwen3-0.6B"
 EXTRA = {"backend_name": "kvservice", "module_path": "kvservice.integrations.sglang",
          "class_name": "KVServiceHiCacheStorage", "url": "kvservice://kv",
          "namespace": "sglang", "interface_v1": 1}
@@ -68,28 +73,108 @@ def load_sglang() -> None:
         sys.meta_path.append(_InertTorchvision())
 
 
-def host_pool(kind: str, layout: str, slots: int = 64) -> Any:
-    """A real SGLang host pool (MHA or MLA) over a real device pool, both on CPU tensors."""
+def device_pool(kind: str, slots: int = 64) -> Any:
+    """A real SGLang device KV pool (MHA or MLA) on CPU tensors."""
     load_sglang()
     import torch
-    from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _mha_host_inputs
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+
+    if kind == "mha":
+        return MHATokenToKVPool(size=slots, page_size=PAGE, dtype=torch.bfloat16, head_num=2,
+                                head_dim=8, layer_num=3, device="cpu", enable_memory_saver=False)
+    return MLATokenToKVPool(size=slots, page_size=PAGE, dtype=torch.bfloat16, kv_lora_rank=16,
+                            qk_rope_head_dim=8, layer_num=3, device="cpu",
+                            enable_memory_saver=False)
+
+
+def host_pool(kind: str, layout: str, slots: int = 64, dev: Any = None) -> Any:
+    """A real SGLang host pool (MHA or MLA) over a real device pool, both on CPU tensors."""
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _mha_host_inputs
     from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
+    dev = dev if dev is not None else device_pool(kind, slots)
     host = dict(host_to_device_ratio=2.0, host_size=0, page_size=PAGE, layout=layout,
                 pin_memory=False, device="cpu")
     if kind == "mha":
-        dev = MHATokenToKVPool(size=slots, page_size=PAGE, dtype=torch.bfloat16, head_num=2,
-                               head_dim=8, layer_num=3, device="cpu", enable_memory_saver=False)
         cls, info, kw = _mha_host_inputs(dev)
         return cls(info, **kw, **host)
-    dev = MLATokenToKVPool(size=slots, page_size=PAGE, dtype=torch.bfloat16, kv_lora_rank=16,
-                           qk_rope_head_dim=8, layer_num=3, device="cpu",
-                           enable_memory_saver=False)
     return MLATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info,
                                 device_capacity_tokens=dev.size, start_layer=dev.start_layer,
                                 end_layer=dev.end_layer, target_layer_num=dev.layer_num,
                                 override_kv_cache_dim=dev.kv_cache_dim, **host)
+
+
+@contextlib.contextmanager
+def engine(url: str, kind: str, layout: str, interface_v1: bool) -> Iterator[Any]:
+    """SGLang's own ``HiCacheController`` over real pools on CPU (one TP rank), the kvservice
+    backend attached by its own attach path from the command-line JSON, its storage threads
+    running; detached (threads stopped, backend closed) on exit."""
+    load_sglang()
+    import torch
+    from sglang.srt.managers.cache_controller import HiCacheController
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+    from sglang.srt.runtime_context import get_parallel
+
+    dev = device_pool(kind)
+    allocator = PagedTokenToKVPoolAllocator(dev.size, PAGE, torch.bfloat16, "cpu", dev, False)
+    arg = json.dumps({**EXTRA, "url": _service(url), "interface_v1": int(interface_v1)})
+    config, *_ = HybridCacheController.parse_storage_backend_extra_config(arg)
+    with get_parallel().override(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_dcp_size=1,
+                                 attn_dcp_rank=0):
+        ctrl = HiCacheController(allocator, host_pool(kind, layout, dev=dev), PAGE, None,
+                                 threading.Event(), io_backend="direct",
+                                 storage_backend="dynamic", model_name=MODEL,
+                                 storage_backend_extra_config=config)
+        try:
+            yield ctrl
+        finally:
+            ctrl.detach_storage_backend()
+
+
+def _wait(queue: Any, match: Any, deadline: float) -> Any:
+    """The first item of ``queue`` that ``match`` accepts, before ``deadline``."""
+    from queue import Empty
+
+    while time.monotonic() < deadline:
+        try:
+            item = queue.get(timeout=0.2)
+        except Empty:
+            continue
+        if match(item):
+            return item
+    raise TimeoutError("SGLang's storage threads did not answer in time")
+
+
+def backup(ctrl: Any, token_ids: list[int], host_indices: Any, timeout: float = 30) -> int:
+    """Back pages up as SGLang's tree cache does (``write_storage`` with the page hashes); the
+    tokens SGLang's backup thread reports stored."""
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    hashes = get_storage_hash_str(token_ids, None, PAGE)
+    op_id = ctrl.write_storage(host_indices, token_ids, hash_value=hashes)
+    op = _wait(ctrl.ack_backup_queue, lambda o: o.id == op_id, time.monotonic() + timeout)
+    return int(op.completed_tokens)
+
+
+def prefetch(ctrl: Any, rid: str, token_ids: list[int], timeout: float = 30
+             ) -> tuple[int, int, Any]:
+    """Prefetch as SGLang's scheduler does: the prefetch thread's hit query, host slots for the
+    hit, the I/O thread's transfer. (hit tokens, loaded tokens, host indices)."""
+    deadline = time.monotonic() + timeout
+    op = ctrl.prefetch(rid, token_ids)
+    _wait(ctrl.prefetch_hit_queue, lambda o: o is op, deadline)
+    hit = int(op.storage_hit_count)
+    if hit == 0:
+        return 0, 0, None
+    op.host_indices = ctrl.mem_pool_host.alloc(hit)
+    ctrl.prefetch_buffer.put(op)
+    loaded = 0
+    while True:
+        ack = _wait(ctrl.ack_prefetch_queue, lambda a: a.rid == rid, deadline)
+        loaded = max(loaded, ack.completed_tokens or 0)
+        if ack.completed_req:
+            return hit, loaded, op.host_indices
 
 
 def hybrid_swa_group(layout: str = "page_first") -> Any:
@@ -175,7 +260,7 @@ def backend(url: str, kind: str, interface_v1: bool, namespace: str = "sglang",
     storage_config = HiCacheStorageConfig(
         tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
         is_mla_model=kind == "mla", enable_storage_metrics=enable_storage_metrics,
-        is_page_first_layout=False, model_name="Qwen/Qwen3-0.6B", extra_config=config)
+        is_page_first_layout=False, model_name=MODEL, extra_config=config)
     return StorageBackendFactory.create_backend("dynamic", storage_config, None)
 
 
@@ -205,12 +290,12 @@ def tokens(kind: str, layout: str, path: str) -> list[int]:
     return list(range(base, base + PAGES * PAGE))
 
 
-def page_bytes(pool: Any, first_slot: int) -> list[bytes]:
-    """The flat data page of each of PAGES pages starting at ``first_slot``."""
+def page_bytes(pool: Any, starts: Any) -> list[bytes]:
+    """The flat data page starting at each slot of ``starts``."""
     import torch
 
-    return [pool.get_data_page(first_slot + i * PAGE, flat=True).view(-1).view(torch.uint8)
-            .numpy().tobytes() for i in range(PAGES)]
+    return [pool.get_data_page(int(i), flat=True).view(-1).view(torch.uint8).numpy().tobytes()
+            for i in starts]
 
 
 def run_hybrid(role: str, url: str, out: Path) -> dict[str, Any]:
@@ -251,56 +336,40 @@ def run_hybrid(role: str, url: str, out: Path) -> dict[str, Any]:
             summary = {"hit": hit.kv_hit_pages, "swa_hit": hit.extra_pool_hit_pages.get("swa"),
                        "read": kv_read, "swa_read": sum(swa_read)}
         suffix = "w" if role == "write" else "r"
-        (out / f"swa-hybrid-kv.{suffix}").write_bytes(b"".join(page_bytes(kv, first * PAGE)))
+        (out / f"swa-hybrid-kv.{suffix}").write_bytes(b"".join(page_bytes(kv, kv_slots[::PAGE])))
         (out / f"swa-hybrid-swa.{suffix}").write_bytes(
-            b"".join(page_bytes(swa, first * PAGE)[:SWA_PAGES]))
+            b"".join(page_bytes(swa, swa_slots[::PAGE])))
     finally:
         storage.close()
     return summary
 
 
 def run(role: str, url: str, out: Path) -> dict[str, Any]:
-    """One engine process: store (write) or load (read) every combination's pages."""
-    load_sglang()
+    """One engine process: for every (pool kind, layout, path), SGLang's controller backs pages
+    up (``write``) or prefetches them into a zeroed pool (``read``); pages' bytes saved."""
     import torch
-    from sglang.srt.managers.cache_controller import HiCacheController
-    from sglang.srt.mem_cache.utils import get_storage_hash_str
-
-    from kvservice.integrations.sglang import _tensors
 
     summary: dict[str, Any] = {}
     for kind in KINDS:
         for layout in LAYOUTS:
-            pool = host_pool(kind, layout)
             for path in PATHS:
-                v1 = path == "interface_v1"
-                storage = backend(url, kind, v1)
-                try:
-                    storage.register_mem_pool_host(pool)
-                    ctrl = controller(pool, storage)
-                    hashes = get_storage_hash_str(tokens(kind, layout, path), None, PAGE)
-                    name = f"{kind}-{layout}-{path}"
+                name = f"{kind}-{layout}-{path}"
+                token_ids = tokens(kind, layout, path)
+                with engine(url, kind, layout, path == "interface_v1") as ctrl:
+                    pool = ctrl.mem_pool_host
+                    facts = {"mla": ctrl.storage_config.is_mla_model,
+                             "zero_copy": ctrl.page_set_func.__name__ == "_page_set_zero_copy"}
                     if role == "write":
                         fill(pool, seed=len(summary) + 1)
                         slots = torch.arange(2 * PAGE, (2 + PAGES) * PAGE)
-                        set_fn = (HiCacheController._page_set_zero_copy if v1
-                                  else HiCacheController._generic_page_set)
-                        ok = set_fn(ctrl, hashes, slots)
-                        summary[name] = {"stored": PAGES if ok else 0,
-                                         "bytes": len(b"".join(page_bytes(pool, 2 * PAGE)))}
-                        (out / f"{name}.w").write_bytes(b"".join(page_bytes(pool, 2 * PAGE)))
+                        stored = backup(ctrl, token_ids, slots)
+                        summary[name] = {"stored": stored // PAGE, **facts}
+                        starts = slots[::PAGE]
                     else:
-                        for t in _tensors(pool.kv_buffer):
-                            t.zero_()
-                        hit = storage.batch_exists(hashes)
-                        slots = torch.arange(5 * PAGE, (5 + PAGES) * PAGE)
-                        get_fn = (HiCacheController._page_get_zero_copy if v1
-                                  else HiCacheController._generic_page_get)
-                        got = get_fn(ctrl, _Op(), hashes, slots)
-                        summary[name] = {"hit": hit, "read": got}
-                        (out / f"{name}.r").write_bytes(b"".join(page_bytes(pool, 5 * PAGE)))
-                finally:
-                    storage.close()
+                        hit, loaded, slots = prefetch(ctrl, name, token_ids)
+                        summary[name] = {"hit": hit // PAGE, "read": loaded // PAGE, **facts}
+                        starts = slots[::PAGE] if slots is not None else []
+                    (out / f"{name}.{role[0]}").write_bytes(b"".join(page_bytes(pool, starts)))
     summary["swa-hybrid"] = run_hybrid(role, url, out)
     return summary
 

@@ -57,9 +57,10 @@ def attach(url: str, pool, kind: str = "mha", v1: bool = True, **kw) -> KVServic
 
 @pytest.mark.timeout(300)
 async def test_pages_round_trip_across_two_processes(url, tmp_path):
-    """A writer process stores 8 pages per (pool kind, layout, path) through SGLang's controller
-    methods; a fresh reader process with its own pools finds and loads them: same bytes, page
-    by page."""
+    """A writer process backs up 8 pages per (pool kind, layout, path) through SGLang's own
+    HiCacheController (its backup thread); a fresh reader process with its own controller and
+    pools prefetches them (its prefetch and I/O threads): same bytes, page by page. Plus a
+    hybrid SWA model's KV and sliding-window pages through the v2 calls."""
     async with KVServer(url, pool_size=64 * MiB):
         summaries = {}
         for role in ("write", "read"):
@@ -78,8 +79,11 @@ async def test_pages_round_trip_across_two_processes(url, tmp_path):
     assert sorted(summaries["write"]) == sorted(combos + ["swa-hybrid"]) == sorted(
         summaries["read"])
     for name in combos:
-        assert summaries["write"][name]["stored"] == eng.PAGES, name
-        assert summaries["read"][name] == {"hit": eng.PAGES, "read": eng.PAGES}, name
+        # SGLang's controller derived MLA from the device pool, picked its page functions
+        # from "interface_v1", and its threads stored, found and loaded every page
+        facts = {"mla": name.startswith("mla"), "zero_copy": name.endswith("interface_v1")}
+        assert summaries["write"][name] == {"stored": eng.PAGES, **facts}, name
+        assert summaries["read"][name] == {"hit": eng.PAGES, "read": eng.PAGES, **facts}, name
     n, w = eng.PAGES, eng.SWA_PAGES
     assert summaries["write"]["swa-hybrid"] == {"stored": n, "swa_stored": w}
     assert summaries["read"]["swa-hybrid"] == {"hit": n, "swa_hit": n, "read": n, "swa_read": w}

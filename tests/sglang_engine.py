@@ -168,6 +168,8 @@ def prefetch(ctrl: Any, rid: str, token_ids: list[int], timeout: float = 30
     if hit == 0:
         return 0, 0, None
     op.host_indices = ctrl.mem_pool_host.alloc(hit)
+    if op.host_indices is None:
+        raise RuntimeError(f"the host pool has no {hit} free slots for the prefetch")
     ctrl.prefetch_buffer.put(op)
     loaded = 0
     while True:

@@ -11,6 +11,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -260,6 +261,74 @@ async def test_service_gone(url):
         s.close()
 
     await run(calls)
+
+
+# ---- SGLang's own controller and its storage threads -----------------------------------------
+
+def _threads(ctrl) -> list:
+    return [ctrl.prefetch_thread, ctrl.prefetch_io_aux_thread, ctrl.prefetch_sync_thread,
+            ctrl.backup_thread]
+
+
+@pytest.mark.timeout(120)
+async def test_controller_backup_and_prefetch_interleaved(url):
+    """SGLang's backup thread stores 12 sequences while its prefetch and I/O threads load each
+    finished one back (all on one backend): every page lands with its bytes."""
+    async with KVServer(url, pool_size=32 * MiB):
+        def engine_run():
+            with eng.engine(url, "mha", "page_first_direct", True) as ctrl:
+                pool = ctrl.mem_pool_host
+                seqs = [list(range(i * 1000, i * 1000 + 2 * P)) for i in range(12)]
+                slots = [pool.alloc(2 * P) for _ in range(12)]  # prefetches get other slots
+                eng.fill(pool, seed=41)
+                ops = [ctrl.write_storage(slots[i], seqs[i],
+                                          hash_value=get_storage_hash_str(seqs[i], None, P))
+                       for i in range(12)]
+                done = set()
+                for i in range(12):
+                    while ops[i] not in done:  # acks come in order; prefetch as each lands
+                        done.add(eng._wait(ctrl.ack_backup_queue, lambda o: True,
+                                           time.monotonic() + 30).id)
+                    hit, loaded, idx = eng.prefetch(ctrl, f"r{i}", seqs[i])
+                    assert (hit, loaded) == (2 * P, 2 * P), i
+                    assert not set(idx.tolist()) & set(torch.cat(slots).tolist())
+                    assert [page(pool, int(j)) for j in idx[::P]] == [
+                        page(pool, int(j)) for j in slots[i][::P]], i
+                    pool.free(idx)
+                assert all(t.is_alive() for t in _threads(ctrl))
+
+        await run(engine_run)
+
+
+@pytest.mark.timeout(120)
+async def test_controller_threads_survive_service_loss(url):
+    """With the service gone SGLang's threads go on: a backup stores nothing, a prefetch finds
+    nothing, no thread dies, detach closes the backend."""
+    server = KVServer(url, pool_size=16 * MiB)
+    await server.start()
+    loop = asyncio.get_running_loop()
+    closed = False
+
+    def engine_run():
+        nonlocal closed
+        with eng.engine(url, "mla", "layer_first", False) as ctrl:
+            eng.fill(ctrl.mem_pool_host, seed=51)
+            a, b = list(range(4 * P)), list(range(900, 900 + 4 * P))
+            assert eng.backup(ctrl, a, torch.arange(4 * P)) == 4 * P
+            assert eng.prefetch(ctrl, "before", a)[:2] == (4 * P, 4 * P)
+            asyncio.run_coroutine_threadsafe(server.close(), loop).result(30)
+            closed = True
+            assert eng.backup(ctrl, b, torch.arange(4 * P, 8 * P)) == 0
+            assert eng.prefetch(ctrl, "after", a) == (0, 0, None)
+            assert all(t.is_alive() for t in _threads(ctrl))
+            backend = ctrl.storage_backend
+        assert backend._closed and ctrl.storage_backend is None
+
+    try:
+        await run(engine_run)
+    finally:
+        if not closed:
+            await server.close()
 
 
 # ---- hybrid pools: the v2 interface ----------------------------------------------------------

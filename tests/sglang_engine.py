@@ -8,10 +8,11 @@ absent) and only then lets ``import torchvision`` yield an inert module whose ev
 when used: the storage code runs exactly as shipped.
 
 Run as a script (``python tests/sglang_engine.py write|read URL OUT_DIR``) it is one engine
-process: it builds real host pools (MHA and MLA, each storage layout), SGLang's backend factory
-builds the kvservice backend from the README's extra config, and SGLang's own cache-controller
-methods store (``write``) or load (``read``) pages; it saves the pages' bytes to OUT_DIR and
-prints a JSON summary.
+process: for each pool kind (MHA, MLA), storage layout and page path (generic, zero-copy), SGLang's
+own ``HiCacheController`` over real pools attaches the kvservice backend from the README's extra
+config and backs pages up (``write``) or prefetches them (``read``) with its storage threads;
+then a hybrid SWA model's KV and sliding-window pages (the v2 calls). It saves the pages' bytes
+to OUT_DIR and prints a JSON summary.
 """
 from __future__ import annotations
 

@@ -151,7 +151,8 @@ async def test_every_method(url, name):
     async with KVServer(url, pool_size=16 * MiB):
         pool = eng.host_pool("mha", "page_first")
         eng.fill(pool, seed=3)
-        s = await run(attach, url, pool, v1=False, enable_storage_metrics=True, namespace="sglang-test")
+        s = await run(attach, url, pool, v1=False, enable_storage_metrics=True,
+                      namespace="sglang-test")
 
         def calls():
             p0 = pool.get_data_page(0)

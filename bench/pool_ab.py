@@ -1,5 +1,5 @@
 """Put and get latencies of two checkouts, in alternated rounds (what a pool change costs the
-hot path): ``python -m bench.pool_ab --a /path/before --b /path/after --rounds 6``.
+hot path): ``python bench/pool_ab.py --a /path/before --b /path/after --rounds 6``.
 
 Each round runs, once per checkout (order alternating), a process that starts ``python -m
 kvservice serve`` (1 GiB pool), connects a KVClient and times: a put of a new 1 MiB key
@@ -22,6 +22,8 @@ import time
 import uuid
 
 import numpy as np
+
+from pool_connect import wait_serving  # run as a script: bench/ is on sys.path
 
 MiB = 1 << 20
 OPS = ("put_new 1M", "get 64K", "get 1M", "first_read 1M")
@@ -90,8 +92,7 @@ def _child(n: int) -> None:
                                "--pool-size", "1GiB"], stdout=subprocess.PIPE, text=True,
                               start_new_session=True)
     try:
-        if "serving" not in server.stdout.readline():
-            raise RuntimeError("kvservice serve did not start")
+        wait_serving(server)
         print(json.dumps(asyncio.run(_measure(f"shm://{name}", n))), flush=True)
     finally:
         server.terminate()

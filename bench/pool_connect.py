@@ -89,6 +89,16 @@ def _env(tree: str | None) -> dict[str, str]:
     return env
 
 
+def wait_serving(server: subprocess.Popen, timeout: float = _DEADLINE_S) -> None:
+    """Wait for ``kvservice serve``'s first line (it serves); RuntimeError after ``timeout``."""
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.append(server.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    if not lines or "serving" not in lines[0]:
+        raise RuntimeError(f"kvservice serve did not start (exit {server.poll()})")
+
+
 def run(pool_size: int, client_counts: list[int], tree: str | None) -> list[dict]:
     """Start a server with a pool of ``pool_size``; measure each client count in a new process."""
     name = f"bench-pool-{uuid.uuid4().hex[:8]}"
@@ -98,10 +108,7 @@ def run(pool_size: int, client_counts: list[int], tree: str | None) -> list[dict
                               cwd=tree, stdout=subprocess.PIPE, text=True, start_new_session=True)
     rows = []
     try:
-        ready = threading.Event()
-        threading.Thread(target=lambda: (server.stdout.readline(), ready.set()), daemon=True).start()
-        if not ready.wait(_DEADLINE_S) or server.poll() is not None:
-            raise RuntimeError(f"kvservice serve did not start (exit {server.poll()})")
+        wait_serving(server)
         for clients in client_counts:
             out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", url,
                                   "--clients", str(clients)], env=_env(tree), cwd=tree, check=True,

@@ -163,7 +163,7 @@ class _Ops:
                                                  release=self._carry()), list[w.PutTicket], _abort)
         ids = w.Tickets([ticket.ticket_id])
         pool, offset, size = self.pool, ticket.offset, ticket.size
-        return PendingPut(pool.slice(offset, size),
+        return PendingPut(pool.writable(offset, size),
                           lambda: driver(_single(_Call("commit", ids))),
                           lambda: driver(_single(_Call("abort", ids))),
                           lambda: pool.written(offset, size))

@@ -1,0 +1,148 @@
+"""Put and get latencies of two checkouts, in alternated rounds (what a pool change costs the
+hot path): ``python bench/pool_ab.py --a /path/before --b /path/after --rounds 6``.
+
+Each round runs, once per checkout (order alternating), a process that starts ``python -m
+kvservice serve`` (1 GiB pool), connects a KVClient and times: a put of a new 1 MiB key
+(``put_new``), zero-copy gets of 64 KiB and 1 MiB (``get``, reading one byte, as the kv section
+of ``python -m bench`` does), and a first full read of 1 MiB blocks another client wrote
+(``first_read``: a new KVClient, whose mapping never touched them; minor faults per read too).
+The table shows, per checkout, the median across rounds of each round's p50 and p99, and B/A.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+
+import numpy as np
+
+from pool_connect import wait_serving  # run as a script: bench/ is on sys.path
+
+MiB = 1 << 20
+OPS = ("put_new 1M", "get 64K", "get 1M", "first_read 1M")
+
+
+def _pct(samples: list[int], q: float) -> float:
+    return float(np.percentile(np.array(samples) / 1e3, q))
+
+
+async def _settled(kv) -> None:
+    """Wait for the thread that populates a client's whole mapping at connect (the old design:
+    ``pool._prefault``; the new one has none)."""
+    thread = getattr(kv.pool, "_prefault", None)
+    deadline = time.monotonic() + 60
+    while thread is not None and thread.is_alive():
+        if time.monotonic() > deadline:
+            raise TimeoutError("prefault thread still running")
+        await asyncio.sleep(0.005)
+
+
+async def _measure(url: str, n: int) -> dict[str, list[int]]:
+    from kvservice import KVClient
+
+    out: dict[str, list[int]] = {op: [] for op in OPS}
+    out["first_read faults"] = []
+    clock = time.perf_counter_ns
+    kv = await KVClient.connect(url)
+    try:
+        await _settled(kv)
+        big, small = os.urandom(MiB), os.urandom(64 << 10)
+        for i in range(8):
+            await kv.put(f"get-1M-{i}", big)
+            await kv.put(f"get-64K-{i}", small)
+        for i in range(n + n // 10):  # the first tenth is warm-up
+            t = clock()
+            await kv.put(f"new-{i}", big)
+            if i >= n // 10:
+                out["put_new 1M"].append(clock() - t)
+        for size in ("64K", "1M"):
+            for i in range(4 * n + n // 2):
+                t = clock()
+                with await kv.get(f"get-{size}-{i % 8}") as block:
+                    block.view()[0]
+                if i >= n // 2:
+                    out[f"get {size}"].append(clock() - t)
+        reader = await KVClient.connect(url)  # a mapping that never touched those blocks
+        try:
+            await _settled(reader)
+            for i in range(n // 10, n + n // 10):
+                t, faults = clock(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+                with await reader.get(f"new-{i}") as block:
+                    if np.frombuffer(block.view(), np.uint64).sum() == 1:  # reads every byte
+                        raise AssertionError("unlikely sum")
+                out["first_read 1M"].append(clock() - t)
+                out["first_read faults"].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
+        finally:
+            await reader.close()
+    finally:
+        await kv.close()
+    return out
+
+
+def _child(n: int) -> None:
+    name = f"bench-ab-{uuid.uuid4().hex[:8]}"
+    server = subprocess.Popen([sys.executable, "-m", "kvservice", "serve", "--name", name,
+                               "--pool-size", "1GiB"], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    try:
+        wait_serving(server)
+        print(json.dumps(asyncio.run(_measure(f"shm://{name}", n))), flush=True)
+    finally:
+        server.terminate()
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        for path in (f"/dev/shm/{name}", f"/dev/shm/{name}.pool"):
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+def _round(tree: str, n: int) -> dict[str, list[int]]:
+    env = {**os.environ, "PYTHONPATH": tree}
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", str(n)], cwd=tree,
+                         env=env, check=True, capture_output=True, text=True, timeout=300)
+    return json.loads(out.stdout)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--a", help="checkout A (before)")
+    parser.add_argument("--b", help="checkout B (after)")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--n", type=int, default=300, help="timed puts per round (gets: 4x)")
+    parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child is not None:
+        _child(args.child)
+        return
+    trees = {"A": args.a, "B": args.b}
+    per: dict[str, dict[str, list[tuple[float, float]]]] = {k: {} for k in trees}
+    for r in range(args.rounds):
+        for k in ("A", "B") if r % 2 == 0 else ("B", "A"):
+            got = _round(trees[k], args.n)
+            for op, samples in got.items():
+                if op.endswith("faults"):
+                    per[k].setdefault(op, []).append((statistics.median(samples), max(samples)))
+                else:
+                    per[k].setdefault(op, []).append((_pct(samples, 50), _pct(samples, 99)))
+            print(f"round {r + 1}/{args.rounds} {k} done", file=sys.stderr, flush=True)
+    print(f"A = {trees['A']}\nB = {trees['B']}\n{args.rounds} rounds, medians of per-round figures (us; faults: count)")
+    print(f"{'op':<20} {'A p50':>9} {'B p50':>9} {'B/A':>6} | {'A p99':>9} {'B p99':>9} {'B/A':>6}")
+    for op in (*OPS, "first_read faults"):
+        a50, a99 = (statistics.median(x) for x in zip(*per["A"][op]))
+        b50, b99 = (statistics.median(x) for x in zip(*per["B"][op]))
+        print(f"{op:<20} {a50:>9.1f} {b50:>9.1f} {b50 / a50 if a50 else float('nan'):>6.2f} | "
+              f"{a99:>9.1f} {b99:>9.1f} {b99 / a99 if a99 else float('nan'):>6.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -6,7 +6,7 @@
 For each pool size one server (``python -m kvservice serve``) is started; for each client count a
 fresh process imports kvservice, connects that many SyncKVClients, and reports its minor faults
 (getrusage), VmRSS and RssShmem (/proc/self/status) and wall time: at connect, once the pool's
-background threads (if any) have ended, and after one 1 MiB put and get per client. ``--tree``
+background population (if any) has ended, and after one 1 MiB put and get per client. ``--tree``
 runs server and clients from another checkout (PYTHONPATH), to compare before and after.
 """
 from __future__ import annotations
@@ -44,6 +44,15 @@ def _sample(start_ns: int) -> dict[str, float]:
             "ms": (time.perf_counter_ns() - start_ns) / 1e6}
 
 
+def _populating(kv: object) -> bool:
+    """True while ``kv``'s pool still has windows queued for its background thread (a tree
+    before the windows: while its whole-pool populate thread runs)."""
+    prefaulter = getattr(kv.pool, "_prefaulter", None)
+    if prefaulter is not None:
+        return 1 in prefaulter._state
+    return any(t.name.startswith("kvservice-pool") for t in threading.enumerate())
+
+
 def measure(url: str, clients: int) -> dict[str, dict[str, float]]:
     """In this process: connect ``clients`` clients to ``url``; costs at each stage, as deltas
     from before the first connect."""
@@ -55,9 +64,9 @@ def measure(url: str, clients: int) -> dict[str, dict[str, float]]:
     try:
         stages = {"connect": _sample(start)}
         deadline = time.monotonic() + _DEADLINE_S
-        while any(t.name.startswith("kvservice-pool") for t in threading.enumerate()):
+        while any(_populating(kv) for kv in kvs):
             if time.monotonic() > deadline:
-                raise TimeoutError("the pool's background threads did not end")
+                raise TimeoutError("the pool's background population did not end")
             time.sleep(0.005)
         stages["settled"] = _sample(start)
         value = os.urandom(1 << 20)

@@ -63,6 +63,22 @@ _madvise = ctypes.CDLL(None, use_errno=True).madvise  # through ctypes: releases
 _madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 _WINDOW = 2 << 20  # a client pre-faults the pool in windows of a huge page
 _AHEAD = 4  # windows populated in the background past the one a put writes
+#: Bytes of the pool a process's first connection populates in the background: a bounded head
+#: start (1 GiB: ~262k faults, ~0.1 s of a background thread here), so the first puts into a
+#: fresh pool pay no mapping whatever the pool's size. KVSERVICE_CONNECT_PREFAULT overrides it.
+CONNECT_PREFAULT = 1 << 30
+_HEAD_STARTED: set[tuple[str, int]] = set()  # the pools (url, epoch) this process gave it
+
+
+def connect_prefault() -> int:
+    """The head start in bytes: KVSERVICE_CONNECT_PREFAULT if set (0 turns it off)."""
+    raw = os.environ.get("KVSERVICE_CONNECT_PREFAULT")
+    if raw is None:
+        return CONNECT_PREFAULT
+    try:
+        return max(0, int(raw))
+    except ValueError:
+        raise ValueError(f"KVSERVICE_CONNECT_PREFAULT must be a number of bytes, not {raw!r}") from None
 
 
 class _Prefaulter:
@@ -71,11 +87,12 @@ class _Prefaulter:
 
     Before a put writes a block, :meth:`writing` populates (MADV_POPULATE_WRITE, ~70 us a MiB)
     the block's pages whose windows this process has not populated yet, and queues those
-    windows and the next ``_AHEAD`` to a background thread, started on the first put: a fresh
-    pool hands out offsets in ascending order, so the next puts find their pages mapped. A
+    windows and the next ``_AHEAD`` to a background thread: a fresh pool hands out offsets in
+    ascending order, so the next puts find their pages mapped. A process's first connection
+    also queues the pool's first ``CONNECT_PREFAULT`` bytes (:meth:`ahead`). A
     client that only reads populates nothing: a read fault maps 64 KiB of pages at once
     (fault-around), ~17 faults a MiB, about what a populate of that MiB costs. So what a
-    connection costs grows with what it writes, not with the pool. Where the kernel lacks
+    connection costs is bounded, and grows with what it writes, not with the pool. Where the kernel lacks
     MADV_POPULATE_WRITE (before 5.14) pages fault on first touch instead."""
 
     def __init__(self, address: int, capacity: int) -> None:
@@ -105,10 +122,23 @@ class _Prefaulter:
             if _madvise(page, start + size - page, _POPULATE_WRITE):
                 self._unsupported = True  # old kernel (EINVAL): pages fault on first touch
                 return
+        self._queue_windows(first, ahead)
+
+    def ahead(self, length: int) -> None:
+        """Populate the pool's first ``length`` bytes in the background (the windows a fresh
+        pool hands out first): a bounded head start at connect, whatever the pool's size."""
+        if length > 0:
+            self._queue_windows(0, min((self._address + length - 1) // _WINDOW - self._first,
+                                       len(self._state) - 1))
+
+    def _queue_windows(self, first: int, last: int) -> None:
+        """Queue windows ``first..last`` not yet queued to the background thread (started on
+        first use)."""
+        state = self._state
         with self._wake:
             if self._stopped:
                 return
-            for window in range(first, ahead + 1):
+            for window in range(first, last + 1):
                 if not state[window]:
                     state[window] = 1
                     self._queue.append(window)
@@ -243,6 +273,9 @@ class Pool:
             raise
         pool._advise_huge_pages()
         pool._prefaulter = _Prefaulter(region.mem.address + pool._data_offset, capacity)
+        if (url, epoch) not in _HEAD_STARTED:  # once a process: its later mappings start cold
+            _HEAD_STARTED.add((url, epoch))
+            pool._prefaulter.ahead(connect_prefault())
         return pool
 
     def _advise_huge_pages(self) -> None:

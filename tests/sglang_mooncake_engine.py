@@ -1,0 +1,120 @@
+"""One SGLang 0.5.23 engine process whose HiCache storage is SGLang's own ``mooncake`` backend
+(``MooncakeStore``) on kvservice's Mooncake facade, through the shim.
+
+Run as ``python tests/sglang_mooncake_engine.py write|read URL OUT_DIR`` with the shim directory
+(``python -m kvservice mooncake-shim-path``) first on PYTHONPATH, so ``mooncake.store`` is the
+facade, and ``MOONCAKE_MASTER=URL`` (``MOONCAKE_PROTOCOL=tcp``) in the environment, as the README
+says to run SGLang. For each (pool kind, layout) SGLang's Mooncake backend supports, SGLang's
+own ``HiCacheController`` (``storage_backend="mooncake"``: its factory builds ``MooncakeStore``
+from those variables, registers the host pool's memory, and picks the zero-copy page functions
+``batch_set_v1`` / ``batch_get_v1``) backs pages up (``write``) or prefetches them into a fresh
+pool (``read``). Then SGLang's standalone-storage mode: host pool memory from
+``MooncakeHostTensorAllocator``, ``setup_dummy`` at ``client_server_address`` (the extra-config
+JSON). Pages' bytes go to OUT_DIR, a JSON summary to stdout.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import sglang_engine as eng
+
+#: what SGLang's Mooncake backend stores: MHA in the page-first layouts (its layer_first is
+#: MLA only: one multi-buffer object per page), MLA in all three
+COMBOS = (("mha", "page_first"), ("mha", "page_first_direct"), ("mla", "layer_first"),
+          ("mla", "page_first"), ("mla", "page_first_direct"))
+STANDALONE = ("mha", "page_first")
+PAGES = eng.PAGES
+
+
+@contextlib.contextmanager
+def engine(kind: str, layout: str, extra: dict | None = None,
+           allocator_type: str = "default") -> Iterator[Any]:
+    """SGLang's ``HiCacheController`` (one TP rank, CPU pools) with storage backend
+    ``mooncake``; on exit SGLang detaches it, then the facade's connection is closed (SGLang's
+    ``MooncakeStore.close`` leaves that to the store's destructor)."""
+    eng.load_sglang()
+    import torch
+    from sglang.srt.managers.cache_controller import HiCacheController
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.runtime_context import get_parallel
+
+    dev = eng.device_pool(kind)
+    allocator = PagedTokenToKVPoolAllocator(dev.size, eng.PAGE, torch.bfloat16, "cpu", dev, False)
+    pool = eng.host_pool(kind, layout, dev=dev, allocator_type=allocator_type)
+    with get_parallel().override(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_dcp_size=1,
+                                 attn_dcp_rank=0):
+        ctrl = HiCacheController(allocator, pool, eng.PAGE, None, threading.Event(),
+                                 io_backend="direct", storage_backend="mooncake",
+                                 model_name=eng.MODEL, storage_backend_extra_config=extra)
+        backend = ctrl.storage_backend
+        try:
+            yield ctrl
+        finally:
+            ctrl.detach_storage_backend()
+            backend.store.close()
+
+
+def facts(ctrl: Any) -> dict[str, Any]:
+    """What SGLang chose, checked by the test: its MooncakeStore on the facade, MLA derived
+    from the device pool, the zero-copy page functions, the standalone mode."""
+    backend = ctrl.storage_backend
+    return {"backend": type(backend).__name__, "store": type(backend.store).__module__,
+            "mla": backend.is_mla_backend,
+            "zero_copy": ctrl.page_set_func.__name__ == "_page_set_zero_copy",
+            "standalone": bool(backend.config.standalone_storage)}
+
+
+def run_one(role: str, name: str, token_ids: list[int], out: Path, **engine_kw: Any
+            ) -> dict[str, Any]:
+    """Back up (``write``) or prefetch (``read``) PAGES pages of ``token_ids``."""
+    import torch
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    with engine(**engine_kw) as ctrl:
+        pool = ctrl.mem_pool_host
+        summary = facts(ctrl)
+        if role == "write":
+            eng.fill(pool, seed=sum(map(ord, name)))
+            slots = torch.arange(2 * eng.PAGE, (2 + PAGES) * eng.PAGE)
+            summary["stored"] = eng.backup(ctrl, token_ids, slots) // eng.PAGE
+            starts = slots[::eng.PAGE]
+        else:
+            hashes = get_storage_hash_str(token_ids, None, eng.PAGE)
+            summary["exists"] = ctrl.storage_backend.batch_exists(hashes)
+            summary["exists_past_gap"] = ctrl.storage_backend.batch_exists(
+                hashes[:2] + ["never-stored"] + hashes[2:])
+            hit, loaded, slots = eng.prefetch(ctrl, name, token_ids)
+            summary.update(hit=hit // eng.PAGE, read=loaded // eng.PAGE)
+            starts = slots[::eng.PAGE] if slots is not None else []
+        (out / f"{name}.{role[0]}").write_bytes(b"".join(eng.page_bytes(pool, starts)))
+    return summary
+
+
+def run(role: str, url: str, out: Path) -> dict[str, Any]:
+    summary: dict[str, Any] = {}
+    for i, (kind, layout) in enumerate(COMBOS):
+        name = f"{kind}-{layout}"
+        tokens = list(range((i + 1) * 100_000, (i + 1) * 100_000 + PAGES * eng.PAGE))
+        summary[name] = run_one(role, name, tokens, out, kind=kind, layout=layout)
+    kind, layout = STANDALONE
+    tokens = list(range(9_000_000, 9_000_000 + PAGES * eng.PAGE))
+    summary["standalone"] = run_one(
+        role, "standalone", tokens, out, kind=kind, layout=layout, allocator_type="mooncake",
+        extra={"client_server_address": url, "standalone_storage": True})
+    return summary
+
+
+if __name__ == "__main__":
+    import mooncake.store
+
+    # the shim must be what SGLang imports (not the installed Mooncake wheel)
+    assert mooncake.store.__name__ == "mooncake.store" and mooncake.store.__file__.startswith(
+        os.path.dirname(os.path.dirname(eng.__file__))), mooncake.store.__file__
+    print(json.dumps(run(sys.argv[1], sys.argv[2], Path(sys.argv[3]))), flush=True)

@@ -62,10 +62,12 @@ def engine(kind: str, layout: str, extra: dict | None = None,
 
 
 def facts(ctrl: Any) -> dict[str, Any]:
-    """What SGLang chose, checked by the test: its MooncakeStore on the facade, MLA derived
+    """What SGLang chose, checked by the test: its MooncakeStore on the facade, where its host
+    pool's memory came from (standalone: the facade's MooncakeHostMemAllocator), MLA derived
     from the device pool, the zero-copy page functions, the standalone mode."""
-    backend = ctrl.storage_backend
+    backend, allocator = ctrl.storage_backend, ctrl.mem_pool_host.allocator
     return {"backend": type(backend).__name__, "store": type(backend.store).__module__,
+            "host_memory": type(getattr(allocator, "allocator", allocator)).__module__,
             "mla": backend.is_mla_backend,
             "zero_copy": ctrl.page_set_func.__name__ == "_page_set_zero_copy",
             "standalone": bool(backend.config.standalone_storage)}

@@ -10,7 +10,8 @@ from those variables, registers the host pool's memory, and picks the zero-copy 
 ``batch_set_v1`` / ``batch_get_v1``) backs pages up (``write``) or prefetches them into a fresh
 pool (``read``). Then SGLang's standalone-storage mode: host pool memory from
 ``MooncakeHostTensorAllocator``, ``setup_dummy`` at ``client_server_address`` (the extra-config
-JSON). Pages' bytes go to OUT_DIR, a JSON summary to stdout.
+JSON). Then a hybrid SWA model's pool group (the v2 calls). Pages' bytes go to OUT_DIR, a JSON
+summary to stdout.
 """
 from __future__ import annotations
 
@@ -99,6 +100,62 @@ def run_one(role: str, name: str, token_ids: list[int], out: Path, **engine_kw: 
     return summary
 
 
+def run_hybrid(role: str, out: Path) -> dict[str, Any]:
+    """A hybrid sliding-window model (SGLang's host pool group over a real SWAKVPool) on
+    SGLang's MooncakeStore, registered as its hybrid controller registers it: KV pages through
+    the controller's zero-copy page functions, the window's last SWA_PAGES pages through the
+    v2 calls (batch_set_v2, batch_exists_v2 with its trailing-pages policy, batch_get_v2)."""
+    import torch
+    from sglang.srt.managers.cache_controller import HiCacheController
+    from sglang.srt.mem_cache.hicache_storage import (HiCacheStorageConfig, PoolHitPolicy,
+                                                      PoolName, PoolTransfer)
+    from sglang.srt.mem_cache.storage import StorageBackendFactory
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    from kvservice.integrations.sglang import _tensors
+
+    group = eng.hybrid_swa_group()
+    kv, swa = group.get_pool(PoolName.KV), group.get_pool(PoolName.SWA)
+    config = HiCacheStorageConfig(
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
+        model_name=eng.MODEL, extra_config={})
+    storage = eng.attach_group(StorageBackendFactory.create_backend("mooncake", config, group),
+                               group)
+    try:
+        hashes = get_storage_hash_str(list(range(7_000_000, 7_000_000 + PAGES * eng.PAGE)),
+                                      None, eng.PAGE)
+        first = 2 if role == "write" else 5
+        kv_slots = torch.arange(first * eng.PAGE, (first + PAGES) * eng.PAGE)
+        swa_slots = torch.arange(first * eng.PAGE, (first + eng.SWA_PAGES) * eng.PAGE)
+        window = PoolTransfer(PoolName.SWA, host_indices=swa_slots,
+                              keys=hashes[-eng.SWA_PAGES:],
+                              hit_policy=PoolHitPolicy.TRAILING_PAGES)
+        ctrl = eng.controller(kv, storage)
+        if role == "write":
+            eng.fill(kv, seed=201)
+            eng.fill(swa, seed=202)
+            kv_ok = HiCacheController._page_set_zero_copy(ctrl, hashes, kv_slots)
+            swa_ok = storage.batch_set_v2([window])[PoolName.SWA]
+            summary = {"stored": PAGES if kv_ok else 0, "swa_stored": sum(swa_ok)}
+        else:
+            for t in _tensors(kv.kv_buffer) + _tensors(swa.kv_buffer):
+                t.zero_()
+            hit = storage.batch_exists_v2(hashes, [window])
+            kv_read = HiCacheController._page_get_zero_copy(ctrl, eng._Op(), hashes, kv_slots)
+            swa_read = storage.batch_get_v2([window])[PoolName.SWA]
+            summary = {"hit": hit.kv_hit_pages, "swa_hit": hit.extra_pool_hit_pages.get("swa"),
+                       "read": kv_read, "swa_read": sum(swa_read)}
+        suffix = role[0]
+        (out / f"swa-hybrid-kv.{suffix}").write_bytes(
+            b"".join(eng.page_bytes(kv, kv_slots[::eng.PAGE])))
+        (out / f"swa-hybrid-swa.{suffix}").write_bytes(
+            b"".join(eng.page_bytes(swa, swa_slots[::eng.PAGE])))
+    finally:
+        storage.store.close()
+    return summary
+
+
 def run(role: str, url: str, out: Path) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     for i, (kind, layout) in enumerate(COMBOS):
@@ -110,6 +167,7 @@ def run(role: str, url: str, out: Path) -> dict[str, Any]:
     summary["standalone"] = run_one(
         role, "standalone", tokens, out, kind=kind, layout=layout, allocator_type="mooncake",
         extra={"client_server_address": url, "standalone_storage": True})
+    summary["swa-hybrid"] = run_hybrid(role, out)
     return summary
 
 

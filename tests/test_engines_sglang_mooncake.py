@@ -53,7 +53,7 @@ async def test_sglang_mooncake_backend_across_two_processes(url, tmp_path):
     a fresh reader process finds them (batch_exists, also cut at a missing key) and prefetches
     them (batch_get_v1 into slots its host pool allocates): same bytes, page by page. Also
     SGLang's standalone-storage mode (host pool from MooncakeHostTensorAllocator, setup_dummy
-    at client_server_address)."""
+    at client_server_address), and a hybrid SWA model's KV and window pages (the v2 calls)."""
     async with KVServer(url, pool_size=64 * MiB), KVClient.connect(url) as client:
         summaries = {}
         for role in ("write", "read"):
@@ -76,8 +76,12 @@ async def test_sglang_mooncake_backend_across_two_processes(url, tmp_path):
         assert [await client.exists(k, "") for k in (
             f"{mha}_0_k", f"{mha}_0_v", f"{mla}__k", f"{mla}__v")] == [True, True, True, False]
     names = [f"{k}-{lay}" for k, lay in mc.COMBOS] + ["standalone"]
-    assert sorted(summaries["write"]) == sorted(names) == sorted(summaries["read"])
-    n = mc.PAGES
+    n, w = mc.PAGES, eng.SWA_PAGES
+    assert sorted(summaries["write"]) == sorted(names + ["swa-hybrid"]) == sorted(
+        summaries["read"])
+    assert summaries["write"]["swa-hybrid"] == {"stored": n, "swa_stored": w}
+    assert summaries["read"]["swa-hybrid"] == {"hit": n, "swa_hit": n, "read": n,
+                                               "swa_read": w}
     for name in names:
         memory = "kvservice.compat.mooncake.memory" if name == "standalone" else \
             "sglang.srt.mem_cache.pool_host.common"
@@ -88,18 +92,19 @@ async def test_sglang_mooncake_backend_across_two_processes(url, tmp_path):
         assert summaries["write"][name] == {**facts, "stored": n}, name
         assert summaries["read"][name] == {**facts, "exists": n, "exists_past_gap": 2,
                                            "hit": n, "read": n}, name
-    compared = 0
-    for name in names:
+    compared = pages = 0
+    for name, count in [(c, n) for c in names] + [("swa-hybrid-kv", n), ("swa-hybrid-swa", w)]:
         written = (tmp_path / f"{name}.w").read_bytes()
         read = (tmp_path / f"{name}.r").read_bytes()
-        size = len(written) // n
+        size = len(written) // count
         assert size and len(read) == len(written), name
         assert any(written), name  # the writer's random pages, not an all-zero pool
-        for i in range(n):
+        for i in range(count):
             assert read[i * size:(i + 1) * size] == written[i * size:(i + 1) * size], (name, i)
         compared += len(read)
-    print(f"\n{len(names)} configurations x {n} pages: {len(names) * n} pages, "
-          f"{compared} bytes compared")
+        pages += count
+    print(f"\n{len(names)} configurations x {n} pages + a hybrid SWA model ({n} KV, {w} SWA "
+          f"pages): {pages} pages, {compared} bytes compared")
 
 
 # ---- SGLang's MooncakeStore in this process, on the shim's mooncake.store ---------------------

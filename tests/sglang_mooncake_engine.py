@@ -3,8 +3,7 @@
 
 Run as ``python tests/sglang_mooncake_engine.py write|read URL OUT_DIR`` with the shim directory
 (``python -m kvservice mooncake-shim-path``) first on PYTHONPATH, so ``mooncake.store`` is the
-facade, and ``MOONCAKE_MASTER=URL`` (``MOONCAKE_PROTOCOL=tcp``) in the environment, as the README
-says to run SGLang. For each (pool kind, layout) SGLang's Mooncake backend supports, SGLang's
+facade, and ``MOONCAKE_MASTER=URL`` in the environment, as the README says to run SGLang. For each (pool kind, layout) SGLang's Mooncake backend supports, SGLang's
 own ``HiCacheController`` (``storage_backend="mooncake"``: its factory builds ``MooncakeStore``
 from those variables, registers the host pool's memory, and picks the zero-copy page functions
 ``batch_set_v1`` / ``batch_get_v1``) backs pages up (``write``) or prefetches them into a fresh

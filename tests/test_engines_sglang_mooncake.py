@@ -38,12 +38,13 @@ from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
 
 
 def _engine_env(url: str) -> dict[str, str]:
-    """The README's configuration: the shim first on PYTHONPATH, the kvservice URL as the
-    Mooncake master, TCP (the facade accepts Mooncake's protocols and ignores them)."""
+    """The README's configuration and nothing more: the shim first on PYTHONPATH, the
+    kvservice URL as the Mooncake master; SGLang's other MOONCAKE_* defaults (protocol rdma,
+    a 4 GB segment) are accepted by the facade and ignored."""
     tests = os.path.dirname(os.path.abspath(__file__))
     path = [mooncake_shim_path(), os.path.dirname(tests), tests, os.environ.get("PYTHONPATH", "")]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p),
-            "MOONCAKE_MASTER": url, "MOONCAKE_PROTOCOL": "tcp"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MOONCAKE_")}
+    return {**env, "PYTHONPATH": os.pathsep.join(p for p in path if p), "MOONCAKE_MASTER": url}
 
 
 @pytest.mark.timeout(300)

@@ -88,14 +88,17 @@ def device_pool(kind: str, slots: int = 64) -> Any:
                             enable_memory_saver=False)
 
 
-def host_pool(kind: str, layout: str, slots: int = 64, dev: Any = None) -> Any:
-    """A real SGLang host pool (MHA or MLA) over a real device pool, both on CPU tensors."""
+def host_pool(kind: str, layout: str, slots: int = 64, dev: Any = None,
+              allocator_type: str = "default") -> Any:
+    """A real SGLang host pool (MHA or MLA) over a real device pool, both on CPU tensors;
+    ``allocator_type`` as SGLang derives it from the storage backend (``mooncake``: host memory
+    from ``MooncakeHostTensorAllocator``, its standalone-storage mode)."""
     from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _mha_host_inputs
     from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
     dev = dev if dev is not None else device_pool(kind, slots)
     host = dict(host_to_device_ratio=2.0, host_size=0, page_size=PAGE, layout=layout,
-                pin_memory=False, device="cpu")
+                pin_memory=False, device="cpu", allocator_type=allocator_type)
     if kind == "mha":
         cls, info, kw = _mha_host_inputs(dev)
         return cls(info, **kw, **host)

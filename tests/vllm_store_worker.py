@@ -7,8 +7,8 @@ a config whose master address is the kvservice URL.
 
 - ``store``: caches filled with seeded bytes, a save job of ``STORED_BLOCKS`` full blocks through
   the worker's sending thread (``batch_is_exist`` then ``batch_put_from_multi_buffers``).
-- ``load``: fresh zeroed caches; ``lookup`` of the stored prefix, of a longer prompt and of a
-  foreign one; a load job through the receiving threads (``batch_get_into_multi_buffers``) into
+- ``load``: fresh zeroed caches; lookups through vLLM's LookupKeyClient (the scheduler side's
+  path to the worker) of the prompt, of its stored prefix alone and of a foreign one; a load job through the receiving threads (``batch_get_into_multi_buffers``) into
   other block ids; the loaded blocks compared byte for byte with the seeded ones.
 - ``unreadable``: the worker's ``register_kv_caches`` on a PROT_NONE mapping (standing in for
   device memory): vLLM's own error log, then a load whose failure vLLM reports per block.
@@ -118,8 +118,8 @@ def _store(worker, caches, out: dict) -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import ReqMeta
     hashes = _block_hashes()
     worker.register_kv_caches(caches)
-    # wait_for_save would enqueue this same ReqMeta after recording a torch.cuda.Event
-    # (CUDA only); on the CPU there is no stream to fence, so current_event stays None.
+    # wait_for_save enqueues this same ReqMeta after recording a torch.cuda.Event, which the
+    # CPU torch cannot make ("dummy base class Event"): no stream to fence, current_event None.
     meta = ReqMeta(req_id="req-store", token_len_chunk=STORED_BLOCKS * BLOCK,
                    block_ids=(list(STORE_BLOCK_IDS),), block_hashes=hashes, can_save=True,
                    store_job_id=1, token_ids=PROMPT[:STORED_BLOCKS * BLOCK],

@@ -1,5 +1,6 @@
-"""Engines suite: vLLM 0.33's own ``MooncakeStoreWorker`` (MooncakeStoreConnector's worker side)
-on the kvservice Mooncake facade, with host (CPU tensor) KV caches.
+"""Engines suite: vLLM 0.33's own MooncakeStoreConnector code, its worker
+(``MooncakeStoreWorker``) and its scheduler side (``MooncakeStoreScheduler``), on the kvservice
+Mooncake facade, with host (CPU tensor) KV caches.
 
 vLLM is installed ``--no-deps`` in its own venv (``.ci/install-engines`` makes it at VLLM_VENV,
 with the system site packages, so it shares the CPU torch); each role of
@@ -66,9 +67,9 @@ def facade_env(url: str, tmp_path) -> Iterator[dict[str, str]]:
         yield env
 
 
-def _run(python: str, role: str, env: dict[str, str], out: str) -> dict:
+def _run(python: str, role: str, env: dict[str, str], out: str, *args: str) -> dict:
     """One role of the helper in its own vLLM process; its figures."""
-    proc = subprocess.Popen([python, SCRIPT, role, env["MODEL_DIR"], out], env=env,
+    proc = subprocess.Popen([python, SCRIPT, role, env["MODEL_DIR"], out, *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         log, _ = proc.communicate(timeout=150)
@@ -83,17 +84,22 @@ def _run(python: str, role: str, env: dict[str, str], out: str) -> dict:
 
 @pytest.mark.timeout(400)
 def test_vllm_store_worker_round_trip(vllm_python, facade_env, tmp_path) -> None:
-    """vLLM's MooncakeStoreWorker saves 5 blocks of its CPU KV cache in one process; another
-    process's worker finds them by ``lookup`` (a prefix hit, no hit on a foreign prompt) and
-    loads them into other blocks of zeroed caches, byte-equal, nothing else written."""
+    """vLLM's MooncakeStoreWorker, fed by the connector's own scheduler side, saves the 5 full
+    blocks of an 89-token prompt from its CPU KV cache in one process; in another process the
+    scheduler's lookup finds them (none of a foreign prompt; a hit over a whole request is cut
+    a block short so its last token is recomputed) and the worker loads them into other blocks
+    of zeroed caches: byte-equal, nothing else written."""
     stored = _run(vllm_python, "store", facade_env, str(tmp_path / "store.json"))
+    assert stored["hit_before"] == 0
+    assert stored["save_jobs"] == stored["completed_saves"] == 1
     assert stored["stored_keys"] == STORED_BLOCKS  # one key per block, all layers in it
     assert stored["stored_bytes"] == STORED_BLOCKS * LAYERS * BLOCK_BYTES
-    loaded = _run(vllm_python, "load", facade_env, str(tmp_path / "load.json"))
+    loaded = _run(vllm_python, "load", facade_env, str(tmp_path / "load.json"),
+                  json.dumps(stored["block_ids"]))
     assert loaded["hits_prompt"] == STORED_BLOCKS * 16  # the 9-token tail is not a block
-    # a hit over the whole request is cut a block short, so its last token is recomputed
     assert loaded["hits_exact"] == (STORED_BLOCKS - 1) * 16
     assert loaded["hits_foreign"] == 0
+    assert set(loaded["block_ids"]).isdisjoint(stored["block_ids"])
     assert loaded["loaded_blocks"] == STORED_BLOCKS
     assert loaded["compared_bytes"] == STORED_BLOCKS * LAYERS * BLOCK_BYTES
 
@@ -107,5 +113,6 @@ def test_vllm_register_unreadable_cache(vllm_python, facade_env, tmp_path) -> No
     bad = _run(vllm_python, "unreadable", facade_env, str(tmp_path / "bad.json"))
     assert len(bad["register_errors"]) == LAYERS
     assert all(e.endswith(": -600") for e in bad["register_errors"])
-    assert bad["load_error_blocks"] == [0, 2, 4, 5, 7]
+    assert bad["hits_prompt"] == STORED_BLOCKS * 16
+    assert bad["load_error_blocks"] == sorted(bad["block_ids"][:STORED_BLOCKS])
     assert len(bad["load_failures"]) == 1 and str(TRANSFER_FAIL) in bad["load_failures"][0]

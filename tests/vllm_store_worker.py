@@ -3,14 +3,25 @@
 venv with the facade's ``mooncake`` shim first on PYTHONPATH and ``MOONCAKE_CONFIG_PATH`` naming
 a config whose master address is the kvservice URL.
 
-``python vllm_store_worker.py ROLE MODEL_DIR OUT_JSON``; roles:
+Each process runs the worker and the connector's scheduler side (``MooncakeStoreScheduler``,
+with a real ``BlockPool`` and vLLM ``Request``s hashed by vLLM's block hasher) the way the
+engine drives them: admission (lookup, block allocation, ``update_state_after_alloc``), one
+``build_connector_meta`` step, then the worker. Not run: the engine core and model forward
+(PyPI's vllm 0.33.0 is the CUDA build: its compiled ops, ``vllm._C``, do not load on the CPU)
+and ``wait_for_save``, which records a CUDA event; the save
+jobs it would enqueue are enqueued on the worker's sending thread directly.
 
-- ``store``: caches filled with seeded bytes, a save job of ``STORED_BLOCKS`` full blocks through
-  the worker's sending thread (``batch_is_exist`` then ``batch_put_from_multi_buffers``).
-- ``load``: fresh zeroed caches; lookups through vLLM's LookupKeyClient (the scheduler side's
-  path to the worker) of the prompt, of its stored prefix alone and of a foreign one; a load job through the receiving threads (``batch_get_into_multi_buffers``) into
-  other block ids; the loaded blocks compared byte for byte with the seeded ones.
-- ``unreadable``: the worker's ``register_kv_caches`` on a PROT_NONE mapping (standing in for
+``python vllm_store_worker.py ROLE MODEL_DIR OUT_JSON [PRODUCER_BLOCK_IDS]``; roles:
+
+- ``store``: caches filled with seeded bytes; a prompt of 5 full blocks and a 9-token tail is
+  prefilled and its save job runs on the sending thread (``batch_is_exist`` then
+  ``batch_put_from_multi_buffers``).
+- ``load``: fresh zeroed caches; the scheduler's lookups (LookupKeyClient over ZMQ to the
+  worker's LookupKeyServer, ``batch_is_exist``) of the prompt, of its stored prefix alone and
+  of a foreign prompt; the prompt admitted for an async load into other blocks than the
+  producer's, loaded by the receiving threads (``batch_get_into_multi_buffers``) and compared
+  byte for byte with the producer's blocks (PRODUCER_BLOCK_IDS).
+- ``unreadable``: the worker's ``register_kv_caches`` on PROT_NONE mappings (standing in for
   device memory): vLLM's own error log, then a load whose failure vLLM reports per block.
 
 The figures go to OUT_JSON; every failure is an exception (exit status 1).
@@ -29,11 +40,9 @@ from typing import Any
 import torch
 
 BLOCK = 16                     # tokens per block (vLLM's cache_config.block_size)
-NUM_BLOCKS = 12                # blocks in each layer's cache
+NUM_BLOCKS = 16                # blocks in each layer's cache
 STORED_BLOCKS = 5              # full blocks the store role saves
 PROMPT = [(7 * i + 3) % 251 for i in range(STORED_BLOCKS * BLOCK + 9)]  # 5 blocks + a tail
-STORE_BLOCK_IDS = [3, 8, 1, 10, 6]   # where the producer holds the prompt's blocks
-LOAD_BLOCK_IDS = [0, 2, 4, 5, 7]     # where the consumer receives them
 DEADLINE = 30.0
 
 
@@ -89,20 +98,6 @@ def _caches(layers: list[str], spec, fill: bool) -> dict[str, torch.Tensor]:
             for n in layers}
 
 
-def _block_hashes() -> list[bytes]:
-    """The prompt's block hashes, by vLLM's own chained hash (sha256_cbor)."""
-    from vllm.utils.hashing import sha256_cbor
-    from vllm.v1.core import kv_cache_utils
-    kv_cache_utils.init_none_hash(sha256_cbor)
-    hashes: list[bytes] = []
-    parent = None
-    for start in range(0, len(PROMPT) - BLOCK + 1, BLOCK):
-        parent = kv_cache_utils.hash_block_tokens(sha256_cbor, parent,
-                                                  PROMPT[start:start + BLOCK])
-        hashes.append(parent)
-    return hashes
-
-
 def _worker(config, kv_config):
     """vLLM's MooncakeStoreWorker, built under the config with world-size-1 gloo groups."""
     from vllm.distributed import parallel_state as ps
@@ -114,77 +109,111 @@ def _worker(config, kv_config):
     return MooncakeStoreWorker(config, kv_config)
 
 
-def _store(worker, caches, out: dict) -> None:
-    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import ReqMeta
-    hashes = _block_hashes()
+def _scheduler(config, kv_config):
+    """The connector's scheduler side (MooncakeStoreScheduler) with a real block pool bound, as
+    the engine core binds it; its LookupKeyClient talks to the worker's LookupKeyServer."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.scheduler import (
+        MooncakeStoreScheduler)
+    from vllm.v1.core.block_pool import BlockPool
+    scheduler = MooncakeStoreScheduler(config, kv_config)
+    pool = BlockPool(NUM_BLOCKS, enable_caching=True, hash_block_size=BLOCK)
+    scheduler.bind_gpu_block_pool(pool)
+    return scheduler, pool
+
+
+def _request(req_id: str, tokens: list[int]):
+    """A vLLM Request whose block hashes vLLM's own hasher computes."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256_cbor
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+    init_none_hash(sha256_cbor)
+    return Request(req_id, tokens, SamplingParams(max_tokens=1), None,
+                   block_hasher=get_request_block_hasher(BLOCK, sha256_cbor))
+
+
+def _admit(scheduler, pool, request, skip: int = 0) -> tuple[int, list[int]]:
+    """The engine scheduler's admission of a new request: the connector's lookup
+    (get_num_new_matched_tokens), blocks from the pool (after ``skip`` others), and
+    update_state_after_alloc; (external hit tokens, the request's block ids)."""
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    hit, _ = scheduler.get_num_new_matched_tokens(request, 0)
+    pool.get_new_blocks(skip)
+    blocks = pool.get_new_blocks(-(-request.num_tokens // BLOCK))
+    scheduler.update_state_after_alloc(request, KVCacheBlocks((blocks,)), hit)
+    return hit, [b.block_id for b in blocks]
+
+
+def _step(scheduler, scheduled: list[tuple[Any, list[int]]]):
+    """One scheduler step's connector metadata: ``scheduled`` prefills (request, block ids)
+    with all their tokens; requests admitted for an async load are not scheduled."""
+    from vllm.v1.core.sched.output import KVConnectorBlockState, NewRequestData, SchedulerOutput
+    out = SchedulerOutput.make_empty()
+    tables = {req.request_id: (ids,) for req, ids in scheduled}
+    for req, ids in scheduled:
+        out.scheduled_new_reqs.append(NewRequestData.from_request(req, (ids,)))
+        out.num_scheduled_tokens[req.request_id] = req.num_tokens
+        out.total_num_scheduled_tokens += req.num_tokens
+    out.kv_connector_block_state = KVConnectorBlockState(set(tables), tables.__getitem__, {})
+    return scheduler.build_connector_meta(out)
+
+
+def _store(config, kv_config, worker, caches, out: dict) -> None:
     worker.register_kv_caches(caches)
-    # wait_for_save enqueues this same ReqMeta after recording a torch.cuda.Event, which the
-    # CPU torch cannot make ("dummy base class Event"): no stream to fence, current_event None.
-    meta = ReqMeta(req_id="req-store", token_len_chunk=STORED_BLOCKS * BLOCK,
-                   block_ids=(list(STORE_BLOCK_IDS),), block_hashes=hashes, can_save=True,
-                   store_job_id=1, token_ids=PROMPT[:STORED_BLOCKS * BLOCK],
-                   prefill_end_tokens=len(PROMPT))
-    worker.kv_send_thread.add_request(meta)
-    _wait("the save job", lambda: worker.kv_send_thread.take_completed_saves())
-    keys = [db.key_for(h) for db in worker.token_dbs for h in hashes[:STORED_BLOCKS]]
+    scheduler, pool = _scheduler(config, kv_config)
+    request = _request("req-store", PROMPT)
+    hit, ids = _admit(scheduler, pool, request)
+    meta = _step(scheduler, [(request, ids)])
+    saves = [r for r in meta.requests if r.can_save]
+    # wait_for_save enqueues these after recording a torch.cuda.Event, which the CPU torch
+    # cannot make ("dummy base class Event"): no stream to fence, current_event stays None.
+    for req_meta in saves:
+        worker.kv_send_thread.add_request(req_meta)
+    done = _wait("the save job", worker.build_connector_worker_meta)
+    keys = [db.key_for(h) for db in worker.token_dbs
+            for h in request.block_hashes[:STORED_BLOCKS]]
     exist = worker.store.batch_is_exist(keys)
     if exist != [1] * len(keys):
         raise AssertionError(f"saved keys missing after the job: {exist}")
-    out.update(stored_blocks=STORED_BLOCKS, stored_keys=len(keys),
+    out.update(hit_before=hit, save_jobs=len(saves), completed_saves=len(done.completed_saves),
+               block_ids=ids, stored_keys=len(keys),
                stored_bytes=sum(worker.store.get_size(k) for k in keys))
 
 
-def _lookups(config, out: dict):
-    """Prefix lookups as the connector's scheduler side makes them: LookupKeyClient over ZMQ
-    to the worker's LookupKeyServer, which asks the store (``batch_is_exist``)."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker import (
-        LookupKeyClient)
-    from vllm.utils.hashing import sha256_cbor
-    from vllm.v1.core import kv_cache_utils
-    hashes = _block_hashes()
-    foreign = [kv_cache_utils.hash_block_tokens(sha256_cbor, None, [250] * BLOCK)]
-    client = LookupKeyClient(config)
-    try:
-        results = {name: client.lookup(req, tokens, block_hashes) for name, req, tokens,
-                   block_hashes in (
-                       ("hits_prompt", "a", len(PROMPT), hashes),
-                       ("hits_exact", "b", STORED_BLOCKS * BLOCK, hashes[:STORED_BLOCKS]),
-                       ("hits_foreign", "c", BLOCK + 1, foreign))}
-    finally:
-        client.close()
-    out.update({name: result.hit_length for name, result in results.items()})
-    return results["hits_prompt"]  # what the scheduler turns into the load's LoadSpec
+def _lookups(scheduler, out: dict) -> None:
+    """The connector's lookups (LookupKeyClient over ZMQ to the worker's LookupKeyServer,
+    which asks the store with ``batch_is_exist``): the stored prefix alone, a foreign prompt."""
+    for name, tokens in (("hits_exact", PROMPT[:STORED_BLOCKS * BLOCK]),
+                         ("hits_foreign", [250] * (BLOCK + 1))):
+        out[name] = scheduler.get_num_new_matched_tokens(_request(name, tokens), 0)[0]
 
 
-def _load(config, worker, caches, seeded, out: dict) -> None:
-    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
-        LoadSpec, MooncakeStoreConnectorMetadata, ReqMeta)
-    hashes = _block_hashes()
+def _load(config, kv_config, worker, caches, seeded, src_ids: list[int], out: dict) -> None:
     worker.register_kv_caches(caches)
-    hit = _lookups(config, out)
-    meta = MooncakeStoreConnectorMetadata(set(), set())
-    meta.add_request(ReqMeta(
-        req_id="req-load", token_len_chunk=len(PROMPT), block_ids=(list(LOAD_BLOCK_IDS),),
-        block_hashes=hashes,
-        load_spec=LoadSpec(vllm_cached_tokens=0, kvpool_cached_tokens=hit.hit_length,
-                           can_load=True, tail_key_boundaries=hit.tail_key_boundaries)))
+    scheduler, pool = _scheduler(config, kv_config)
+    _lookups(scheduler, out)
+    request = _request("req-load", PROMPT)
+    hit, ids = _admit(scheduler, pool, request, skip=6)  # blocks the producer did not use
+    out["hits_prompt"] = hit
+    meta = _step(scheduler, [])
     worker.start_load_kv(meta)
     _wait("the load job", lambda: "req-load" in worker.get_finished(set(), meta)[1])
     errors = worker.get_block_ids_with_load_errors()
     if errors:
         raise AssertionError(f"vLLM reported load errors for blocks {sorted(errors)}")
+    pairs = list(zip(src_ids, ids))[:hit // BLOCK]
     compared = 0
     for name, cache in caches.items():
-        for src, dst in zip(STORE_BLOCK_IDS, LOAD_BLOCK_IDS):
+        for src, dst in pairs:
             want = seeded[name][src].numpy().tobytes()
             got = cache[dst].numpy().tobytes()
             if got != want:
                 raise AssertionError(f"{name}: block {dst} differs from stored block {src}")
             compared += len(got)
-        untouched = [b for b in range(NUM_BLOCKS) if b not in LOAD_BLOCK_IDS]
+        untouched = [b for b in range(NUM_BLOCKS) if b not in dict(pairs).values()]
         if torch.count_nonzero(cache[untouched]).item():
             raise AssertionError(f"{name}: a block outside the load was written")
-    out.update(loaded_blocks=len(LOAD_BLOCK_IDS), compared_bytes=compared)
+    out.update(loaded_blocks=len(pairs), block_ids=ids, compared_bytes=compared)
 
 
 class _LogTap(logging.Handler):
@@ -198,10 +227,8 @@ class _LogTap(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def _unreadable(worker, layers, spec, out: dict) -> None:
+def _unreadable(config, kv_config, worker, layers, spec, out: dict) -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import worker as wmod
-    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
-        LoadSpec, MooncakeStoreConnectorMetadata, ReqMeta)
     tap = _LogTap()
     wmod.logger.addHandler(tap)
     shape = (NUM_BLOCKS, 2, BLOCK, spec.num_kv_heads, spec.head_size)
@@ -214,12 +241,9 @@ def _unreadable(worker, layers, spec, out: dict) -> None:
                    for n, r in zip(layers, regions)}
         worker.register_kv_caches(tensors)
         out["register_errors"] = [m for m in tap.messages if "register_buffer failed" in m]
-        meta = MooncakeStoreConnectorMetadata(set(), set())
-        meta.add_request(ReqMeta(
-            req_id="req-bad", token_len_chunk=len(PROMPT), block_ids=(list(LOAD_BLOCK_IDS),),
-            block_hashes=_block_hashes(),
-            load_spec=LoadSpec(vllm_cached_tokens=0, kvpool_cached_tokens=STORED_BLOCKS * BLOCK,
-                               can_load=True)))
+        scheduler, pool = _scheduler(config, kv_config)
+        out["hits_prompt"], out["block_ids"] = _admit(scheduler, pool, _request("req-bad", PROMPT))
+        meta = _step(scheduler, [])
         worker.start_load_kv(meta)
         _wait("the failed load", lambda: "req-bad" in worker.get_finished(set(), meta)[1])
         out["load_error_blocks"] = sorted(worker.get_block_ids_with_load_errors())
@@ -231,6 +255,7 @@ def _unreadable(worker, layers, spec, out: dict) -> None:
 
 def main() -> None:
     role, model_dir, out_path = sys.argv[1:4]
+    src_ids = json.loads(sys.argv[4]) if len(sys.argv) > 4 else []
     from vllm.config import set_current_vllm_config
     config, kv_config, layers, spec = _configs(model_dir)
     out: dict = {"role": role}
@@ -238,12 +263,12 @@ def main() -> None:
         worker = _worker(config, kv_config)
         try:
             if role == "store":
-                _store(worker, _caches(layers, spec, fill=True), out)
+                _store(config, kv_config, worker, _caches(layers, spec, fill=True), out)
             elif role == "load":
-                _load(config, worker, _caches(layers, spec, fill=False),
-                      _caches(layers, spec, fill=True), out)
+                _load(config, kv_config, worker, _caches(layers, spec, fill=False),
+                      _caches(layers, spec, fill=True), src_ids, out)
             elif role == "unreadable":
-                _unreadable(worker, layers, spec, out)
+                _unreadable(config, kv_config, worker, layers, spec, out)
             else:
                 raise SystemExit(f"unknown role {role!r}")
         finally:

@@ -13,6 +13,7 @@ Processes that share chunks must run with the same ``PYTHONHASHSEED`` (LMCache k
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -114,7 +115,14 @@ def main(argv: list[str]) -> None:
     op, config_path, kv_path, out_path = argv
     with open(config_path) as f:
         config = json.load(f)
-    engine = build(config)
+    try:
+        engine = build(config)
+    except Exception as exc:
+        # LMCache's StorageManager leaves its event-loop thread running when its backends
+        # fail to build, which would keep this process alive: report and leave at once
+        with open(out_path, "w") as f:
+            json.dump({"error": f"{type(exc).__name__}: {exc}"}, f)
+        os._exit(3)
     try:
         backends = remote_backends(engine)
         toks = tokens()

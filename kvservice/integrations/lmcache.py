@@ -226,10 +226,16 @@ class KVServiceConnector(RemoteConnector):
             md = _remote_metadata().deserialize(view[:n])
             if md.length > len(view) - n:
                 raise ValueError(f"metadata says {md.length} bytes, the value holds {len(view) - n}")
-            obj = self.local_cpu_backend.allocate(md.shapes, md.dtypes, md.fmt)
+            obj = self._allocate(md.shapes, md.dtypes, md.fmt)
             return None if obj is None else (obj, view[n:n + md.length])
-        obj = self.local_cpu_backend.allocate(self.meta_shapes, self.meta_dtypes, self.meta_fmt)
+        obj = self._allocate(self.meta_shapes, self.meta_dtypes, self.meta_fmt)
         return None if obj is None else (obj, view)
+
+    def _allocate(self, shapes: Any, dtypes: Any, fmt: Any) -> Any:
+        """LMCache's allocate without its busy loop: the loop sleeps on the storage event
+        loop until memory frees, and nothing on that loop can free it (a hang); a hit with no
+        room is a miss."""
+        return self.local_cpu_backend.allocate(shapes, dtypes, fmt, busy_loop=False)
 
     def _read_block(self, block: Block, key: Any) -> Any:
         """Copy a leased block into a fresh MemoryObj (None on a miss); ends the lease."""

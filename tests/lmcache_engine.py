@@ -33,7 +33,8 @@ MODEL = "tiny-kv-test"
 def plugin_config(url: str, **extra: Any) -> dict:
     """Plugin mode as LMCache documents it: no remote_url, the URL in the plugin's keys."""
     return {"chunk_size": CHUNK, "local_cpu": False, "max_local_cpu_size": 0.05,
-            "save_unfull_chunk": True, "remote_serde": "naive", "remote_storage_plugins": ["kvservice"],
+            "save_unfull_chunk": True,
+            "remote_serde": "naive", "remote_storage_plugins": ["kvservice"],
             "extra_config": {
                 "remote_storage_plugin.kvservice.module_path": "kvservice.integrations.lmcache",
                 "remote_storage_plugin.kvservice.class_name": "KVServiceConnectorAdapter",

@@ -374,8 +374,6 @@ def test_file_region(tmp_path, engine):
 def test_no_server_is_a_clear_error_and_no_backend_connection(name, engine):
     """LMCache logs the connector's error and keeps a backend without a connection, which
     answers every call with a miss."""
-    import asyncio
-
     from lmcache.v1.storage_backend.connector import CreateConnector
 
     built = engine(le.plugin_config(service(name)))
@@ -385,7 +383,6 @@ def test_no_server_is_a_clear_error_and_no_backend_connection(name, engine):
     with pytest.raises(Exception, match=name):
         CreateConnector("plugin://kvservice", rb.loop, rb.local_cpu_backend, rb.config,
                         rb.metadata, plugin_name="kvservice")
-    assert isinstance(rb.loop, asyncio.AbstractEventLoop)
 
 
 @pytest.mark.timeout(90)
@@ -460,4 +457,30 @@ def test_key_over_the_length_limit(server, name, engine):
     assert server.stats()["namespaces"][NS]["entries"] == 1
     assert r.rb.get_blocking(long_key) is None and not r.rb.contains(long_key)
     assert r.rb.batched_contains([long_key]) == 0
+    obj.ref_count_down()
+
+
+def test_readme_yaml_through_lmcaches_file_loader(server, name, engine, tmp_path):
+    """The README's plugin-mode YAML, read by LMCacheEngineConfig.from_file, stores and reads."""
+    from lmcache.v1.config import LMCacheEngineConfig
+
+    path = tmp_path / "lmcache.yaml"
+    path.write_text(f"""\
+chunk_size: {le.CHUNK}
+local_cpu: false
+max_local_cpu_size: 0.05
+remote_serde: "naive"
+remote_storage_plugins: ["kvservice"]
+extra_config:
+  remote_storage_plugin.kvservice.module_path: kvservice.integrations.lmcache
+  remote_storage_plugin.kvservice.class_name: KVServiceConnectorAdapter
+  remote_storage_plugin.kvservice.url: "{service(name)}"
+""")
+    r = Remote(engine(LMCacheEngineConfig.from_file(str(path)).to_dict()))
+    assert r.inner.namespace == NS
+    obj = r.chunk(11)
+    r.put([r.key(0)], [obj])
+    got = r.rb.get_blocking(r.key(0))
+    assert raw(got) == raw(obj)
+    got.ref_count_down()
     obj.ref_count_down()

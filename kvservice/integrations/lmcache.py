@@ -1,14 +1,28 @@
-"""LMCache remote connector on kvservice: ``remote_url: kvservice://NAME``.
+"""LMCache remote connector on kvservice, loaded through LMCache's remote-storage plugins.
 
-LMCache loads it as a remote-storage plugin (``lmcache.v1.storage_backend.connector``'s
-``ConnectorManager._remote_adapters_plugin_launcher``)::
+Plugin mode, as LMCache 0.5.6 documents remote storage (no ``remote_url``)::
 
-    remote_url: "kvservice://kv?namespace=llama-8b"     # shm://kv; or kvservice://file/dev/dax0.0
     remote_serde: "naive"
-    remote_storage_plugins: ["kvservice"]
+    remote_storage_plugins: ["kvservice"]          # or kvservice.NAME (one backend each)
     extra_config:
       remote_storage_plugin.kvservice.module_path: kvservice.integrations.lmcache
       remote_storage_plugin.kvservice.class_name: KVServiceConnectorAdapter
+      remote_storage_plugin.kvservice.url: "kvservice://kv?namespace=llama-8b"
+
+LMCache builds one ``RemoteBackend`` per plugin and asks for the URL ``plugin://<name>``; the
+adapter takes the service URL from ``remote_storage_plugin.<name>.url`` (LMCache has no standard
+key for a plugin's URL; its built-ins each read their own). The plugin name must be
+``kvservice`` or ``kvservice.<instance>``: the adapter is built without its name, and matches
+``plugin://`` URLs by that type. ``class_name: KVServiceConnector`` works too (LMCache then wraps
+the class in its ``DynamicConnectorAdapter``, which passes no name: the connector finds the one
+plugin naming it).
+
+Legacy mode: ``remote_url: "kvservice://kv?namespace=..."`` with the same plugin entry but no
+``remote_storage_plugin.kvservice.url``. LMCache needs the plugin entry to load the adapter, and
+builds a remote backend for it as well as for ``remote_url``; the plugin's backend refuses to be
+built (an ``IrrecoverableException``, which LMCache logs as "Failed to create remote backend for
+plugin kvservice"), so exactly one backend writes. A configuration naming a kvservice both ways
+fails the engine's creation: every write would be doubled.
 
 It implements LMCache's ``RemoteConnector`` (``.../connector/base_connector.py``): the async
 methods run on LMCache's storage event loop (``ConnectorContext.loop``, which LMCache drives
@@ -25,7 +39,8 @@ LMCache's fs/mooncake connectors use; with ``extra_config.save_chunk_meta: false
 bytes alone, shaped on read from the engine metadata (``reshape_partial_chunk`` for a partial
 last chunk). Puts are written straight into the pool (``begin_put``) and gets copy the leased
 block straight into a ``MemoryObj`` allocated from ``local_cpu_backend.allocate`` (LMCache's
-allocator), so each direction costs one memory copy.
+allocator), so each direction costs one memory copy. LMCache chunk keys hash with Python's
+``hash``: processes sharing chunks must run with the same ``PYTHONHASHSEED``.
 """
 from __future__ import annotations
 
@@ -45,6 +60,78 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_NAMESPACE = "lmcache"
 CONNECT_TIMEOUT_S = 30.0
+PLUGIN_TYPE = "kvservice"
+PLUGIN_SCHEME = "plugin://"
+
+
+def _config_error(message: str) -> Exception:
+    """LMCache's ``IrrecoverableException``: its RemoteBackend re-raises it from
+    init_connection (other errors it logs and retries), so no backend is built on a bad
+    configuration. Imported here, not at the top: the retiring stand-in of
+    tests/test_integrations.py has no ``lmcache.v1.exceptions``."""
+    from lmcache.v1.exceptions import IrrecoverableException
+
+    return IrrecoverableException(message)
+
+
+def _plugin_key(plugin: str, field: str) -> str:
+    return f"remote_storage_plugin.{plugin}.{field}"
+
+
+def _is_service_url(url: Any) -> bool:
+    try:
+        parse_service_url(url)
+    except Exception:
+        return False
+    return True
+
+
+def _our_plugins(config: Any, class_name: str | None = None) -> list[str]:
+    """The ``remote_storage_plugins`` entries whose module_path is this module (and, if given,
+    whose class_name is ``class_name``)."""
+    extra = getattr(config, "extra_config", None) or {}
+    return [p for p in (getattr(config, "remote_storage_plugins", None) or [])
+            if extra.get(_plugin_key(p, "module_path")) == __name__
+            and (class_name is None or extra.get(_plugin_key(p, "class_name")) == class_name)]
+
+
+def resolve_service_url(url: str | None, config: Any, plugin_name: str | None = None,
+                        class_name: str | None = None) -> str:
+    """The kvservice URL a connector LMCache asks for serves: ``url`` itself for a legacy
+    ``remote_url``, ``remote_storage_plugin.<name>.url`` for ``plugin://<name>`` (``url`` None:
+    the one plugin whose class_name is ``class_name``). A configuration that would build a
+    dead or a second backend on kvservice raises ``IrrecoverableException``, which keeps
+    LMCache from building that backend."""
+    extra = getattr(config, "extra_config", None) or {}
+    remote_url = getattr(config, "remote_url", None)
+    if url is None:
+        named = _our_plugins(config, class_name)
+        if len(named) != 1:
+            raise _config_error(
+                f"kvservice: {class_name} was built without a URL or plugin name, and "
+                f"{len(named)} remote_storage_plugins name it ({named}); name exactly one, or "
+                f"use class_name: KVServiceConnectorAdapter")
+        plugin_name = named[0]
+    elif url.startswith(PLUGIN_SCHEME):
+        plugin_name = plugin_name or url[len(PLUGIN_SCHEME):]
+    else:  # legacy remote_url
+        doubled = [p for p in _our_plugins(config) if extra.get(_plugin_key(p, "url"))]
+        if doubled:
+            raise _config_error(
+                f"kvservice: remote_url {url!r} and remote_storage_plugin.{doubled[0]}.url both "
+                f"name a kvservice: LMCache would write every chunk twice; drop remote_url")
+        return url
+    service = extra.get(_plugin_key(plugin_name, "url"))
+    if service:
+        return service
+    if _is_service_url(remote_url):
+        raise _config_error(
+            f"kvservice: plugin {plugin_name!r} has no {_plugin_key(plugin_name, 'url')}; "
+            f"remote_url {remote_url!r} serves kvservice (legacy mode), so no backend is built "
+            f"for the plugin")
+    raise _config_error(
+        f"kvservice: plugin {plugin_name!r} needs its service URL in extra_config "
+        f"{_plugin_key(plugin_name, 'url')} (e.g. kvservice://NAME)")
 
 
 def _remote_metadata() -> Any:
@@ -60,8 +147,11 @@ def _byte_array(memory_obj: Any) -> memoryview:
 class KVServiceConnector(RemoteConnector):
     """An LMCache ``RemoteConnector`` over a kvservice (see the module docstring)."""
 
-    def __init__(self, url: str, loop: asyncio.AbstractEventLoop, local_cpu_backend: Any,
-                 config: Any = None, metadata: Any = None) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, local_cpu_backend: Any,
+                 config: Any = None, url: str | None = None, metadata: Any = None,
+                 plugin_name: str | None = None) -> None:
+        """``url``: a kvservice URL, ``plugin://<name>``, or None (built by LMCache's
+        ``DynamicConnectorAdapter``): see :func:`resolve_service_url`."""
         if metadata is None:
             metadata = getattr(local_cpu_backend, "metadata", None)
         if config is None:
@@ -69,8 +159,12 @@ class KVServiceConnector(RemoteConnector):
         # the base sets save_chunk_meta, meta_shapes/dtypes/fmt, full_chunk_size_bytes,
         # single_token_size and remote_metadata_bytes from the engine config and metadata
         super().__init__(config, metadata)
-        parsed = parse_service_url(url)
-        extra = (getattr(config, "extra_config", None) or {}) if config is not None else {}
+        url = resolve_service_url(url, config, plugin_name, type(self).__name__)
+        try:
+            parsed = parse_service_url(url)
+        except Exception as exc:  # a configuration error: LMCache should not retry it
+            raise _config_error(f"kvservice: bad service URL {url!r}: {exc}") from exc
+        extra = getattr(config, "extra_config", None) or {}
         self.url = url
         self.service_url = parsed.url
         self.namespace = parsed.namespace or extra.get("kvservice.namespace") or DEFAULT_NAMESPACE
@@ -132,10 +226,16 @@ class KVServiceConnector(RemoteConnector):
             md = _remote_metadata().deserialize(view[:n])
             if md.length > len(view) - n:
                 raise ValueError(f"metadata says {md.length} bytes, the value holds {len(view) - n}")
-            obj = self.local_cpu_backend.allocate(md.shapes, md.dtypes, md.fmt)
+            obj = self._allocate(md.shapes, md.dtypes, md.fmt)
             return None if obj is None else (obj, view[n:n + md.length])
-        obj = self.local_cpu_backend.allocate(self.meta_shapes, self.meta_dtypes, self.meta_fmt)
+        obj = self._allocate(self.meta_shapes, self.meta_dtypes, self.meta_fmt)
         return None if obj is None else (obj, view)
+
+    def _allocate(self, shapes: Any, dtypes: Any, fmt: Any) -> Any:
+        """LMCache's allocate without its busy loop: the loop sleeps on the storage event
+        loop until memory frees, and nothing on that loop can free it (a hang); a hit with no
+        room is a miss."""
+        return self.local_cpu_backend.allocate(shapes, dtypes, fmt, busy_loop=False)
 
     def _read_block(self, block: Block, key: Any) -> Any:
         """Copy a leased block into a fresh MemoryObj (None on a miss); ends the lease."""
@@ -319,15 +419,19 @@ class KVServiceConnector(RemoteConnector):
 
 
 class KVServiceConnectorAdapter(ConnectorAdapter):
-    """LMCache adapter for ``kvservice://`` URLs (name it in ``remote_storage_plugins``)."""
+    """LMCache adapter for ``kvservice://`` URLs and ``plugin://kvservice[.NAME]`` (name it in
+    ``remote_storage_plugins``)."""
 
     def __init__(self) -> None:
         super().__init__(SCHEME)
 
     def can_parse(self, url: str) -> bool:
+        if url.startswith(PLUGIN_SCHEME):
+            return url[len(PLUGIN_SCHEME):].split(".", 1)[0] == PLUGIN_TYPE
         return url.startswith(self.schema)
 
     def create_connector(self, context: ConnectorContext) -> RemoteConnector:
         logger.info("Creating kvservice connector for URL: %s", context.url)
-        return KVServiceConnector(context.url, context.loop, context.local_cpu_backend,
-                                  context.config, getattr(context, "metadata", None))
+        return KVServiceConnector(context.loop, context.local_cpu_backend, context.config,
+                                  url=context.url, metadata=getattr(context, "metadata", None),
+                                  plugin_name=getattr(context, "plugin_name", None))

@@ -1,13 +1,14 @@
 """Adapters that plug kvservice into LLM serving frameworks as their KV-cache store.
 
-- :mod:`kvservice.integrations.lmcache`: an LMCache remote connector (``remote_url:
-  kvservice://NAME``, loaded through ``remote_storage_plugins``).
+- :mod:`kvservice.integrations.lmcache`: an LMCache remote connector, loaded through
+  ``remote_storage_plugins`` (the service URL in ``remote_storage_plugin.NAME.url``, or a
+  legacy ``remote_url: kvservice://NAME``).
 - :mod:`kvservice.integrations.sglang`: an SGLang HiCache storage backend
   (``--hicache-storage-backend dynamic``).
 
-Neither module imports its framework until it is used, and neither needs torch: values are
-read and written through the buffer protocol, or through raw pointers (``data_ptr()``) where a
-framework hands those out.
+Each module imports its framework (and, with it, torch), so importing this package imports
+neither: values are read and written through the buffer protocol, or through raw pointers
+(``data_ptr()``) where a framework hands those out. docs/engines.md has the configurations.
 
 Service URLs (both adapters), the query string being optional:
 

@@ -33,14 +33,15 @@ connector does.
 
 Values: a chunk is stored under ``CacheEngineKey.to_string()`` in the namespace (the URL's
 ``?namespace=``, else ``extra_config["kvservice.namespace"]``, else ``lmcache``; ``?ttl=`` and
-``?lease_s=`` set a TTL on every chunk and the lease a read takes). With ``save_chunk_meta`` (LMCache's default) a value is LMCache's
-``RemoteMetadata`` header (``remote_metadata_bytes`` long) followed by the KV bytes, the layout
+``?lease_s=`` set a TTL on every chunk and the lease a read takes). With ``save_chunk_meta``
+(LMCache's default) a value is LMCache's ``RemoteMetadata`` header (``remote_metadata_bytes`` long) followed by the KV bytes, the layout
 LMCache's fs/mooncake connectors use; with ``extra_config.save_chunk_meta: false`` it is the KV
 bytes alone, shaped on read from the engine metadata (``reshape_partial_chunk`` for a partial
 last chunk). Puts are written straight into the pool (``begin_put``) and gets copy the leased
 block straight into a ``MemoryObj`` allocated from ``local_cpu_backend.allocate`` (LMCache's
-allocator), so each direction costs one memory copy. LMCache chunk keys hash with Python's
-``hash``: processes sharing chunks must run with the same ``PYTHONHASHSEED``.
+allocator), so each direction costs one memory copy. LMCache's default chunk hash is Python's
+``hash``: of token-id tuples in 0.5.6, which no seed changes; run engines that share chunks with
+one ``PYTHONHASHSEED`` all the same, in case a configuration hashes strings.
 """
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ import concurrent.futures
 import logging
 from typing import Any, List, Optional
 
+from lmcache.v1.exceptions import IrrecoverableException
 from lmcache.v1.storage_backend.connector import ConnectorAdapter, ConnectorContext
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
@@ -67,10 +69,7 @@ PLUGIN_SCHEME = "plugin://"
 def _config_error(message: str) -> Exception:
     """LMCache's ``IrrecoverableException``: its RemoteBackend re-raises it from
     init_connection (other errors it logs and retries), so no backend is built on a bad
-    configuration. Imported here, not at the top: the retiring stand-in of
-    tests/test_integrations.py has no ``lmcache.v1.exceptions``."""
-    from lmcache.v1.exceptions import IrrecoverableException
-
+    configuration."""
     return IrrecoverableException(message)
 
 

@@ -19,11 +19,10 @@ import statistics
 import subprocess
 import sys
 import time
-import uuid
 
 import numpy as np
 
-from pool_connect import wait_serving  # run as a script: bench/ is on sys.path
+from pool_connect import serving  # run as a script: bench/ is on sys.path
 
 MiB = 1 << 20
 OPS = ("put_new 1M", "get 64K", "get 1M", "first_read 1M")
@@ -87,23 +86,8 @@ async def _measure(url: str, n: int) -> dict[str, list[int]]:
 
 
 def _child(n: int) -> None:
-    name = f"bench-ab-{uuid.uuid4().hex[:8]}"
-    server = subprocess.Popen([sys.executable, "-m", "kvservice", "serve", "--name", name,
-                               "--pool-size", "1GiB"], stdout=subprocess.PIPE, text=True,
-                              start_new_session=True)
-    try:
-        wait_serving(server)
-        print(json.dumps(asyncio.run(_measure(f"shm://{name}", n))), flush=True)
-    finally:
-        server.terminate()
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-        for path in (f"/dev/shm/{name}", f"/dev/shm/{name}.pool"):
-            if os.path.exists(path):
-                os.unlink(path)
+    with serving("bench-ab", "1GiB") as url:
+        print(json.dumps(asyncio.run(_measure(url, n))), flush=True)
 
 
 def _round(tree: str, n: int) -> dict[str, list[int]]:

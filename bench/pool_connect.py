@@ -12,6 +12,7 @@ runs server and clients from another checkout (PYTHONPATH), to compare before an
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -20,6 +21,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 
 from kvservice.__main__ import parse_size
 
@@ -98,7 +100,7 @@ def _env(tree: str | None) -> dict[str, str]:
     return env
 
 
-def wait_serving(server: subprocess.Popen, timeout: float = _DEADLINE_S) -> None:
+def _wait_serving(server: subprocess.Popen, timeout: float = _DEADLINE_S) -> None:
     """Wait for ``kvservice serve``'s first line (it serves); RuntimeError after ``timeout``."""
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.append(server.stdout.readline()), daemon=True)
@@ -108,21 +110,17 @@ def wait_serving(server: subprocess.Popen, timeout: float = _DEADLINE_S) -> None
         raise RuntimeError(f"kvservice serve did not start (exit {server.poll()})")
 
 
-def run(pool_size: int, client_counts: list[int], tree: str | None) -> list[dict]:
-    """Start a server with a pool of ``pool_size``; measure each client count in a new process."""
-    name = f"bench-pool-{uuid.uuid4().hex[:8]}"
-    url = f"shm://{name}"
+@contextlib.contextmanager
+def serving(prefix: str, pool_size: int | str, tree: str | None = None) -> Iterator[str]:
+    """A ``python -m kvservice serve`` process (from ``tree`` if given) with a pool of
+    ``pool_size``, serving while the block runs: its URL. Ended and its segments removed after."""
+    name = f"{prefix}-{uuid.uuid4().hex[:8]}"
     server = subprocess.Popen([sys.executable, "-m", "kvservice", "serve", "--name", name,
                                "--pool-size", str(pool_size)], env=_env(tree),
                               cwd=tree, stdout=subprocess.PIPE, text=True, start_new_session=True)
-    rows = []
     try:
-        wait_serving(server)
-        for clients in client_counts:
-            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", url,
-                                  "--clients", str(clients)], env=_env(tree), cwd=tree, check=True,
-                                 capture_output=True, text=True, timeout=_DEADLINE_S)
-            rows.append({"pool": pool_size, "clients": clients, **json.loads(out.stdout)})
+        _wait_serving(server)
+        yield f"shm://{name}"
     finally:
         server.terminate()
         try:
@@ -133,6 +131,17 @@ def run(pool_size: int, client_counts: list[int], tree: str | None) -> list[dict
         for path in (f"/dev/shm/{name}", f"/dev/shm/{name}.pool"):
             if os.path.exists(path):
                 os.unlink(path)
+
+
+def run(pool_size: int, client_counts: list[int], tree: str | None) -> list[dict]:
+    """Start a server with a pool of ``pool_size``; measure each client count in a new process."""
+    rows = []
+    with serving("bench-pool", pool_size, tree) as url:
+        for clients in client_counts:
+            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", url,
+                                  "--clients", str(clients)], env=_env(tree), cwd=tree, check=True,
+                                 capture_output=True, text=True, timeout=_DEADLINE_S)
+            rows.append({"pool": pool_size, "clients": clients, **json.loads(out.stdout)})
     return rows
 
 

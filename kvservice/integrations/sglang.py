@@ -48,7 +48,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, List, Optional
 
 import numpy as np
@@ -509,25 +509,25 @@ class KVServiceHiCacheStorage(_KVServiceStorage):
     def batch_set_v2(self, transfers: List[Any], extra_info: Optional[Any] = None
                      ) -> dict[str, List[bool]]:
         """Store each transfer's pages from its host pool; per pool, one bool per page."""
-        self._check_open()
-        out: dict[str, List[bool]] = {}
-        for t in transfers:
-            keys = list(t.keys or [])
-            pages = self._pool_pages(t) if keys else []
-            out[t.name] = ([False] * len(keys) if pages is None else
-                           self._set_pages([self._key(k, t.name) for k in keys], pages))
-        return out
+        return self._move_v2(transfers, self._set_pages)
 
     def batch_get_v2(self, transfers: List[Any], extra_info: Optional[Any] = None
                      ) -> dict[str, List[bool]]:
         """Copy each transfer's stored pages into its host pool; per pool, one bool per page."""
+        return self._move_v2(transfers, self._get_pages)
+
+    def _move_v2(self, transfers: List[Any],
+                 move: Callable[[List[str | None], List[List[memoryview]]], List[bool]]
+                 ) -> dict[str, List[bool]]:
+        """``move`` (set or get) each transfer's pages under its pool's keys; a transfer whose
+        pages cannot be described is all False."""
         self._check_open()
         out: dict[str, List[bool]] = {}
         for t in transfers:
             keys = list(t.keys or [])
             pages = self._pool_pages(t) if keys else []
             out[t.name] = ([False] * len(keys) if pages is None else
-                           self._get_pages([self._key(k, t.name) for k in keys], pages))
+                           move([self._key(k, t.name) for k in keys], pages))
         return out
 
     def batch_exists_v2(self, keys: List[str], pool_transfers: Optional[List[Any]] = None,

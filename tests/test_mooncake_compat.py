@@ -94,7 +94,7 @@ def test_setup_forms_and_validation(kv_url):
     # positional, keyword, and Mooncake's size forms
     assert s.setup("localhost", "P2PHANDSHAKE", "16MB", "16 MB", "tcp", "", kv_url) == OK
     host, port = s.get_hostname().split(":")  # Mooncake names its segment host:port
-    assert host == "localhost" and int(port) > 0
+    assert host == "localhost" and 12300 <= int(port) < 14300  # its transfer engine's ports
     assert s.health_check() == OK
     assert s.setup(local_hostname="h:1", metadata_server="http://m:8080/metadata",
                    global_segment_size=512 * MiB, local_buffer_size=0, protocol="rdma",

@@ -145,10 +145,12 @@ def _config_code(config: Any, n_keys: int) -> int:
     return ErrorCode.OK
 
 
-_PORTS = itertools.count(12300 + os.getpid() % 20000)
+#: Mooncake's transfer engine takes its RPC port from [12300, 14300) (its tests check the range)
+_PORT_BASE, _PORT_SPAN = 12300, 2000
+_PORTS = itertools.count(os.getpid())
 
 
 def _segment_port() -> int:
-    """A port number for get_hostname's ``host:port`` (Mooncake: its transfer engine's port;
-    here only a distinct name per store, since nothing listens)."""
-    return next(_PORTS)
+    """A port number for get_hostname's ``host:port`` in Mooncake's range (Mooncake: its
+    transfer engine's port; here only a distinct name per store, since nothing listens)."""
+    return _PORT_BASE + next(_PORTS) % _PORT_SPAN

@@ -34,14 +34,15 @@ connector does.
 Values: a chunk is stored under ``CacheEngineKey.to_string()`` in the namespace (the URL's
 ``?namespace=``, else ``extra_config["kvservice.namespace"]``, else ``lmcache``; ``?ttl=`` and
 ``?lease_s=`` set a TTL on every chunk and the lease a read takes). With ``save_chunk_meta``
-(LMCache's default) a value is LMCache's ``RemoteMetadata`` header (``remote_metadata_bytes`` long) followed by the KV bytes, the layout
-LMCache's fs/mooncake connectors use; with ``extra_config.save_chunk_meta: false`` it is the KV
-bytes alone, shaped on read from the engine metadata (``reshape_partial_chunk`` for a partial
-last chunk). Puts are written straight into the pool (``begin_put``) and gets copy the leased
-block straight into a ``MemoryObj`` allocated from ``local_cpu_backend.allocate`` (LMCache's
-allocator), so each direction costs one memory copy. LMCache's default chunk hash is Python's
-``hash``: of token-id tuples in 0.5.6, which no seed changes; run engines that share chunks with
-one ``PYTHONHASHSEED`` all the same, in case a configuration hashes strings.
+(LMCache's default) a value is LMCache's ``RemoteMetadata`` header (``remote_metadata_bytes``
+long) followed by the KV bytes, the layout LMCache's fs/mooncake connectors use; with
+``extra_config.save_chunk_meta: false`` it is the KV bytes alone, shaped on read from the
+engine metadata (``reshape_partial_chunk`` for a partial last chunk). Puts are written straight
+into the pool (``begin_put``) and gets copy the leased block straight into a ``MemoryObj``
+allocated from ``local_cpu_backend.allocate`` (LMCache's allocator, told not to wait: a hit with
+no room is a miss), so each direction costs one memory copy. LMCache's default chunk hash is
+Python's ``hash``: of token-id tuples in 0.5.6, which no seed changes; run engines that share
+chunks with one ``PYTHONHASHSEED`` all the same, in case a configuration hashes strings.
 """
 from __future__ import annotations
 

@@ -3,14 +3,32 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import multiprocessing as mp
 import os
 import signal
+import sys
 import time
 from contextlib import AbstractContextManager, contextmanager
 from typing import Iterator
 
 CTX = mp.get_context("spawn")
+
+
+async def run_json(args: list[str], timeout: float, env: dict[str, str] | None = None) -> dict:
+    """Run ``python ARGS`` to its end (killed after ``timeout``): its last line of output, as
+    JSON; an AssertionError with the tail of its stderr if it failed."""
+    proc = await asyncio.create_subprocess_exec(sys.executable, *args, env=env,
+                                                stdout=asyncio.subprocess.PIPE,
+                                                stderr=asyncio.subprocess.PIPE)
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 0, err.decode()[-3000:]
+    return json.loads(out.decode().strip().splitlines()[-1])
 
 
 async def _serve_until_sigterm(server, ready) -> None:

@@ -8,8 +8,6 @@ SGLang is imported without torchvision.
 from __future__ import annotations
 
 import asyncio
-import json
-import subprocess
 import sys
 import time
 import types
@@ -18,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import sglang_engine as eng
+from procs import run_json
 from kvservice import KVClient, KVServer
 from kvservice.keys import MAX_KEY_BYTES
 
@@ -65,17 +64,8 @@ async def test_pages_round_trip_across_two_processes(url, tmp_path):
     async with KVServer(url, pool_size=64 * MiB):
         summaries = {}
         for role in ("write", "read"):
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, str(Path(eng.__file__)), role, url, str(tmp_path),
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-            try:
-                out, err = await asyncio.wait_for(proc.communicate(), 240)
-            finally:
-                if proc.returncode is None:
-                    proc.kill()
-                    await proc.wait()
-            assert proc.returncode == 0, err.decode()[-3000:]
-            summaries[role] = json.loads(out.decode().strip().splitlines()[-1])
+            summaries[role] = await run_json([str(Path(eng.__file__)), role, url, str(tmp_path)],
+                                             240)
     combos = [f"{k}-{lay}-{p}" for k in eng.KINDS for lay in eng.LAYOUTS for p in eng.PATHS]
     assert sorted(summaries["write"]) == sorted(combos + ["swa-hybrid"]) == sorted(
         summaries["read"])

@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 import sglang_engine as eng
+from procs import run_json
 import sglang_mooncake_engine as mc
 from kvservice import KVClient, KVServer
 from kvservice.compat import mooncake_shim_path
@@ -58,17 +57,8 @@ async def test_sglang_mooncake_backend_across_two_processes(url, tmp_path):
     async with KVServer(url, pool_size=64 * MiB), KVClient.connect(url) as client:
         summaries = {}
         for role in ("write", "read"):
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, str(Path(mc.__file__)), role, url, str(tmp_path),
-                env=_engine_env(url), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-            try:
-                out, err = await asyncio.wait_for(proc.communicate(), 240)
-            finally:
-                if proc.returncode is None:
-                    proc.kill()
-                    await proc.wait()
-            assert proc.returncode == 0, err.decode()[-3000:]
-            summaries[role] = json.loads(out.decode().strip().splitlines()[-1])
+            summaries[role] = await run_json([str(Path(mc.__file__)), role, url, str(tmp_path)],
+                                             240, _engine_env(url))
         # SGLang's MHA pages are two objects (K and V), MLA pages one, named as SGLang names them
         # (prefixed by the model name, in the facade's default namespace "")
         model = eng.MODEL.replace("/", "-")

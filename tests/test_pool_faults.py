@@ -5,13 +5,12 @@ the bytes it puts and gets stay right, with and without the native module."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-import sys
 import threading
 
 import pytest
 
+from procs import run_json
 from kvservice import KVServer, SyncKVClient
 from kvservice import pool as pool_module
 
@@ -29,17 +28,7 @@ async def probe(url: str, native: bool, head_start: int) -> dict:
     if not native:
         env["CXLRPC_NO_NATIVE"] = "1"
     async with KVServer(url, pool_size=POOL):
-        proc = await asyncio.create_subprocess_exec(sys.executable, PROBE, url, env=env,
-                                                    stdout=asyncio.subprocess.PIPE,
-                                                    stderr=asyncio.subprocess.PIPE)
-        try:
-            out, err = await asyncio.wait_for(proc.communicate(), 30)
-        finally:
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
-    assert proc.returncode == 0, err.decode()
-    got = json.loads(out)
+        got = await run_json([PROBE, url], 30, env)
     assert got["native"] is native
     assert got["same"] == {"k0": True, "k1": True, "k2": True}
     return got

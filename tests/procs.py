@@ -15,10 +15,12 @@ from typing import Iterator
 CTX = mp.get_context("spawn")
 
 
-async def run_json(args: list[str], timeout: float, env: dict[str, str] | None = None) -> dict:
-    """Run ``python ARGS`` to its end (killed after ``timeout``): its last line of output, as
-    JSON; an AssertionError with the tail of its stderr if it failed."""
-    proc = await asyncio.create_subprocess_exec(sys.executable, *args, env=env,
+async def run_python(args: list[str] | tuple[str, ...], timeout: float,
+                     env: dict[str, str] | None = None, cwd: str | None = None
+                     ) -> tuple[int, str, str]:
+    """Run ``python ARGS`` to its end without blocking the loop (killed after ``timeout``):
+    (exit status, stdout, stderr)."""
+    proc = await asyncio.create_subprocess_exec(sys.executable, *args, env=env, cwd=cwd,
                                                 stdout=asyncio.subprocess.PIPE,
                                                 stderr=asyncio.subprocess.PIPE)
     try:
@@ -27,8 +29,15 @@ async def run_json(args: list[str], timeout: float, env: dict[str, str] | None =
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
-    assert proc.returncode == 0, err.decode()[-3000:]
-    return json.loads(out.decode().strip().splitlines()[-1])
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def run_json(args: list[str], timeout: float, env: dict[str, str] | None = None) -> dict:
+    """Run ``python ARGS`` to its end (killed after ``timeout``): its last line of output, as
+    JSON; an AssertionError with the tail of its stderr if it failed."""
+    status, out, err = await run_python(args, timeout, env)
+    assert status == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
 
 
 async def _serve_until_sigterm(server, ready) -> None:

@@ -296,6 +296,23 @@ def tokens(kind: str, layout: str, path: str) -> list[int]:
     return list(range(base, base + PAGES * PAGE))
 
 
+def compare_pages(out: Path, counts: list[tuple[str, int]]) -> tuple[int, int]:
+    """Assert each (name, pages) pair's pages read back (``OUT/NAME.r``) equal those written
+    (``OUT/NAME.w``), page by page, and that the writer's were not all zero: (pages, bytes)."""
+    compared = pages = 0
+    for name, count in counts:
+        written = (out / f"{name}.w").read_bytes()
+        read = (out / f"{name}.r").read_bytes()
+        size = len(written) // count
+        assert size and len(read) == len(written), name
+        assert any(written), name  # the writer's random pages, not an all-zero pool
+        for i in range(count):
+            assert read[i * size:(i + 1) * size] == written[i * size:(i + 1) * size], (name, i)
+        compared += len(read)
+        pages += count
+    return pages, compared
+
+
 def page_bytes(pool: Any, starts: Any) -> list[bytes]:
     """The flat data page starting at each slot of ``starts``."""
     import torch

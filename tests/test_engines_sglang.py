@@ -78,17 +78,8 @@ async def test_pages_round_trip_across_two_processes(url, tmp_path):
     n, w = eng.PAGES, eng.SWA_PAGES
     assert summaries["write"]["swa-hybrid"] == {"stored": n, "swa_stored": w}
     assert summaries["read"]["swa-hybrid"] == {"hit": n, "swa_hit": n, "read": n, "swa_read": w}
-    compared = pages = 0
-    for name, count in [(c, n) for c in combos] + [("swa-hybrid-kv", n), ("swa-hybrid-swa", w)]:
-        written = (tmp_path / f"{name}.w").read_bytes()
-        read = (tmp_path / f"{name}.r").read_bytes()
-        size = len(written) // count
-        assert size and len(read) == len(written)
-        assert any(written), name  # the writer's random pages, not an all-zero pool
-        for i in range(count):
-            assert read[i * size:(i + 1) * size] == written[i * size:(i + 1) * size], (name, i)
-        compared += len(read)
-        pages += count
+    pages, compared = eng.compare_pages(
+        tmp_path, [(c, n) for c in combos] + [("swa-hybrid-kv", n), ("swa-hybrid-swa", w)])
     print(f"\n{len(combos)} combinations x {n} pages + a hybrid SWA model ({n} KV, {w} SWA "
           f"pages): {pages} pages, {compared} bytes compared")
 

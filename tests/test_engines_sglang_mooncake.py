@@ -83,17 +83,8 @@ async def test_sglang_mooncake_backend_across_two_processes(url, tmp_path):
         assert summaries["write"][name] == {**facts, "stored": n}, name
         assert summaries["read"][name] == {**facts, "exists": n, "exists_past_gap": 2,
                                            "hit": n, "read": n}, name
-    compared = pages = 0
-    for name, count in [(c, n) for c in names] + [("swa-hybrid-kv", n), ("swa-hybrid-swa", w)]:
-        written = (tmp_path / f"{name}.w").read_bytes()
-        read = (tmp_path / f"{name}.r").read_bytes()
-        size = len(written) // count
-        assert size and len(read) == len(written), name
-        assert any(written), name  # the writer's random pages, not an all-zero pool
-        for i in range(count):
-            assert read[i * size:(i + 1) * size] == written[i * size:(i + 1) * size], (name, i)
-        compared += len(read)
-        pages += count
+    pages, compared = eng.compare_pages(
+        tmp_path, [(c, n) for c in names] + [("swa-hybrid-kv", n), ("swa-hybrid-swa", w)])
     print(f"\n{len(names)} configurations x {n} pages + a hybrid SWA model ({n} KV, {w} SWA "
           f"pages): {pages} pages, {compared} bytes compared")
 

@@ -13,7 +13,7 @@ import pytest
 
 import cxlrpc
 
-from procs import until
+from procs import run_python, until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -76,16 +76,7 @@ async def status_is(client: cxlrpc.Client, status: str) -> bool:
 
 async def cli(*args: str, timeout: float = 30) -> tuple[int, str, str]:
     """Run ``python -m cxlrpc ARGS`` without blocking the loop: (exit status, stdout, stderr)."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "cxlrpc", *args, cwd=ROOT,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), timeout)
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-    return proc.returncode, out.decode(), err.decode()
+    return await run_python(("-m", "cxlrpc", *args), timeout, cwd=str(ROOT))
 
 
 async def test_grace_lets_calls_in_flight_finish(url):

@@ -15,21 +15,15 @@ import asyncio
 import json
 import os
 import resource
-import statistics
-import subprocess
-import sys
 import time
 
 import numpy as np
 
-from pool_connect import serving  # run as a script: bench/ is on sys.path
+from ab import alternate, table  # run as a script: bench/ is on sys.path
+from pool_connect import serving
 
 MiB = 1 << 20
 OPS = ("put_new 1M", "get 64K", "get 1M", "first_read 1M")
-
-
-def _pct(samples: list[int], q: float) -> float:
-    return float(np.percentile(np.array(samples) / 1e3, q))
 
 
 async def _settled(kv) -> None:
@@ -90,13 +84,6 @@ def _child(n: int) -> None:
         print(json.dumps(asyncio.run(_measure(url, n))), flush=True)
 
 
-def _round(tree: str, n: int) -> dict[str, list[int]]:
-    env = {**os.environ, "PYTHONPATH": tree}
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", str(n)], cwd=tree,
-                         env=env, check=True, capture_output=True, text=True, timeout=300)
-    return json.loads(out.stdout)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--a", help="checkout A (before)")
@@ -109,23 +96,8 @@ def main() -> None:
         _child(args.child)
         return
     trees = {"A": args.a, "B": args.b}
-    per: dict[str, dict[str, list[tuple[float, float]]]] = {k: {} for k in trees}
-    for r in range(args.rounds):
-        for k in ("A", "B") if r % 2 == 0 else ("B", "A"):
-            got = _round(trees[k], args.n)
-            for op, samples in got.items():
-                if op.endswith("faults"):
-                    per[k].setdefault(op, []).append((statistics.median(samples), max(samples)))
-                else:
-                    per[k].setdefault(op, []).append((_pct(samples, 50), _pct(samples, 99)))
-            print(f"round {r + 1}/{args.rounds} {k} done", file=sys.stderr, flush=True)
-    print(f"A = {trees['A']}\nB = {trees['B']}\n{args.rounds} rounds, medians of per-round figures (us; faults: count)")
-    print(f"{'op':<20} {'A p50':>9} {'B p50':>9} {'B/A':>6} | {'A p99':>9} {'B p99':>9} {'B/A':>6}")
-    for op in (*OPS, "first_read faults"):
-        a50, a99 = (statistics.median(x) for x in zip(*per["A"][op]))
-        b50, b99 = (statistics.median(x) for x in zip(*per["B"][op]))
-        print(f"{op:<20} {a50:>9.1f} {b50:>9.1f} {b50 / a50 if a50 else float('nan'):>6.2f} | "
-              f"{a99:>9.1f} {b99:>9.1f} {b99 / a99 if a99 else float('nan'):>6.2f}")
+    per = alternate(os.path.abspath(__file__), trees, args.rounds, ["--child", str(args.n)])
+    print(table(per, trees, args.rounds, (*OPS, "first_read faults")))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,13 @@ Lifecycle of a block: ``begin_put`` allocates it (pending, invisible) -> ``commi
 eviction or a newer commit (retired) -> it is freed once no lease holds it. Leases and pending
 puts end by release/commit/abort, by timeout in ``expire()``, or by ``release_owner``.
 
+Fencing. The writer of a pending put holds a writable view of its block; when its connection is
+judged gone (``release_owner``) it may only be frozen, and would write on when it resumes. So
+its pending blocks are quarantined -- neither live nor free, counted in ``stats()`` -- until
+``fence_owner`` says that writer can no longer write into the pool; only then are they freed
+and handed to other puts. A reader's leases end at once: its copies check the block's version
+after copying (a reused block never matches), so a late reader fails instead of pinning memory.
+
 Eviction and fairness. Victims are live blocks without a lease, least recently used first.
 A quota is a namespace's guaranteed share of the pool and its ceiling. A put evicts when (a) it
 would take its namespace over its quota: only that namespace's own blocks, just enough to fit,
@@ -236,9 +243,13 @@ class KVIndex:
         self._ns: dict[str, _Namespace] = {}
         self._tickets: dict[int, _Ticket] = {}
         #: expired tickets whose owner is still connected: it holds a writable view of the
-        #: block and may still be writing, so the block is freed only when it commits, aborts
-        #: or departs (handing it to another put meanwhile would let it overwrite that value)
+        #: block and may still be writing, so the block is freed only when it commits or
+        #: aborts, or is quarantined when it departs (handing it to another put meanwhile
+        #: would let it overwrite that value)
         self._expired_tickets: dict[int, _Ticket] = {}
+        #: owner -> blocks its pending puts held when it departed: kept until fence_owner
+        self._quarantine: dict[Hashable, list[_Block]] = {}
+        self._quarantined_bytes = 0
         self._leases: dict[int, _LeaseRec] = {}
         #: owner -> ids of its leases and tickets; an owner's entry lasts until release_owner
         #: (a server's connections all end so): one set per get and release to make and drop
@@ -268,7 +279,8 @@ class KVIndex:
 
         The value stays invisible until ``commit_put``; an uncommitted ticket expires after
         ``put_timeout_s`` (its commit fails). Its block is freed then, or, for an ``owner``
-        (who may still be writing into it), when that owner commits, aborts or is released.
+        (who may still be writing into it), when that owner commits or aborts, or is fenced
+        after it departs.
         Raises PoolFull (or its subclass QuotaExceeded) when there is no room.
         ``if_absent``: None (nothing reserved) when the key has a live value; the commit also
         keeps an existing value should one appear meanwhile.
@@ -532,16 +544,33 @@ class KVIndex:
         self._maybe_drop(space)
 
     def release_owner(self, owner: Hashable) -> int:
-        """Drop every lease and pending put of ``owner`` (a client seen dead); returns how many."""
+        """Drop every lease and pending put of ``owner`` (a client seen gone); returns how many.
+
+        Its leases end now; its pending puts' blocks (expired ones too) are quarantined, not
+        freed: a frozen writer may still write into them, so they wait for ``fence_owner``."""
         self._expire(self._clock())
         ids = self._owners.pop(owner, ())
         for record_id in ids:
             lease = self._leases.get(record_id)
             if lease is not None:
                 self._end_lease(lease)
-            else:
-                self._drop_ticket(self._tickets.get(record_id) or self._expired_tickets[record_id])
+                continue
+            ticket = self._tickets.pop(record_id, None) or self._expired_tickets.pop(record_id)
+            self._quarantine.setdefault(owner, []).append(ticket.block)
+            self._quarantined_bytes += ticket.block.nbytes
         return len(ids)
+
+    def fence_owner(self, owner: Hashable) -> int:
+        """``owner`` can no longer write into the pool (its process is gone, or its fence
+        timeout passed): free the blocks ``release_owner`` quarantined; returns how many.
+        Records it still holds are released first (a fence with no disconnect before it)."""
+        if owner in self._owners:
+            self.release_owner(owner)
+        blocks = self._quarantine.pop(owner, ())
+        for block in blocks:
+            self._quarantined_bytes -= block.nbytes
+            self._free(block)
+        return len(blocks)
 
     def expire(self) -> int:
         """End due leases, pending puts and TTLs (cheap if none is due); return how many ended."""
@@ -556,6 +585,8 @@ class KVIndex:
             "leases": len(self._leases),
             "pending_puts": len(self._tickets),
             "expired_puts_held": len(self._expired_tickets),
+            "quarantined_blocks": sum(map(len, self._quarantine.values())),
+            "quarantined_bytes": self._quarantined_bytes,
             "retired_blocks": self._retired,
             "pool_used": self._alloc.used,
             "pool_capacity": self._alloc.capacity,

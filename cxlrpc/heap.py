@@ -5,7 +5,9 @@ writer per extent on memory without coherence). A response body is allocated by 
 written, then referenced by a small frame (offset, length); the client copies it out and sends
 a FREE frame. A request body is allocated on the client's behalf (an ALLOC round trip), written
 by the client, referenced by its request frame, and freed by the server once it has read it.
-Every extent belongs to one connection (slot, generation) and is freed when that one departs.
+Every extent belongs to one connection (slot, generation) and is freed once that one has
+departed and is *fenced* (cxlrpc.fencing: it can no longer write into the region); until then
+the connection is quarantined and nothing it held is handed to another.
 Offsets and lengths read from frames are checked against what was handed out.
 
 A big response on coherent memory is *followed*: the server sends its frame first, then writes
@@ -154,6 +156,7 @@ class ServerHeap:
         self._parked: dict[tuple[int, int], int] = {}  # (slot, gen) -> its parked reply extent
         self._parked_at: set[int] = set()
         self._parked_bytes = 0
+        self._quarantined: set[tuple[int, int]] = set()  # departed, not yet fenced
 
     def alloc(self, slot: int, gen: int, length: int, keep: bool = False) -> int | None:
         """An extent of ``length`` bytes for the connection, or None while the heap is full;
@@ -205,7 +208,8 @@ class ServerHeap:
         a spare is freed then too: True). A followed reply's extent is parked instead, if the
         connection has none parked yet."""
         owner = self._owners.get(offset)
-        if owner is None or owner[:2] != (slot, gen) or offset in self._parked_at:
+        if (owner is None or owner[:2] != (slot, gen) or offset in self._parked_at
+                or owner[:2] in self._quarantined):
             return False
         if offset in self._lent:
             return self._unkeep(offset)
@@ -227,23 +231,32 @@ class ServerHeap:
         """The server is done with a lent extent: free it (its owner may be gone), but a
         spare, which is its client's again; whether it was freed."""
         self._lent.discard(offset)
-        if offset in self._kept or offset not in self._owners:
-            return False
+        owner = self._owners.get(offset)
+        if offset in self._kept or owner is None or owner[:2] in self._quarantined:
+            return False  # (a quarantined owner's extents are freed when it is fenced)
         self._drop(offset)
         return True
 
+    def quarantine(self, slot: int, gen: int) -> None:
+        """The connection departed but may still write (frozen): keep all it holds, parked
+        extent included, from every other connection until :meth:`release_owner`."""
+        self._quarantined.add((slot, gen))
+        parked = self._parked.get((slot, gen))
+        if parked is not None:
+            self._unpark(parked)  # (a heap under pressure frees parked extents: not this one)
+
     def release_owner(self, slot: int, gen: int) -> int:
-        """Free everything a departed connection held, but what is lent (freed when given
-        back); how many extents."""
-        freed = 0
+        """Free everything a departed (and fenced) connection held, but what is lent (freed
+        when given back); how many extents."""
+        self._quarantined.discard((slot, gen))
         parked = self._parked.get((slot, gen))
         if parked is not None:
             self._unpark(parked)
-            self._drop(parked)
-            freed += 1
+        freed = 0
         for offset in [off for off, (s, g, _) in self._owners.items() if (s, g) == (slot, gen)]:
-            lent = offset in self._lent
-            if self.free(offset, slot, gen) and not lent:
+            self._unkeep(offset)
+            if offset not in self._lent:
+                self._drop(offset)
                 freed += 1
         return freed
 

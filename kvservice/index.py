@@ -219,14 +219,16 @@ class KVIndex:
                  clock: Callable[[], float] = time.monotonic,
                  on_publish: Callable[[int, int], None] | None = None,
                  on_free: Callable[[int], None] | None = None, first_id: int = 1,
-                 first_version: int = 1) -> None:
+                 first_version: int = 1,
+                 on_claim: Callable[[int, int], None] | None = None) -> None:
         """``on_publish(offset, version)`` runs when a value becomes live, ``on_free(offset)``
-        before its block can be handed out again (the server marks the pool with them, so
-        readers can tell reused bytes). Lease and ticket ids count up from ``first_id``, value
+        before its block can be handed out again, ``on_claim(offset, ticket_id)`` when a put
+        reserves it (the server marks the pool with them, so readers can tell reused bytes
+        and writers a block no longer theirs). Lease and ticket ids count up from ``first_id``, value
         versions from ``first_version`` (a server taking over a pool's memory starts both where
         its predecessor's cannot be: a reader still holding an old block must not match)."""
-        if not 0 < first_version < 1 << 63:
-            raise ValueError("first_version must be in [1, 2**63)")
+        if not 0 < first_version < 1 << 63 or not 0 < first_id <= 1 << 62:
+            raise ValueError("first_version must be in [1, 2**63), first_id in [1, 2**62]")
         if not 0 < low_watermark <= high_watermark <= 1:
             raise ValueError("need 0 < low_watermark <= high_watermark <= 1")
         self._alloc = allocator
@@ -238,6 +240,7 @@ class KVIndex:
         self._default_lease_s = min(_positive("default_lease_s", default_lease_s), max_lease_s)
         self._on_publish = on_publish
         self._on_free = on_free
+        self._on_claim = on_claim
         self._put_timeout_s = _positive("put_timeout_s", put_timeout_s)
         self._clock = clock
         self._ns: dict[str, _Namespace] = {}
@@ -318,6 +321,8 @@ class KVIndex:
             offset = self._alloc.alloc(size)
         self._namespace(ns).used += nbytes  # fetched again: eviction may have dropped it
         ticket = _Ticket(next(self._ids), _Block(ns, key, offset, size, nbytes), owner, ttl, if_absent)
+        if self._on_claim is not None:
+            self._on_claim(offset, ticket.id)
         self._tickets[ticket.id] = ticket
         self._own(owner, ticket.id)
         self._ticket_timers.push(now + self._put_timeout_s, ticket, len(self._tickets))
@@ -717,7 +722,7 @@ class KVIndex:
     def _free(self, block: _Block) -> None:
         if block.state == _RETIRED:
             self._retired -= 1
-        if block.state != _PENDING and self._on_free is not None:
+        if self._on_free is not None:  # (a pending block's entry holds its put's claim)
             self._on_free(block.offset)
         block.state = _FREED
         self._alloc.free(block.offset)

@@ -93,6 +93,7 @@ class KVServer:
                              put_timeout_s=put_timeout_s,
                              on_publish=lambda offset, version: self._pool.publish(offset, version),
                              on_free=lambda offset: self._pool.clear(offset),
+                             on_claim=lambda offset, ticket_id: self._pool.claim(offset, ticket_id),
                              first_id=_first_id(), first_version=_first_id())
         rpc_options.setdefault("slots", 64)  # two TP-8 pods and their helpers
         rpc_options.setdefault("response_capacity", 256 << 10)

@@ -224,9 +224,10 @@ class KVIndex:
         """``on_publish(offset, version)`` runs when a value becomes live, ``on_free(offset)``
         before its block can be handed out again, ``on_claim(offset, ticket_id)`` when a put
         reserves it (the server marks the pool with them, so readers can tell reused bytes
-        and writers a block no longer theirs). Lease and ticket ids count up from ``first_id``, value
-        versions from ``first_version`` (a server taking over a pool's memory starts both where
-        its predecessor's cannot be: a reader still holding an old block must not match)."""
+        and writers a block no longer theirs). Lease and ticket ids count up from
+        ``first_id``, value versions from ``first_version`` (a server taking over a pool's
+        memory starts both where its predecessor's cannot be: a reader still holding an old
+        block must not match)."""
         if not 0 < first_version < 1 << 63 or not 0 < first_id <= 1 << 62:
             raise ValueError("first_version must be in [1, 2**63), first_id in [1, 2**62]")
         if not 0 < low_watermark <= high_watermark <= 1:

@@ -53,7 +53,7 @@ _LINE = 64
 #: The bit of a version-table entry that says "claimed by the open put whose ticket id is the
 #: rest" (versions and ticket ids stay below 2**63).
 CLAIMED = 1 << 63
-#: Bytes a writer copies between two checks of its claim (each check: one load, ~20 ns).
+#: Bytes a writer copies between two checks of its claim (a check: one load, ~1 us in all).
 CLAIM_CHECK_EVERY = 4 << 20
 
 

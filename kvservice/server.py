@@ -3,8 +3,9 @@
 Clients copy values into and out of the pool themselves; the server only hands out offsets,
 tickets and leases, so each request is a small frame. Leases and pending puts are owned by the
 calling cxlrpc peer and dropped when that peer detaches or dies; the blocks of its pending puts
-are freed only once cxlrpc fences it (it can no longer write: see KVIndex's "Fencing"). Lease releases mostly ride on
-the client's next get or put (ended before it is served), else come as one-way messages.
+are freed only once cxlrpc fences it (it can no longer write: see KVIndex's "Fencing"). Lease
+releases mostly ride on the client's next get or put (ended before it is served), else come as
+one-way messages.
 """
 import asyncio
 import contextlib

@@ -116,7 +116,7 @@ def _await(go) -> None:
 def late_put_main(url: str, key: bytes, size: int, begun, go, outcome) -> None:
     """Begin a put of ``size`` bytes and say so; once ``go`` is set (the test freezes this
     process first), fill the whole block with 0xEE and commit: put 'committed' or the error's
-    name on ``outcome``; then wait to be killed (a live process keeps its old connection unfenced)."""
+    name on ``outcome``; then wait to be killed (while it lives, its old connection is unfenced)."""
     from kvservice import SyncKVClient
 
     kv = SyncKVClient.connect(url)

@@ -1469,6 +1469,14 @@ static int send_followed(Caller *self, PyObject *mb, PyObject *body, uint64_t ca
     int rc = -1;
     char *extent = (char *)region.buf + self->heap_start + offset; /* inside: checked at init */
     uint64_t *progress = (uint64_t *)extent; /* 8-byte aligned: heap_start is (checked at init) */
+    const uint64_t *seal = (const uint64_t *)(extent + FOLLOW_SEAL_AT);
+    uint64_t mine = follow_seal(self->slot, self->gen);
+    int sealed;
+    if (__atomic_load_n(seal, __ATOMIC_ACQUIRE) != mine) { /* not ours (we were reaped): not a store */
+        sealed = -1;
+        rc = 0;
+        goto revoked;
+    }
     __atomic_store_n(progress, 0, __ATOMIC_RELEASE);
     unsigned char h[HEADER_SIZE];
     fill_header(h, KIND_REQUEST, FLAG_RAW | FLAG_HEAP | FLAG_FOLLOW, self->slot, self->gen, call_id, timeout,
@@ -1495,11 +1503,11 @@ static int send_followed(Caller *self, PyObject *mb, PyObject *body, uint64_t ca
         }
     }
     const char *src = PyBytes_AS_STRING(body); /* immutable, and held by the caller's arguments */
-    int sealed;
     Py_BEGIN_ALLOW_THREADS
     sealed = follow_publish(extent + FOLLOW_HEADER, src, (size_t)blen, (size_t)self->follow_chunk, progress,
-                            (const uint64_t *)(extent + FOLLOW_SEAL_AT), follow_seal(self->slot, self->gen));
+                            seal, mine);
     Py_END_ALLOW_THREADS
+revoked:
     if (sealed < 0 && rc >= 0) { /* the extent is ours no more (we were reaped): Client._extent_revoked */
         PyObject *exc = PyObject_CallMethodNoArgs(self->client, s_extent_revoked);
         if (exc != NULL) {

@@ -514,6 +514,8 @@ class _Base:
                 self._heap.begin_publish(offset)
             else:
                 self._heap.write(offset, (large.body,))
+        except SealBroken:
+            raise self._extent_revoked() from None
         except ValueError as exc:
             raise InvalidArgument(f"the server granted a bad heap extent: {exc}") from exc
         flags = large.flags | fr.HEAP | (fr.FOLLOW if large.follow else 0)

@@ -35,7 +35,7 @@ import struct
 from typing import Sequence
 
 from .allocator import PoolAllocator
-from .memory import (RELEASE, AtomicMemory, FollowedBody, SealBroken, copy_bytes, follow_copy, plain_bytes,
+from .memory import (ACQUIRE, RELEASE, AtomicMemory, FollowedBody, SealBroken, copy_bytes, follow_copy, plain_bytes,
                      plain_copy, publish_copy, to_bytes)
 
 EXTENT = struct.Struct("<QQ")  # offset, length: the body of a HEAP frame
@@ -110,8 +110,11 @@ class HeapAccess:
         return length
 
     def begin_publish(self, offset: int) -> None:
-        """Zero the progress word of a followed extent, before its frame is sent."""
+        """Zero the progress word of a followed extent, before its frame is sent (a client's
+        only while the extent holds its seal: else SealBroken, nothing stored)."""
         self.check(offset, FOLLOW_HEADER)
+        if self.own_seal is not None and self.mem.load(self.start + offset + SEAL_AT, ACQUIRE) != self.own_seal:
+            raise SealBroken("the extent's seal is not this client's")
         self.mem.store(self.start + offset, 0, RELEASE)
 
     def seal(self, offset: int, word: int) -> None:

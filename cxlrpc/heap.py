@@ -322,7 +322,9 @@ class ServerHeap:
         """Free the extent at ``offset`` (not parked, not lent)."""
         del self._owners[offset]
         self._replies.discard(offset)
-        self._sealed.discard(offset)
+        if offset in self._sealed:  # a writer still at it (a request the server gave up) stops
+            self._sealed.discard(offset)
+            self.access.seal(offset, SEAL_REVOKED)
         self._alloc.free(offset)
 
     def _unkeep(self, offset: int) -> bool:

@@ -156,3 +156,26 @@ async def test_a_native_writer_never_writes_into_a_spare_no_longer_its_own(name:
         assert bytes(view) == before  # not a byte of the body written
         assert heap.mem.load(at, memory.ACQUIRE) == 12345  # nor its progress word
         view.release()
+
+
+def test_the_server_seals_what_it_hands_out_and_revokes_what_it_takes_back() -> None:
+    """Sealed for its owner when handed out (a followed reply's extent, an ALLOC asked for a
+    followed request); revoked when the owner departs (quarantined, kept till fenced) and
+    whenever the server frees it (a request it gave up while its writer may write on)."""
+    from cxlrpc.heap import HeapAccess, ServerHeap
+
+    buf = bytearray(16 * MiB)
+    mem = AtomicMemory(buf)
+    heap = ServerHeap(HeapAccess(memoryview(buf), mem, 0, len(buf)), spare_budget=0)
+    seal = lambda offset: mem.load(offset + SEAL_AT, memory.ACQUIRE)  # noqa: E731
+    request = heap.alloc(1, 5, FOLLOW_HEADER + MiB, keep=True)  # (no spare budget: freed once read)
+    reply = heap.alloc_reply(1, 5, FOLLOW_HEADER + MiB)
+    other = heap.alloc_reply(2, 9, FOLLOW_HEADER + MiB)
+    assert seal(request) == seal(reply) == seal_word(1, 5) and seal(other) == seal_word(2, 9)
+    heap.lend(request)
+    assert heap.give_back(request) and seal(request) == SEAL_REVOKED  # given up, freed: revoked
+    used = heap.used
+    heap.quarantine(1, 5)
+    assert seal(reply) == SEAL_REVOKED and heap.used == used  # kept, but no longer its owner's
+    assert seal(other) == seal_word(2, 9)
+    assert heap.release_owner(1, 5) == 1 and heap.used == used - heap._alloc.rounded(FOLLOW_HEADER + MiB)

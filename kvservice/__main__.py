@@ -47,7 +47,9 @@ async def _serve(args: argparse.Namespace) -> None:
         loop.add_signal_handler(sig, lambda: loop.create_task(server.close()))
     async with server:
         print(f"kvservice: serving {_url(args)}, pool {server.pool_url} of {server.pool_size} bytes"
-              + "".join(f", quota {ns or '(default)'}={q}" for ns, q in args.quota), flush=True)
+              + "".join(f", quota {ns or '(default)'}={q}" for ns, q in args.quota)
+              + f", client timeout {server.rpc.client_timeout} s, fence timeout "
+                f"{args.fence_timeout} s", flush=True)
         await server.serve_forever()
 
 

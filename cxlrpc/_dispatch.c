@@ -32,7 +32,9 @@ static cxlrpc_ring_api *ring_api; /* cxlrpc._ring's C API: polls with C handlers
 #define FLAG_RAW 1
 #define FLAG_HEAP 2    /* the frame carries a heap extent (offset, length), not its body */
 #define FLAG_FOLLOW 16 /* with HEAP: the body is written after the frame (cxlrpc.heap) */
-#define FOLLOW_HEADER 64 /* a followed extent: its progress word, then from here its body */
+#define FOLLOW_HEADER 64 /* a followed extent: its progress word, its seal, then from here its body */
+/* why a followed body copied whole is not returned (heap.SEAL_BROKEN, as the reference says it) */
+#define SEAL_BROKEN "the extent's seal is not this client's: the server reaped it (the bytes may be another's)"
 #define HEAP_UNIT 4096   /* heap extents start at multiples of this */
 #define KIND_REQUEST 1
 #define KIND_RESPONSE 2
@@ -403,7 +405,8 @@ static int push_followed(Dispatcher *d, Req *r, PyObject *slot_obj, PyObject *ge
         Py_XDECREF(res);
     }
     Py_BEGIN_ALLOW_THREADS
-    follow_publish(extent + FOLLOW_HEADER, (const char *)src.buf, (size_t)length, (size_t)d->follow_chunk, progress);
+    follow_publish(extent + FOLLOW_HEADER, (const char *)src.buf, (size_t)length, (size_t)d->follow_chunk, progress,
+                   NULL, 0); /* (the server's own extent: no seal to check) */
     Py_END_ALLOW_THREADS
 done:
     Py_XDECREF(ok);
@@ -1263,7 +1266,7 @@ typedef struct {
     uint64_t followed_at, followed_len; /* its offset in the heap and its body's length */
 } Caller;
 
-static PyObject *s_on_reply, *s_give_back, *s_reply_unfollowed;
+static PyObject *s_on_reply, *s_give_back, *s_reply_unfollowed, *s_extent_revoked;
 
 static PyObject *caller_send(Caller *self, PyObject *mb, PyObject *const *args, double timeout, double hot,
                              double spin, PyObject *spare);
@@ -1466,6 +1469,14 @@ static int send_followed(Caller *self, PyObject *mb, PyObject *body, uint64_t ca
     int rc = -1;
     char *extent = (char *)region.buf + self->heap_start + offset; /* inside: checked at init */
     uint64_t *progress = (uint64_t *)extent; /* 8-byte aligned: heap_start is (checked at init) */
+    const uint64_t *seal = (const uint64_t *)(extent + FOLLOW_SEAL_AT);
+    uint64_t mine = follow_seal(self->slot, self->gen);
+    int sealed;
+    if (__atomic_load_n(seal, __ATOMIC_ACQUIRE) != mine) { /* not ours (we were reaped): not a store */
+        sealed = -1;
+        rc = 0;
+        goto revoked;
+    }
     __atomic_store_n(progress, 0, __ATOMIC_RELEASE);
     unsigned char h[HEADER_SIZE];
     fill_header(h, KIND_REQUEST, FLAG_RAW | FLAG_HEAP | FLAG_FOLLOW, self->slot, self->gen, call_id, timeout,
@@ -1493,8 +1504,18 @@ static int send_followed(Caller *self, PyObject *mb, PyObject *body, uint64_t ca
     }
     const char *src = PyBytes_AS_STRING(body); /* immutable, and held by the caller's arguments */
     Py_BEGIN_ALLOW_THREADS
-    follow_publish(extent + FOLLOW_HEADER, src, (size_t)blen, (size_t)self->follow_chunk, progress);
+    sealed = follow_publish(extent + FOLLOW_HEADER, src, (size_t)blen, (size_t)self->follow_chunk, progress,
+                            seal, mine);
     Py_END_ALLOW_THREADS
+revoked:
+    if (sealed < 0 && rc >= 0) { /* the extent is ours no more (we were reaped): Client._extent_revoked */
+        PyObject *exc = PyObject_CallMethodNoArgs(self->client, s_extent_revoked);
+        if (exc != NULL) {
+            PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+            Py_DECREF(exc);
+        }
+        rc = -1;
+    }
 done:
     PyBuffer_Release(&region);
     return rc;
@@ -1547,11 +1568,13 @@ static PyObject *follow_reply(Caller *self, uint64_t call_id) {
         return NULL;
     }
     char *extent = (char *)region.buf + self->heap_start + offset; /* inside: caller_take checked */
-    int rc;
+    int rc, sealed;
     double stall = self->follow_stall, limit = stall + (double)length / self->follow_rate;
     char *dst = PyBytes_AS_STRING(out);
     Py_BEGIN_ALLOW_THREADS
     rc = follow_loop(dst, extent + FOLLOW_HEADER, (uint64_t *)extent, length, &done, stall, limit, &seen);
+    /* copied, then the seal re-read: still ours, or what was copied may be another's */
+    sealed = follow_sealed((const uint64_t *)(extent + FOLLOW_SEAL_AT), follow_seal(self->slot, self->gen));
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&region);
     PyObject *offset_obj = PyLong_FromUnsignedLongLong(offset);
@@ -1559,7 +1582,7 @@ static PyObject *follow_reply(Caller *self, uint64_t call_id) {
         Py_DECREF(out);
         return NULL;
     }
-    if (rc == 0 && done == length) {
+    if (rc == 0 && done == length && sealed) {
         int freed = caller_free(self, offset);
         res = freed < 0 ? NULL : freed ? Py_NewRef(Py_None) : PyObject_CallMethodOneArg(self->client, s_give_back, offset_obj);
     } else {
@@ -1567,7 +1590,8 @@ static PyObject *follow_reply(Caller *self, uint64_t call_id) {
         PyObject *why = rc < 0 ? PyUnicode_FromFormat("progress word %llu is outside [%llu, %llu]",
                                                       (unsigned long long)seen, (unsigned long long)done,
                                                       (unsigned long long)length)
-                               : Py_NewRef(Py_None); /* (a stall: the client words it) */
+                        : done == length ? PyUnicode_FromString(SEAL_BROKEN)
+                                         : Py_NewRef(Py_None); /* (a stall: the client words it) */
         PyObject *id_obj = PyLong_FromUnsignedLongLong(call_id);
         res = why == NULL || id_obj == NULL ? NULL
                                             : PyObject_CallMethodObjArgs(self->client, s_reply_unfollowed, id_obj,
@@ -1854,6 +1878,7 @@ PyMODINIT_FUNC PyInit__dispatch(void) {
     INTERN(s_on_reply, "_on_reply")
     INTERN(s_give_back, "_give_back")
     INTERN(s_reply_unfollowed, "_reply_unfollowed")
+    INTERN(s_extent_revoked, "_extent_revoked")
     INTERN(s_polled_at, "_polled_at")
     INTERN(s_poll_within, "poll_within")
     INTERN(s_poll, "poll")

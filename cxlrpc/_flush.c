@@ -9,11 +9,14 @@
  * non-temporal (streaming) stores, then sfence: no read-for-ownership of cold destination lines
  * and nothing left in this CPU's caches (the next reader is another process or host).
  * stream_bytes(src): a new bytes object holding a copy of buffer src, written the same way.
- * publish_copy(dst, src, progress, chunk): copy src into dst a chunk at a time, storing the bytes
- * copied so far into the u64 ``progress`` (release) after each: a reader copies them out meanwhile.
- * follow_copy(src, progress, stall, limit): a new bytes copy of src, taken as ``progress``
- * (acquire) says its bytes were written; None if it stops moving for ``stall`` seconds or is
- * not done within ``limit``.
+ * publish_copy(dst, src, progress, chunk[, seal, expected]): copy src into dst a chunk at a time,
+ * storing the bytes copied so far into the u64 ``progress`` (release) after each: a reader copies
+ * them out meanwhile; with a ``seal`` (u64 buffer), it stops as soon as that does not read
+ * ``expected`` (before a chunk or a progress store): False then, else True.
+ * follow_copy(src, progress, stall, limit[, seal, expected]): a new bytes copy of src, taken as
+ * ``progress`` (acquire) says its bytes were written; None if it stops moving for ``stall``
+ * seconds or is not done within ``limit``; False if, once copied, ``seal`` does not read
+ * ``expected`` (the extent is no longer the reader's: the bytes may be another's).
  * Follower(length, copy): the same a step at a time (step(src, progress, spin, budget) -> bytes
  * done; take() -> the bytes), for a reader that must not wait long for one writer.
  * copy(dst, src): copy buffer src into the start of writable buffer dst with plain stores
@@ -185,12 +188,15 @@ static uint64_t *progress_word(Py_buffer *b) {
 }
 
 static PyObject *publish_copy(PyObject *self, PyObject *args) {
-    Py_buffer dst, src, prog;
+    Py_buffer dst, src, prog, sealbuf = {0};
     Py_ssize_t chunk;
-    if (!PyArg_ParseTuple(args, "w*y*w*n", &dst, &src, &prog, &chunk))
+    unsigned long long expected = 0;
+    int stopped = 0;
+    if (!PyArg_ParseTuple(args, "w*y*w*n|y*K", &dst, &src, &prog, &chunk, &sealbuf, &expected))
         return NULL;
     uint64_t *word = progress_word(&prog);
-    if (word == NULL) {
+    const uint64_t *seal = sealbuf.obj == NULL ? NULL : progress_word(&sealbuf);
+    if (word == NULL || (sealbuf.obj != NULL && seal == NULL)) {
     } else if (!PyBuffer_IsContiguous(&dst, 'C') || !PyBuffer_IsContiguous(&src, 'C')) {
         PyErr_SetString(PyExc_BufferError, "publish_copy needs contiguous buffers");
     } else if (src.len > dst.len || chunk < 64) {
@@ -198,15 +204,18 @@ static PyObject *publish_copy(PyObject *self, PyObject *args) {
                      src.len, dst.len, chunk);
     } else {
         Py_BEGIN_ALLOW_THREADS
-        follow_publish((char *)dst.buf, (const char *)src.buf, (size_t)src.len, (size_t)chunk, word);
+        stopped = follow_publish((char *)dst.buf, (const char *)src.buf, (size_t)src.len, (size_t)chunk, word,
+                                 seal, (uint64_t)expected) < 0;
         Py_END_ALLOW_THREADS
     }
     PyBuffer_Release(&dst);
     PyBuffer_Release(&src);
     PyBuffer_Release(&prog);
+    if (sealbuf.obj != NULL)
+        PyBuffer_Release(&sealbuf);
     if (PyErr_Occurred())
         return NULL;
-    Py_RETURN_NONE;
+    return PyBool_FromLong(!stopped);
 }
 
 static void garbage_progress(uint64_t seen, uint64_t done, uint64_t n) {
@@ -215,21 +224,25 @@ static void garbage_progress(uint64_t seen, uint64_t done, uint64_t n) {
 }
 
 static PyObject *follow_copy(PyObject *self, PyObject *args) {
-    Py_buffer src, prog;
+    Py_buffer src, prog, sealbuf = {0};
     double stall, limit;
+    unsigned long long expected = 0;
     PyObject *out = NULL;
-    if (!PyArg_ParseTuple(args, "y*y*dd", &src, &prog, &stall, &limit))
+    if (!PyArg_ParseTuple(args, "y*y*dd|y*K", &src, &prog, &stall, &limit, &sealbuf, &expected))
         return NULL;
     uint64_t *word = progress_word(&prog);
-    if (word == NULL) {
+    const uint64_t *seal = sealbuf.obj == NULL ? NULL : progress_word(&sealbuf);
+    if (word == NULL || (sealbuf.obj != NULL && seal == NULL)) {
     } else if (!PyBuffer_IsContiguous(&src, 'C')) {
         PyErr_SetString(PyExc_BufferError, "follow_copy needs a contiguous buffer");
     } else if ((out = PyBytes_FromStringAndSize(NULL, src.len)) != NULL) {
         char *d = PyBytes_AS_STRING(out);
         uint64_t n = (uint64_t)src.len, done = 0, seen = 0;
-        int rc;
+        int rc, sealed = 1;
         Py_BEGIN_ALLOW_THREADS
         rc = follow_loop(d, (const char *)src.buf, word, n, &done, stall, limit, &seen);
+        if (seal != NULL) /* copied, then the seal re-read (seqlock-style) */
+            sealed = follow_sealed(seal, (uint64_t)expected);
         Py_END_ALLOW_THREADS
         if (rc < 0) {
             garbage_progress(seen, done, n);
@@ -237,10 +250,15 @@ static PyObject *follow_copy(PyObject *self, PyObject *args) {
         } else if (done < n) {
             Py_DECREF(out);
             out = Py_NewRef(Py_None);
+        } else if (!sealed) {
+            Py_DECREF(out);
+            out = Py_NewRef(Py_False);
         }
     }
     PyBuffer_Release(&src);
     PyBuffer_Release(&prog);
+    if (sealbuf.obj != NULL)
+        PyBuffer_Release(&sealbuf);
     return out;
 }
 

@@ -10,15 +10,40 @@
 
 #include "_copy.h"
 
+/* A followed extent's seal: the u64 after its progress word (FOLLOW_SEAL_AT), which the server
+ * sets to its owner's follow_seal(slot, generation) when it hands the extent out and to 0 when
+ * the owner departs (cxlrpc.heap.seal_word): a client frozen past its reaping checks it before
+ * each chunk it writes and after each body it reads, so it never writes on (beyond the chunk it
+ * was in) nor returns bytes of an extent that is no longer its own. */
+#define FOLLOW_SEAL_AT 8
+
+static inline uint64_t follow_seal(unsigned slot, uint32_t gen) {
+    return ((((uint64_t)gen) << 32) | ((uint64_t)(slot & 0x7FFFFFFFu) << 1) | 1u) * 0x9E3779B97F4A7C15ULL;
+}
+
+/* Is the seal still ``expected``, after the loads before this call (a copy out: seqlock-style)? */
+static inline int follow_sealed(const uint64_t *seal, uint64_t expected) {
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    return __atomic_load_n(seal, __ATOMIC_RELAXED) == expected;
+}
+
 /* Copy ``n`` bytes of ``src`` into ``dst`` a ``chunk`` at a time, storing the count copied so
- * far into ``*progress`` (release) after each: a reader copies them out meanwhile. Needs no GIL. */
-static inline void follow_publish(char *dst, const char *src, size_t n, size_t chunk, uint64_t *progress) {
+ * far into ``*progress`` (release) after each: a reader copies them out meanwhile. With a
+ * ``seal`` (not NULL), it must read ``expected`` before each chunk and before each progress
+ * store, else the writer stops there: -1 (nothing more written); 0 once all is. Needs no GIL. */
+static inline int follow_publish(char *dst, const char *src, size_t n, size_t chunk, uint64_t *progress,
+                                 const uint64_t *seal, uint64_t expected) {
     for (size_t done = 0; done < n;) {
         size_t step = n - done < chunk ? n - done : chunk;
+        if (seal != NULL && __atomic_load_n(seal, __ATOMIC_ACQUIRE) != expected)
+            return -1;
         copy_span(dst + done, src + done, step);
         done += step;
+        if (seal != NULL && __atomic_load_n(seal, __ATOMIC_ACQUIRE) != expected)
+            return -1;
         __atomic_store_n(progress, (uint64_t)done, __ATOMIC_RELEASE);
     }
+    return 0;
 }
 
 static inline double follow_clock(void) {

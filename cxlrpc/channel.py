@@ -30,7 +30,7 @@ import os
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from .doorbell import Doorbell, DoorbellReceiver, wake_address
 from .identity import host_identity
@@ -188,6 +188,32 @@ class Liveness:
         return now - self._since if self._last is not None else 0.0
 
 
+#: How a slot's holder left (:class:`Departure`): it released its slot itself; it died on this
+#: host (its PID is gone); or it was reaped, its heartbeat stopped (frozen, or on another host)
+DETACHED, DEAD, REAPED = "detached", "dead", "reaped"
+
+
+class Departure(NamedTuple):
+    """A holder that left its slot, and how (DETACHED, DEAD or REAPED). A REAPED holder may
+    still run (frozen, then resumed): ``local`` says it shares our host identity and ``pid``
+    is its PID then, with ``watch`` the pidfd opened while it held the slot (handed over: the
+    slot's next holder gets a watch of its own), so its exit can be proven later."""
+    slot: int
+    gen: int
+    how: str
+    pid: int = 0
+    local: bool = False
+    watch: PidWatch | None = None
+
+
+def _reaped(slot: int, gen: int, pid: int, local: bool, watches: list[PidWatch]) -> Departure:
+    """A holder freed for its stale heartbeat: its slot's PidWatch goes with it, when local."""
+    if not local:
+        return Departure(slot, gen, REAPED)
+    watch, watches[slot] = watches[slot], PidWatch()
+    return Departure(slot, gen, REAPED, pid, True, watch)
+
+
 class ServerChannel:
     """The server's side of a region: consumes requests, produces responses, watches slots."""
 
@@ -259,13 +285,13 @@ class ServerChannel:
             return gen, 0, 0  # not written yet: what the words hold is the previous holder's
         return gen, pid, identity
 
-    def reap(self, timeout: float, now: float) -> list[tuple[int, int]]:
+    def reap(self, timeout: float, now: float) -> list[Departure]:
         """Free slots whose client stopped beating for ``timeout`` s (or whose PID died, when
         the client shares our host identity); acknowledge new holders; note whether any
         client is on another host (the doorbell then polls instead of sleeping long).
 
-        Returns every (slot, generation) that departed since the last call: reaped here, or
-        detached cleanly by the client itself.
+        Returns every holder that departed since the last call: reaped here, or detached
+        cleanly by the client itself, and how.
         """
         departed = []
         mem = self.region.mem
@@ -275,7 +301,7 @@ class ServerChannel:
             gen = (word >> 1) & 0xFFFFFFFF
             seen = self.seen[i]
             if seen is not None and (not word & 1 or gen != seen):
-                departed.append((i, seen))
+                departed.append(Departure(i, seen, DETACHED))  # (we never freed it: it did)
                 self.seen[i] = None
             if not word & 1:
                 self._liveness[i].forget()
@@ -289,10 +315,12 @@ class ServerChannel:
             written = mem.load(base + _SLOT_WRITER, ACQUIRE) == gen
             local = written and mem.load(base + _SLOT_IDENTITY, ACQUIRE) == self.identity
             pid = mem.load(base + _SLOT_PID, ACQUIRE) if local else 0
-            if live.stale(beat, now) or (local and self._pids[i].dead(pid)):
+            dead = local and self._pids[i].dead(pid)
+            if dead or live.stale(beat, now):
                 if self.slot_state[i].cas(word, word & ~1, ACQ_REL) == word:
                     live.forget()
-                    departed.append((i, gen))
+                    departed.append(Departure(i, gen, DEAD) if dead
+                                    else _reaped(i, gen, pid, local, self._pids))
                     self.seen[i] = None
                 continue
             self.seen[i] = gen
@@ -615,11 +643,11 @@ class FlushServerChannel:
             return None
         return gen, mem.load(base + _F_PID, ACQUIRE), mem.load(base + _F_IDENTITY, ACQUIRE)
 
-    def reap(self, timeout: float, now: float) -> list[tuple[int, int]]:
+    def reap(self, timeout: float, now: float) -> list[Departure]:
         """Grant free slots that were knocked on; free those whose holder released them,
         stopped beating for ``timeout`` s, or died (its PID, when it shares our identity).
 
-        Returns every (slot, generation) freed."""
+        Returns every holder freed, and how."""
         departed = []
         mem, geo = self.region.mem, self.geo
         load = mem.load
@@ -640,12 +668,16 @@ class FlushServerChannel:
             live.timeout = timeout
             local = ours and load(base + _F_IDENTITY, ACQUIRE) == self.identity
             pid = load(base + _F_PID, ACQUIRE) if local else 0
-            if (live.stale(beat, now) or (ours and load(base + _F_RELEASED, ACQUIRE) == gen)
-                    or (local and self._pids[i].dead(pid))):
-                self._free(i, gen)
-                departed.append((i, gen))
+            if ours and load(base + _F_RELEASED, ACQUIRE) == gen:
+                departed.append(Departure(i, gen, DETACHED))
+            elif local and self._pids[i].dead(pid):
+                departed.append(Departure(i, gen, DEAD))
+            elif live.stale(beat, now):
+                departed.append(_reaped(i, gen, pid, local, self._pids))
             else:
                 in_process = in_process or pid == os.getpid()
+                continue
+            self._free(i, gen)
         self.peers_in_process = in_process
         return departed
 

@@ -30,8 +30,8 @@ from .doorbell import WaitStrategy, resolve
 from .errors import (DeadlineExceeded, InvalidArgument, ResourceExhausted, RpcError, StatusCode,
                      Unavailable, error_for)
 from . import heap as heap_settings
-from .heap import EXTENT, FOLLOW_HEADER, FOLLOW_MIN, GRANT, OFFSET, HeapAccess
-from .memory import FOLLOW_CHUNK
+from .heap import EXTENT, FOLLOW_HEADER, FOLLOW_MIN, GRANT, OFFSET, SEAL_BROKEN, HeapAccess, seal_word
+from .memory import FOLLOW_CHUNK, SealBroken
 from .process_heap import keep_freed_heap
 from .service import S, stub
 from .streams import StreamCall
@@ -355,7 +355,8 @@ class _Base:
                                    self._owed_turns(), self._in_place, geo.heap, geo.heap_size,
                                    FOLLOW_CHUNK, heap_settings.FOLLOW_STALL_S if following else 0.0,
                                    heap_settings.FOLLOW_MIN_RATE, fr.encode_msgpack)
-        self._heap = HeapAccess(region.buf, region.mem, geo.heap, geo.heap_size)
+        # (our followed extents hold this seal while they are ours: cxlrpc.heap)
+        self._heap = HeapAccess(region.buf, region.mem, geo.heap, geo.heap_size, seal_word(chan.slot, chan.gen))
         self._finalizer = weakref.finalize(self, _collected, link, f"{type(self).__name__}({self.url!r})")
         self._finalizer.atexit = False  # at exit the server reclaims the slot by our PID
         return link
@@ -513,6 +514,8 @@ class _Base:
                 self._heap.begin_publish(offset)
             else:
                 self._heap.write(offset, (large.body,))
+        except SealBroken:
+            raise self._extent_revoked() from None
         except ValueError as exc:
             raise InvalidArgument(f"the server granted a bad heap extent: {exc}") from exc
         flags = large.flags | fr.HEAP | (fr.FOLLOW if large.follow else 0)
@@ -522,10 +525,12 @@ class _Base:
     def _heap_body(self, f: fr.Frame, wanted: bool) -> bool:
         """An out-of-line reply: copy its body out (if ``wanted``; a followed one as the server
         writes it) and give the extent back; False when the extent is garbage. A followed body
-        the server stopped writing, or whose progress is garbage, turns ``f`` into an error."""
+        the server stopped writing, or whose progress is garbage, or whose extent's seal is no
+        longer ours (we were reaped: never given back then), turns ``f`` into an error."""
         if len(f.body) != EXTENT.size:
             return False
         offset, length = EXTENT.unpack(f.body)
+        ours = True
         try:
             if not wanted:
                 body = b""
@@ -533,6 +538,9 @@ class _Base:
                 self._heap.check(offset, FOLLOW_HEADER + length)
                 try:
                     body = self._heap.follow(offset, length)
+                except SealBroken:
+                    f.kind, f.status, f.flags = fr.ERROR, int(StatusCode.UNAVAILABLE), fr.RAW
+                    body, ours = SEAL_BROKEN.encode(), False
                 except (TimeoutError, ValueError) as exc:
                     f.kind, f.status, f.flags = fr.ERROR, int(StatusCode.UNAVAILABLE), fr.RAW
                     body = f"the server stopped writing the reply's body: {exc}".encode()
@@ -542,13 +550,30 @@ class _Base:
         except ValueError:
             return False
         f.body, f.flags = body, f.flags & ~(fr.HEAP | fr.FOLLOW)
-        self._give_back(offset)
+        if ours:
+            self._give_back(offset)
         return True
+
+    def _publish_body(self, offset: int, body: bytes | memoryview) -> None:
+        """Write a followed request's body into our extent at ``offset``, stopping (Unavailable)
+        once its seal says it is not ours: the server reaped us (a frozen client resumed)."""
+        try:
+            self._heap.publish(offset, body)
+        except SealBroken:
+            raise self._extent_revoked() from None
+
+    def _extent_revoked(self) -> Unavailable:
+        """The error of a call whose followed request's extent was taken back (the native
+        caller raises it too)."""
+        return Unavailable(f"the request body was not written whole: {SEAL_BROKEN}")
 
     def _reply_unfollowed(self, call_id: int, offset: int, why: str | None) -> Unavailable:
         """The native caller's followed reply whose server stopped writing it (``why`` None) or
         whose progress is garbage: cancel the call, give the extent back, and the error to raise
-        (as :meth:`_heap_body` makes it)."""
+        (as :meth:`_heap_body` makes it); or whose seal is not ours (``why`` SEAL_BROKEN): the
+        error alone (the extent is not ours to give back)."""
+        if why == SEAL_BROKEN:
+            return Unavailable(SEAL_BROKEN)
         if why is None:
             why = (f"the writer stopped for {heap_settings.FOLLOW_STALL_S} s or was slower than "
                    f"{heap_settings.FOLLOW_MIN_RATE:.3g} B/s")
@@ -1023,13 +1048,13 @@ class Client(_Base):
         parts = self._staged(large, offset, call_id, timeout)
         if not large.follow:
             return await self._roundtrip(call_id, parts, deadline, response_type, unsent=offset, late=late)
-        heap, method = self._heap, large.prefix[:large.method_len]
+        method = large.prefix[:large.method_len]
         self._followed[call_id] = method
         answered = False
         try:
             result = await self._roundtrip(call_id, parts, deadline, response_type,
                                            unsent=None if spare else offset, late=late,
-                                           then=lambda: heap.publish(offset, large.body))
+                                           then=lambda: self._publish_body(offset, large.body))
             answered = True
             return result
         finally:
@@ -1578,7 +1603,7 @@ class SyncClient(_Base):
                 parts = self._staged(large, offset, call_id, timeout or 0.0)
                 method = large.prefix[:large.method_len]
                 if large.follow:
-                    publish = functools.partial(self._heap.publish, offset, large.body)  # (no cells in _call)
+                    publish = functools.partial(self._publish_body, offset, large.body)  # (no cells in _call)
                     self._followed[call_id] = method
                 if spare:  # settled below (the server frees any other extent once read)
                     kept = (self._chan, offset, size, method)

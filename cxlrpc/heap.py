@@ -5,7 +5,9 @@ writer per extent on memory without coherence). A response body is allocated by 
 written, then referenced by a small frame (offset, length); the client copies it out and sends
 a FREE frame. A request body is allocated on the client's behalf (an ALLOC round trip), written
 by the client, referenced by its request frame, and freed by the server once it has read it.
-Every extent belongs to one connection (slot, generation) and is freed when that one departs.
+Every extent belongs to one connection (slot, generation) and is freed once that one has
+departed and is *fenced* (cxlrpc.fencing: it can no longer write into the region); until then
+the connection is quarantined and nothing it held is handed to another.
 Offsets and lengths read from frames are checked against what was handed out.
 
 A big response on coherent memory is *followed*: the server sends its frame first, then writes
@@ -19,6 +21,13 @@ followed request (no ALLOC round trip then) and FREEs the others; its departure 
 A followed reply's extent that its client FREEs is *parked* for that connection's next followed
 reply (no allocator work on either side of a big call: 5.5 us a pair here), and freed when a
 bigger one is needed, when the heap has no room for another extent, or when the client leaves.
+
+A followed extent is *sealed*: the word after its progress word (SEAL_AT) holds its owner's
+:func:`seal_word` from when the server hands it out (a followed reply's, an ALLOC asked for a
+followed request) and 0 from when its owner departs. Its client checks the seal before each
+chunk it writes (and each progress store) and after each body it reads (seqlock-style), so a
+client frozen past its reaping writes at most the chunk it was in, and never returns bytes of
+an extent no longer its own (Unavailable instead).
 """
 from __future__ import annotations
 
@@ -26,14 +35,18 @@ import struct
 from typing import Sequence
 
 from .allocator import PoolAllocator
-from .memory import (RELEASE, AtomicMemory, FollowedBody, copy_bytes, follow_copy, plain_bytes, plain_copy,
-                     publish_copy, to_bytes)
+from .memory import (ACQUIRE, RELEASE, AtomicMemory, FollowedBody, SealBroken, copy_bytes, follow_copy, plain_bytes,
+                     plain_copy, publish_copy, to_bytes)
 
 EXTENT = struct.Struct("<QQ")  # offset, length: the body of a HEAP frame
 OFFSET = struct.Struct("<Q")   # FREE's offset (and a CREDIT's count)
 GRANT = struct.Struct("<QQ")   # ALLOC's size and whether a spare is asked; its grant's offset and if it is one
 UNIT = 4096
-FOLLOW_HEADER = 64  # a followed extent: its progress word (u64), then from here its body
+FOLLOW_HEADER = 64  # a followed extent: its progress word (u64), its seal (u64), from here its body
+SEAL_AT = 8  # a followed extent's seal word, after its progress word
+SEAL_REVOKED = 0  # the seal of an extent whose owner departed (no seal_word is 0)
+#: what a client says when a followed body's seal is not its own (the native caller's words too)
+SEAL_BROKEN = "the extent's seal is not this client's: the server reaped it (the bytes may be another's)"
 #: Responses from this size up are followed; below it the heap's allocation and FREE cost more
 #: than the overlap gains (echo p50 here: 64 KiB 11-18 against 26 us followed, 128 KiB 20-30
 #: against 37-41, 256 KiB 66-68 against 58).
@@ -58,11 +71,21 @@ SPARE_MAX = (2 << 20) + FOLLOW_HEADER
 SPARE_SHARE = 8
 
 
-class HeapAccess:
-    """Reading and writing extents of the heap at ``start`` (``size`` bytes) of a region."""
+def seal_word(slot: int, gen: int) -> int:
+    """The seal of a followed extent handed to the connection (slot, generation): odd, so never
+    SEAL_REVOKED, and mixed, so a body's bytes where an extent's header was are unlikely to
+    read as one (the native caller's follow_seal, cxlrpc/_follow.h)."""
+    return (((gen & 0xFFFFFFFF) << 32 | (slot & 0x7FFFFFFF) << 1 | 1) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
 
-    def __init__(self, buf: memoryview, mem: AtomicMemory, start: int, size: int) -> None:
+
+class HeapAccess:
+    """Reading and writing extents of the heap at ``start`` (``size`` bytes) of a region; a
+    client's with the ``seal`` its followed extents hold while they are its own."""
+
+    def __init__(self, buf: memoryview, mem: AtomicMemory, start: int, size: int,
+                 seal: int | None = None) -> None:
         self.buf, self.mem, self.start, self.size = buf, mem, start, size
+        self.own_seal = seal
 
     def check(self, offset: int, length: int) -> None:
         """Raise ValueError unless ``[offset, offset+length)`` lies inside the heap."""
@@ -87,17 +110,33 @@ class HeapAccess:
         return length
 
     def begin_publish(self, offset: int) -> None:
-        """Zero the progress word of a followed extent, before its frame is sent."""
+        """Zero the progress word of a followed extent, before its frame is sent (a client's
+        only while the extent holds its seal: else SealBroken, nothing stored)."""
         self.check(offset, FOLLOW_HEADER)
+        if self.own_seal is not None and self.mem.load(self.start + offset + SEAL_AT, ACQUIRE) != self.own_seal:
+            raise SealBroken("the extent's seal is not this client's")
         self.mem.store(self.start + offset, 0, RELEASE)
+
+    def seal(self, offset: int, word: int) -> None:
+        """Set the seal of the followed extent at ``offset`` (the server, handing it out or
+        taking it back). Coherent memory only, as following is (nothing to write back)."""
+        self.check(offset, FOLLOW_HEADER)
+        self.mem.store(self.start + offset + SEAL_AT, word, RELEASE)
 
     def publish(self, offset: int, body: bytes | memoryview) -> None:
         """Write ``body`` into the followed extent at ``offset``, publishing its progress; if
-        the copy fails, a progress word no writer stores tells the reader at once."""
+        the copy fails, a progress word no writer stores tells the reader at once. A client's
+        extent must hold its seal before each chunk, else the copy stops there and SealBroken
+        is raised, the extent no longer touched: it is not ours."""
         self.check(offset, FOLLOW_HEADER + len(body))
-        at = self.start + offset
+        at, seal = self.start + offset, self.own_seal
         try:
-            publish_copy(self.mem, self.buf, at, at + FOLLOW_HEADER, body)
+            if seal is None:
+                publish_copy(self.mem, self.buf, at, at + FOLLOW_HEADER, body)
+            else:
+                publish_copy(self.mem, self.buf, at, at + FOLLOW_HEADER, body, at + SEAL_AT, seal)
+        except SealBroken:
+            raise
         except BaseException:
             self.mem.store(at, FOLLOW_ABORTED, RELEASE)
             raise
@@ -105,11 +144,14 @@ class HeapAccess:
     def follow(self, offset: int, length: int) -> bytes:
         """A copy of the followed extent's body, taken as its writer publishes it (ValueError
         for a bad extent or progress word, TimeoutError if the writer stops for FOLLOW_STALL_S
-        or is slower than FOLLOW_MIN_RATE)."""
+        or is slower than FOLLOW_MIN_RATE; for a client, SealBroken when, once copied, the
+        extent's seal is not its own: the copy may hold another's bytes)."""
         self.check(offset, FOLLOW_HEADER + length)
-        at = self.start + offset
-        return follow_copy(self.mem, self.buf, at, at + FOLLOW_HEADER, length, FOLLOW_STALL_S,
-                           FOLLOW_STALL_S + length / FOLLOW_MIN_RATE)
+        at, seal = self.start + offset, self.own_seal
+        stall, limit = FOLLOW_STALL_S, FOLLOW_STALL_S + length / FOLLOW_MIN_RATE
+        if seal is None:
+            return follow_copy(self.mem, self.buf, at, at + FOLLOW_HEADER, length, stall, limit)
+        return follow_copy(self.mem, self.buf, at, at + FOLLOW_HEADER, length, stall, limit, at + SEAL_AT, seal)
 
     def follower(self, offset: int, length: int, copy: bool) -> FollowedBody:
         """The followed extent's body, to take a step at a time (ValueError for a bad extent)."""
@@ -154,6 +196,8 @@ class ServerHeap:
         self._parked: dict[tuple[int, int], int] = {}  # (slot, gen) -> its parked reply extent
         self._parked_at: set[int] = set()
         self._parked_bytes = 0
+        self._quarantined: set[tuple[int, int]] = set()  # departed, not yet fenced
+        self._sealed: set[int] = set()  # followed extents: their header holds a seal
 
     def alloc(self, slot: int, gen: int, length: int, keep: bool = False) -> int | None:
         """An extent of ``length`` bytes for the connection, or None while the heap is full;
@@ -167,10 +211,17 @@ class ServerHeap:
         if offset is None:
             return None
         self._owners[offset] = (slot, gen, length)
+        if keep:  # asked by a client for a followed request: its header is sealed
+            self._seal(offset, slot, gen, length)
         if keep and length <= SPARE_MAX and self.kept_bytes + length <= self._spare_budget:
             self._kept[offset] = length
             self.kept_bytes += length
         return offset
+
+    def _seal(self, offset: int, slot: int, gen: int, length: int) -> None:
+        if length >= FOLLOW_HEADER and not self.access.mem.flushing:  # (no body is followed there)
+            self.access.seal(offset, seal_word(slot, gen))
+            self._sealed.add(offset)
 
     def alloc_reply(self, slot: int, gen: int, length: int) -> int | None:
         """An extent for a followed reply of ``length`` bytes: the one the connection gave back
@@ -181,11 +232,12 @@ class ServerHeap:
             self._unpark(offset)
             if length <= self._alloc.size_of(offset) <= 2 * max(length, UNIT):
                 self._owners[offset] = (slot, gen, length)
-                return offset
+                return offset  # (sealed for the connection already)
             self._drop(offset)
         offset = self.alloc(slot, gen, length)
         if offset is not None:
             self._replies.add(offset)
+            self._seal(offset, slot, gen, length)
         return offset
 
     def is_spare(self, offset: int) -> bool:
@@ -205,7 +257,8 @@ class ServerHeap:
         a spare is freed then too: True). A followed reply's extent is parked instead, if the
         connection has none parked yet."""
         owner = self._owners.get(offset)
-        if owner is None or owner[:2] != (slot, gen) or offset in self._parked_at:
+        if (owner is None or owner[:2] != (slot, gen) or offset in self._parked_at
+                or owner[:2] in self._quarantined):
             return False
         if offset in self._lent:
             return self._unkeep(offset)
@@ -227,23 +280,35 @@ class ServerHeap:
         """The server is done with a lent extent: free it (its owner may be gone), but a
         spare, which is its client's again; whether it was freed."""
         self._lent.discard(offset)
-        if offset in self._kept or offset not in self._owners:
-            return False
+        owner = self._owners.get(offset)
+        if offset in self._kept or owner is None or owner[:2] in self._quarantined:
+            return False  # (a quarantined owner's extents are freed when it is fenced)
         self._drop(offset)
         return True
 
+    def quarantine(self, slot: int, gen: int) -> None:
+        """The connection departed but may still write (frozen): keep all it holds, parked
+        extent included, from every other connection until :meth:`release_owner`."""
+        self._quarantined.add((slot, gen))
+        parked = self._parked.get((slot, gen))
+        if parked is not None:
+            self._unpark(parked)  # (a heap under pressure frees parked extents: not this one)
+        for offset, (s, g, _) in self._owners.items():
+            if s == slot and g == gen and offset in self._sealed:
+                self.access.seal(offset, SEAL_REVOKED)  # it writes and reads no more of it
+
     def release_owner(self, slot: int, gen: int) -> int:
-        """Free everything a departed connection held, but what is lent (freed when given
-        back); how many extents."""
-        freed = 0
+        """Free everything a departed (and fenced) connection held, but what is lent (freed
+        when given back); how many extents."""
+        self._quarantined.discard((slot, gen))
         parked = self._parked.get((slot, gen))
         if parked is not None:
             self._unpark(parked)
-            self._drop(parked)
-            freed += 1
+        freed = 0
         for offset in [off for off, (s, g, _) in self._owners.items() if (s, g) == (slot, gen)]:
-            lent = offset in self._lent
-            if self.free(offset, slot, gen) and not lent:
+            self._unkeep(offset)
+            if offset not in self._lent:
+                self._drop(offset)
                 freed += 1
         return freed
 
@@ -257,6 +322,9 @@ class ServerHeap:
         """Free the extent at ``offset`` (not parked, not lent)."""
         del self._owners[offset]
         self._replies.discard(offset)
+        if offset in self._sealed:  # a writer still at it (a request the server gave up) stops
+            self._sealed.discard(offset)
+            self.access.seal(offset, SEAL_REVOKED)
         self._alloc.free(offset)
 
     def _unkeep(self, offset: int) -> bool:

@@ -184,34 +184,58 @@ def to_bytes(src) -> bytes:
 FOLLOW_CHUNK = 64 << 10
 
 
-def publish_copy(mem: AtomicMemory, buf: memoryview, progress_at: int, at: int, src) -> None:
+class SealBroken(ValueError):
+    """A followed extent's seal word is not the one its user expects: the extent was taken
+    back (its user was judged gone) or handed to another (cxlrpc.heap's seals)."""
+
+
+def publish_copy(mem: AtomicMemory, buf: memoryview, progress_at: int, at: int, src,
+                 seal_at: int = -1, seal: int = 0) -> None:
     """Copy ``src`` to ``buf[at:]`` a chunk at a time, storing the count of bytes copied so far
     into the u64 at ``progress_at`` (release) after each, for :func:`follow_copy` on another
     core to copy them out meanwhile. Coherent memory only: no write-back between chunks. Both
     copies, and the heap's others on coherent memory, use plain stores: the reader takes the
     lines from the writer's cache. Streaming stores lost at every size (16 MiB echo, p50 in
-    three alternating pairs of runs: 4.3-4.9 against 5.2-7.1 ms; 1 MiB: 227-277 against 313)."""
+    three alternating pairs of runs: 4.3-4.9 against 5.2-7.1 ms; 1 MiB: 227-277 against 313).
+
+    With ``seal_at`` (>= 0), the u64 there must read ``seal`` before each chunk and each
+    progress store, else the copy stops there, nothing more written: SealBroken."""
     n = len(src)
     if _native is not None:
-        _native.publish_copy(buf[at:at + n], src, buf[progress_at:progress_at + 8], FOLLOW_CHUNK)
+        if seal_at < 0:
+            _native.publish_copy(buf[at:at + n], src, buf[progress_at:progress_at + 8], FOLLOW_CHUNK)
+        elif not _native.publish_copy(buf[at:at + n], src, buf[progress_at:progress_at + 8], FOLLOW_CHUNK,
+                                      buf[seal_at:seal_at + 8], seal):
+            raise SealBroken("the extent's seal changed while its body was written")
         return
     src = memoryview(src).cast("B")
     for done in range(0, n, FOLLOW_CHUNK):
         end = min(n, done + FOLLOW_CHUNK)
+        if seal_at >= 0 and mem.load(seal_at, ACQUIRE) != seal:
+            raise SealBroken("the extent's seal changed while its body was written")
         buf[at + done:at + end] = src[done:end]
+        if seal_at >= 0 and mem.load(seal_at, ACQUIRE) != seal:
+            raise SealBroken("the extent's seal changed while its body was written")
         mem.store(progress_at, end, RELEASE)
 
 
 def follow_copy(mem: AtomicMemory, buf: memoryview, progress_at: int, at: int, length: int,
-                stall: float, limit: float) -> bytes:
+                stall: float, limit: float, seal_at: int = -1, seal: int = 0) -> bytes:
     """A copy of ``buf[at:at + length]`` taken while :func:`publish_copy` writes it, as the
     progress word says its bytes are there. TimeoutError if the writer makes no progress for
     ``stall`` seconds (it died or froze) or is not done within ``limit``; ValueError if the
-    word is garbage."""
+    word is garbage; with ``seal_at`` (>= 0), SealBroken if once copied the u64 there does not
+    read ``seal`` (re-read after a fence, seqlock-style: the copy may hold another's bytes)."""
     if _native is not None:
-        out = _native.follow_copy(buf[at:at + length], buf[progress_at:progress_at + 8], stall, limit)
+        if seal_at < 0:
+            out = _native.follow_copy(buf[at:at + length], buf[progress_at:progress_at + 8], stall, limit)
+        else:
+            out = _native.follow_copy(buf[at:at + length], buf[progress_at:progress_at + 8], stall, limit,
+                                      buf[seal_at:seal_at + 8], seal)
         if out is None:
             raise TimeoutError(f"the writer stopped for {stall} s or took over {limit:.3g} s")
+        if out is False:
+            raise SealBroken("the extent's seal changed while its body was read")
         return out
     out, done = bytearray(length), 0
     since = start = time.monotonic()
@@ -225,6 +249,10 @@ def follow_copy(mem: AtomicMemory, buf: memoryview, progress_at: int, at: int, l
             done, since = p, now
         elif now - since > stall or now - start > limit:
             raise TimeoutError(f"the writer stopped for {stall} s or took over {limit:.3g} s")
+    if seal_at >= 0:
+        fence(ACQUIRE)  # the copy's loads before the seal's
+        if mem.load(seal_at, RELAXED) != seal:
+            raise SealBroken("the extent's seal changed while its body was read")
     return bytes(out)
 
 

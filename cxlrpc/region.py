@@ -518,6 +518,11 @@ class PidWatch:
         that is no PID at all, such as 0 for "not written", proves nothing: False)."""
         return 0 < pid < _PID_LIMIT and not self.alive(pid)
 
+    def pinned(self, pid: int) -> bool:
+        """Does a pidfd hold ``pid`` (opened by an earlier check): is its exit, never a reuse of
+        its number by another process, what :meth:`alive` reports?"""
+        return pid == self._pid and self._fd >= 0
+
     def close(self) -> None:
         """Drop the pidfd (the slot was freed, or its watcher ends)."""
         if self._pid or self._fd >= 0:

@@ -28,8 +28,9 @@ from typing import Any, Awaitable, Callable, Mapping, NamedTuple, NoReturn, Sequ
 import msgspec
 
 from . import frame as fr
-from .channel import KIND_RPC, FlushServerChannel, ServerChannel, layout, server_channel
+from .channel import DETACHED, KIND_RPC, Departure, FlushServerChannel, ServerChannel, layout, server_channel
 from .doorbell import WaitStrategy, resolve
+from .fencing import Fences
 from .errors import (ERRORS, DeadlineExceeded, Internal, InvalidArgument, ResourceExhausted, RpcError,
                      StatusCode, Unimplemented)
 from .heap import (EXTENT, FOLLOW_HEADER, FOLLOW_MIN, FOLLOW_SPIN_S, FOLLOW_STALL_S, FOLLOW_STEP_S,
@@ -249,6 +250,11 @@ class Server:
 
     ``interceptors`` wrap every call to the user's methods, the first outermost (see
     :data:`ServerInterceptor`); the reserved ``cxlrpc.*`` methods bypass them.
+
+    ``fence_timeout``: a client reaped for a stale heartbeat (``client_timeout``) may only be
+    frozen; what it held (its heap extents) is handed to others only once it is *fenced*
+    (:meth:`on_fenced`): when its process exits (same host), or ``fence_timeout`` seconds
+    after it was reaped when it runs on another host (or its PID cannot be watched).
     """
 
     def __init__(self, url: str, *, slots: int = 16, request_capacity: int | None = None,
@@ -258,8 +264,10 @@ class Server:
                  error_details: bool = True, coherence: str = HARDWARE,
                  max_message_size: int = 64 << 20, heap_size: int | None = None,
                  shutdown_grace: float | None = 1.0,
-                 interceptors: Sequence[ServerInterceptor] = ()) -> None:
+                 interceptors: Sequence[ServerInterceptor] = (), fence_timeout: float = 10.0) -> None:
         parse_url(url)  # fail fast on a malformed URL
+        self._fences = Fences(fence_timeout)  # (validates it)
+        self._on_fenced: list[Callable[[Peer], None]] = []
         if not poll_interval > 0:
             raise ValueError("poll_interval must be > 0 seconds")
         for interceptor in interceptors:
@@ -380,6 +388,15 @@ class Server:
         """Call ``callback(peer)`` when a client detaches or is reaped (to drop what it held)."""
         self._on_disconnect.append(callback)
 
+    def on_fenced(self, callback: Callable[[Peer], None]) -> None:
+        """Call ``callback(peer)`` once per departed client, after its on_disconnect callbacks,
+        once it can no longer write into the region (to free what it could still write into):
+        at once when it detached or its process is gone (same host); for a client reaped on a
+        stale heartbeat whose process still runs here (frozen), when that process exits; for
+        one on another host, ``fence_timeout`` seconds after it was reaped. Fences still
+        pending when the server closes are dropped, without calls (the region goes too)."""
+        self._on_fenced.append(callback)
+
     # ------------------------------------------------------------------ lifetime
     async def start(self) -> None:
         """Create the region (replacing a stale one left by a dead server) and start serving."""
@@ -477,6 +494,7 @@ class Server:
         if self._grace_timer is not None:
             self._grace_timer.cancel()
         self._chan.close()  # state CLOSED + wake every client
+        self._fences.close()  # pending fences dropped: the region goes with the server
         self._reader.cancel()
         self._following.clear()  # their steps find nothing to do
         tasks = list(self._tasks.values())
@@ -595,8 +613,10 @@ class Server:
 
         Returns the head position when the request ring is blocked by a live producer."""
         chan = self._chan
-        for slot, gen in chan.reap(self.client_timeout, now):
-            self._departed(slot, gen)
+        for gone in chan.reap(self.client_timeout, now):
+            self._departed(gone)
+        for slot, gen in self._fences.due(now):
+            self._fenced(Peer(slot, gen))
         if self._heap_waiting:
             self._expire_heap_waiters(now)
         ring = chan.requests
@@ -604,15 +624,16 @@ class Server:
             return None
         return ring.head_position
 
-    def _departed(self, slot: int, gen: int) -> None:
+    def _departed(self, gone: Departure) -> None:
         """A slot's holder left (detached, reaped, or replaced by a new holder): cancel its
-        handlers, drop its replies, free its heap extents, tell the on_disconnect callbacks."""
+        handlers, drop its replies, quarantine its heap extents, tell the on_disconnect
+        callbacks; then fence it, at once or once it can no longer write (:meth:`on_fenced`)."""
+        slot, gen = gone.slot, gone.gen
         if self._heap is not None:
+            self._heap.quarantine(slot, gen)
             self._heap_waiting[:] = [w for w in self._heap_waiting if w[1:3] != (slot, gen)]
             for key in [k for k in self._following if k[:2] == (slot, gen)]:
                 self._end_following(key)
-            if self._heap.release_owner(slot, gen):
-                self._heap_freed()
         queue = self._backlog.get(slot)
         if queue:
             queue[:] = [entry for entry in queue if entry[0] != gen]
@@ -627,6 +648,19 @@ class Server:
                 callback(peer)
             except Exception:
                 logger.exception("on_disconnect callback failed for %s", peer)
+        if self._fences.depart(gone, time.monotonic()):
+            self._fenced(peer)
+
+    def _fenced(self, peer: Peer) -> None:
+        """A departed holder can no longer write into the region: free what it held, then
+        tell the on_fenced callbacks."""
+        if self._heap is not None and self._heap.release_owner(peer.slot, peer.gen):
+            self._heap_freed()
+        for callback in self._on_fenced:
+            try:
+                callback(peer)
+            except Exception:
+                logger.exception("on_fenced callback failed for %s", peer)
 
     def _dispatcher(self) -> Any:
         """The native dispatcher of this server's request ring, or None where it is not built
@@ -676,7 +710,7 @@ class Server:
         if seen != f.gen:
             chan.seen[slot] = f.gen
             if seen is not None:  # a new holder already: its predecessor left unseen
-                self._departed(slot, seen)
+                self._departed(Departure(slot, seen, DETACHED))  # (it released its slot)
         if f.flags & fr.FOLLOW:  # a unary request's body, or a response's
             if f.kind == fr.REQUEST and f.flags & fr.HEAP and not f.flags & fr.STREAM:
                 self._follow_request(f)

@@ -38,7 +38,8 @@ def _url(args: argparse.Namespace) -> str:
 async def _serve(args: argparse.Namespace) -> None:
     server = KVServer(_url(args), args.pool_size, pool_url=args.pool_url, slots=args.slots,
                       alignment=args.alignment, default_lease_s=args.lease,
-                      max_lease_s=args.max_lease, coherence=args.coherence)
+                      max_lease_s=args.max_lease, coherence=args.coherence,
+                      client_timeout=args.client_timeout, fence_timeout=args.fence_timeout)
     for ns, quota in args.quota:
         server.set_quota(ns, quota)
     loop = asyncio.get_running_loop()
@@ -46,7 +47,9 @@ async def _serve(args: argparse.Namespace) -> None:
         loop.add_signal_handler(sig, lambda: loop.create_task(server.close()))
     async with server:
         print(f"kvservice: serving {_url(args)}, pool {server.pool_url} of {server.pool_size} bytes"
-              + "".join(f", quota {ns or '(default)'}={q}" for ns, q in args.quota), flush=True)
+              + "".join(f", quota {ns or '(default)'}={q}" for ns, q in args.quota)
+              + f", client timeout {server.rpc.client_timeout} s, fence timeout "
+                f"{args.fence_timeout} s", flush=True)
         await server.serve_forever()
 
 
@@ -79,6 +82,11 @@ def main(argv: list[str] | None = None) -> None:
                             "'hardware': one host, or coherent CXL)")
     serve.add_argument("--lease", type=float, default=10.0, help="default lease seconds (10)")
     serve.add_argument("--max-lease", type=float, default=60.0, help="longest lease a client may ask (60)")
+    serve.add_argument("--client-timeout", type=float, default=1.0,
+                       help="seconds without a heartbeat before a client is judged gone (1)")
+    serve.add_argument("--fence-timeout", type=float, default=10.0,
+                       help="seconds after that before the pending puts of a client on another "
+                            "host are freed (10; on this host: when its process exits)")
     stats.add_argument("--namespace", default=None, help="only this namespace's usage")
     args = p.parse_args(argv)
     if args.command == "mooncake-shim-path":

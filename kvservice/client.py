@@ -138,7 +138,7 @@ class _Ops:
         ids = [ticket.ticket_id for _, ticket, _ in todo]
         try:
             for _, ticket, data in todo:
-                self.pool.write(ticket.offset, data)
+                self.pool.write(ticket.offset, data, ticket.ticket_id)
         except BaseException:
             yield _Call("abort", w.Tickets(ids))
             raise
@@ -161,12 +161,14 @@ class _Ops:
                    driver: Any) -> _Steps:
         (ticket,) = yield _Call("begin", w.Begin(ns, [normalize_key(key)], [size], ttl,
                                                  release=self._carry()), list[w.PutTicket], _abort)
-        ids = w.Tickets([ticket.ticket_id])
+        ticket_id = ticket.ticket_id
+        ids = w.Tickets([ticket_id])
         pool, offset, size = self.pool, ticket.offset, ticket.size
         return PendingPut(pool.writable(offset, size),
                           lambda: driver(_single(_Call("commit", ids))),
                           lambda: driver(_single(_Call("abort", ids))),
-                          lambda: pool.written(offset, size))
+                          lambda: pool.written(offset, size),
+                          lambda: pool.claimed(offset, ticket_id))
 
     def _get(self, keys: Iterable[Key], ns: str, lease_s: float | None, hold_s: float = 0.0) -> _Steps:
         leases = yield _Call("get", w.Get(ns, [normalize_key(k) for k in keys], lease_s, hold_s,

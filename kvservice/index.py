@@ -8,6 +8,13 @@ Lifecycle of a block: ``begin_put`` allocates it (pending, invisible) -> ``commi
 eviction or a newer commit (retired) -> it is freed once no lease holds it. Leases and pending
 puts end by release/commit/abort, by timeout in ``expire()``, or by ``release_owner``.
 
+Fencing. The writer of a pending put holds a writable view of its block; when its connection is
+judged gone (``release_owner``) it may only be frozen, and would write on when it resumes. So
+its pending blocks are quarantined -- neither live nor free, counted in ``stats()`` -- until
+``fence_owner`` says that writer can no longer write into the pool; only then are they freed
+and handed to other puts. A reader's leases end at once: its copies check the block's version
+after copying (a reused block never matches), so a late reader fails instead of pinning memory.
+
 Eviction and fairness. Victims are live blocks without a lease, least recently used first.
 A quota is a namespace's guaranteed share of the pool and its ceiling. A put evicts when (a) it
 would take its namespace over its quota: only that namespace's own blocks, just enough to fit,
@@ -212,14 +219,17 @@ class KVIndex:
                  clock: Callable[[], float] = time.monotonic,
                  on_publish: Callable[[int, int], None] | None = None,
                  on_free: Callable[[int], None] | None = None, first_id: int = 1,
-                 first_version: int = 1) -> None:
+                 first_version: int = 1,
+                 on_claim: Callable[[int, int], None] | None = None) -> None:
         """``on_publish(offset, version)`` runs when a value becomes live, ``on_free(offset)``
-        before its block can be handed out again (the server marks the pool with them, so
-        readers can tell reused bytes). Lease and ticket ids count up from ``first_id``, value
-        versions from ``first_version`` (a server taking over a pool's memory starts both where
-        its predecessor's cannot be: a reader still holding an old block must not match)."""
-        if not 0 < first_version < 1 << 63:
-            raise ValueError("first_version must be in [1, 2**63)")
+        before its block can be handed out again, ``on_claim(offset, ticket_id)`` when a put
+        reserves it (the server marks the pool with them, so readers can tell reused bytes
+        and writers a block no longer theirs). Lease and ticket ids count up from
+        ``first_id``, value versions from ``first_version`` (a server taking over a pool's
+        memory starts both where its predecessor's cannot be: a reader still holding an old
+        block must not match)."""
+        if not 0 < first_version < 1 << 63 or not 0 < first_id <= 1 << 62:
+            raise ValueError("first_version must be in [1, 2**63), first_id in [1, 2**62]")
         if not 0 < low_watermark <= high_watermark <= 1:
             raise ValueError("need 0 < low_watermark <= high_watermark <= 1")
         self._alloc = allocator
@@ -231,14 +241,19 @@ class KVIndex:
         self._default_lease_s = min(_positive("default_lease_s", default_lease_s), max_lease_s)
         self._on_publish = on_publish
         self._on_free = on_free
+        self._on_claim = on_claim
         self._put_timeout_s = _positive("put_timeout_s", put_timeout_s)
         self._clock = clock
         self._ns: dict[str, _Namespace] = {}
         self._tickets: dict[int, _Ticket] = {}
         #: expired tickets whose owner is still connected: it holds a writable view of the
-        #: block and may still be writing, so the block is freed only when it commits, aborts
-        #: or departs (handing it to another put meanwhile would let it overwrite that value)
+        #: block and may still be writing, so the block is freed only when it commits or
+        #: aborts, or is quarantined when it departs (handing it to another put meanwhile
+        #: would let it overwrite that value)
         self._expired_tickets: dict[int, _Ticket] = {}
+        #: owner -> blocks its pending puts held when it departed: kept until fence_owner
+        self._quarantine: dict[Hashable, list[_Block]] = {}
+        self._quarantined_bytes = 0
         self._leases: dict[int, _LeaseRec] = {}
         #: owner -> ids of its leases and tickets; an owner's entry lasts until release_owner
         #: (a server's connections all end so): one set per get and release to make and drop
@@ -268,7 +283,8 @@ class KVIndex:
 
         The value stays invisible until ``commit_put``; an uncommitted ticket expires after
         ``put_timeout_s`` (its commit fails). Its block is freed then, or, for an ``owner``
-        (who may still be writing into it), when that owner commits, aborts or is released.
+        (who may still be writing into it), when that owner commits or aborts, or is fenced
+        after it departs.
         Raises PoolFull (or its subclass QuotaExceeded) when there is no room.
         ``if_absent``: None (nothing reserved) when the key has a live value; the commit also
         keeps an existing value should one appear meanwhile.
@@ -306,6 +322,8 @@ class KVIndex:
             offset = self._alloc.alloc(size)
         self._namespace(ns).used += nbytes  # fetched again: eviction may have dropped it
         ticket = _Ticket(next(self._ids), _Block(ns, key, offset, size, nbytes), owner, ttl, if_absent)
+        if self._on_claim is not None:
+            self._on_claim(offset, ticket.id)
         self._tickets[ticket.id] = ticket
         self._own(owner, ticket.id)
         self._ticket_timers.push(now + self._put_timeout_s, ticket, len(self._tickets))
@@ -532,16 +550,33 @@ class KVIndex:
         self._maybe_drop(space)
 
     def release_owner(self, owner: Hashable) -> int:
-        """Drop every lease and pending put of ``owner`` (a client seen dead); returns how many."""
+        """Drop every lease and pending put of ``owner`` (a client seen gone); returns how many.
+
+        Its leases end now; its pending puts' blocks (expired ones too) are quarantined, not
+        freed: a frozen writer may still write into them, so they wait for ``fence_owner``."""
         self._expire(self._clock())
         ids = self._owners.pop(owner, ())
         for record_id in ids:
             lease = self._leases.get(record_id)
             if lease is not None:
                 self._end_lease(lease)
-            else:
-                self._drop_ticket(self._tickets.get(record_id) or self._expired_tickets[record_id])
+                continue
+            ticket = self._tickets.pop(record_id, None) or self._expired_tickets.pop(record_id)
+            self._quarantine.setdefault(owner, []).append(ticket.block)
+            self._quarantined_bytes += ticket.block.nbytes
         return len(ids)
+
+    def fence_owner(self, owner: Hashable) -> int:
+        """``owner`` can no longer write into the pool (its process is gone, or its fence
+        timeout passed): free the blocks ``release_owner`` quarantined; returns how many.
+        Records it still holds are released first (a fence with no disconnect before it)."""
+        if owner in self._owners:
+            self.release_owner(owner)
+        blocks = self._quarantine.pop(owner, ())
+        for block in blocks:
+            self._quarantined_bytes -= block.nbytes
+            self._free(block)
+        return len(blocks)
 
     def expire(self) -> int:
         """End due leases, pending puts and TTLs (cheap if none is due); return how many ended."""
@@ -556,6 +591,8 @@ class KVIndex:
             "leases": len(self._leases),
             "pending_puts": len(self._tickets),
             "expired_puts_held": len(self._expired_tickets),
+            "quarantined_blocks": sum(map(len, self._quarantine.values())),
+            "quarantined_bytes": self._quarantined_bytes,
             "retired_blocks": self._retired,
             "pool_used": self._alloc.used,
             "pool_capacity": self._alloc.capacity,
@@ -686,7 +723,7 @@ class KVIndex:
     def _free(self, block: _Block) -> None:
         if block.state == _RETIRED:
             self._retired -= 1
-        if block.state != _PENDING and self._on_free is not None:
+        if self._on_free is not None:  # (a pending block's entry holds its put's claim)
             self._on_free(block.offset)
         block.state = _FREED
         self._alloc.free(block.offset)

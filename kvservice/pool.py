@@ -8,6 +8,13 @@ lapsed learns it (:class:`LeaseExpired`) instead of reading another key's bytes:
 entry after copying (as a seqlock reader does) and whenever it hands out a view. Every offset
 a client is given is range-checked here.
 
+While a put is open its block's entry holds a *claim*, ``CLAIMED | ticket_id`` (no version has
+that bit set), written by the server at begin: the writer re-reads it before each stretch of its
+copy (:meth:`Pool.write`) and when it hands out a view of the block, and stops with
+:class:`PutFenced` once the block is no longer its own (the server judged its connection gone,
+fenced it, and freed the block: see docs on fencing). A check before a copy is not a lock: a
+writer frozen between the two still writes one stretch late.
+
 On memory without coherence (a ``"flush"`` region) a writer writes a block's lines back before
 the commit that publishes it, a reader invalidates them before reading them in place, and the
 server writes back each version entry it sets; blocks are whole lines, so no line has two
@@ -27,6 +34,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from cxlrpc.errors import Aborted
 from cxlrpc.memory import ACQUIRE, HARDWARE, RELEASE, copy_bytes, fence, to_bytes
 from cxlrpc.region import HEADER_SIZE, Region, RegionError, parse_url, prefault
 
@@ -42,6 +50,11 @@ logger = logging.getLogger("kvservice.pool")
 _POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14
 _PAGE = 4096
 _LINE = 64
+#: The bit of a version-table entry that says "claimed by the open put whose ticket id is the
+#: rest" (versions and ticket ids stay below 2**63).
+CLAIMED = 1 << 63
+#: Bytes a writer copies between two checks of its claim (a check: one load, ~1 us in all).
+CLAIM_CHECK_EVERY = 4 << 20
 
 
 def _prefault(region: Region, offset: int, length: int, chunk: int = 256 << 20) -> None:
@@ -183,6 +196,15 @@ class LeaseExpired(RuntimeError):
     """A block's lease ended and its bytes may belong to another value now: read it again."""
 
 
+class PutFenced(Aborted):
+    """This put's block is no longer its own: the server judged the connection gone, fenced it
+    and freed the block; nothing more was written into it. Put the value again."""
+
+    def __init__(self) -> None:
+        super().__init__("the server judged this connection gone and freed this put's block; "
+                         "nothing more was written into it: put the value again")
+
+
 def pool_url_for(url: str) -> str:
     """The default pool URL beside a service URL: ``shm://kv`` -> ``shm://kv.pool``. A
     sub-region (``file:///PATH?offset=&size=``) has none: its pool needs a range of its own."""
@@ -303,6 +325,17 @@ class Pool:
         self._mem.store(entry, 0, RELEASE)
         self._mem.writeback(entry, 8)
 
+    def claim(self, offset: int, ticket_id: int) -> None:
+        """Server: the block at ``offset`` is reserved for the put ``ticket_id`` (before the
+        ticket is handed out)."""
+        entry = self._entry(offset)
+        self._mem.store(entry, CLAIMED | ticket_id, RELEASE)
+        self._mem.writeback(entry, 8)
+
+    def claimed(self, offset: int, ticket_id: int) -> bool:
+        """Writer: whether the block at ``offset`` is still reserved for its put ``ticket_id``."""
+        return self.holds(self._entry(offset), CLAIMED | ticket_id)
+
     def _leased(self, offset: int, size: int, version: int, owner: LeaseOwner,
                 lease_id: int) -> "Block":
         """``leased`` in Python: a pool without coherence's, and what the native one refuses."""
@@ -346,13 +379,25 @@ class Pool:
             self._prefaulter.writing(offset, size)
         return view
 
-    def write(self, offset: int, data: memoryview) -> None:
+    def write(self, offset: int, data: memoryview, ticket_id: int | None = None) -> None:
         """Copy ``data`` into the block at ``offset`` and fence, before the commit publishes it
-        (a big value with streaming stores: the block is cold, its readers elsewhere)."""
-        dst = self.writable(offset, len(data))
-        copy_bytes(dst, data, cold=True)
-        dst.release()
-        self.written(offset, len(data))
+        (a big value with streaming stores: the block is cold, its readers elsewhere).
+        ``ticket_id``: a client's put, which checks its claim before each CLAIM_CHECK_EVERY
+        bytes and raises PutFenced once the block is not its own."""
+        size = len(data)
+        dst = self.writable(offset, size)
+        try:
+            if ticket_id is None:
+                copy_bytes(dst, data, cold=True)
+            else:
+                for at in range(0, size, CLAIM_CHECK_EVERY):
+                    if not self.claimed(offset, ticket_id):
+                        raise PutFenced()
+                    end = min(at + CLAIM_CHECK_EVERY, size)
+                    copy_bytes(dst[at:end], data[at:end], cold=True)
+        finally:
+            dst.release()
+        self.written(offset, size)
 
     def close(self) -> None:
         """Unmap (a view a user still holds keeps the mapping alive until it is dropped)."""
@@ -500,20 +545,25 @@ class PendingPut:
     """A reserved, still invisible block: fill ``view()``/``array()`` in place, then commit."""
 
     def __init__(self, view: memoryview, commit: Callable[[], Any], abort: Callable[[], Any],
-                 written: Callable[[], None] = fence) -> None:
+                 written: Callable[[], None] = fence,
+                 claimed: Callable[[], bool] = lambda: True) -> None:
         self._view = view
         self.size = len(view)
         self._commit = commit
         self._abort = abort
         self._written = written  # publishes the bytes (write-back and fence) before the commit
+        self._claimed = claimed  # whether the block is still this put's (Pool.claimed)
 
     def view(self) -> memoryview:
-        """The writable block (into the pool)."""
+        """The writable block (into the pool); PutFenced if it is no longer this put's. Writes
+        through a view handed out earlier are not checked: get a view per stretch you write."""
+        if not self._claimed():
+            raise PutFenced()
         return self._view
 
     def array(self, dtype: Any = np.uint8, shape: Any = None) -> np.ndarray:
-        """The block as a writable numpy array, optionally reshaped."""
-        arr = np.frombuffer(self._view, dtype=dtype)
+        """The block as a writable numpy array, optionally reshaped (checked as ``view``)."""
+        arr = np.frombuffer(self.view(), dtype=dtype)
         return arr if shape is None else arr.reshape(shape)
 
     def commit(self) -> Any:

@@ -2,8 +2,10 @@
 
 Clients copy values into and out of the pool themselves; the server only hands out offsets,
 tickets and leases, so each request is a small frame. Leases and pending puts are owned by the
-calling cxlrpc peer and dropped when that peer detaches or dies. Lease releases mostly ride on
-the client's next get or put (ended before it is served), else come as one-way messages.
+calling cxlrpc peer and dropped when that peer detaches or dies; the blocks of its pending puts
+are freed only once cxlrpc fences it (it can no longer write: see KVIndex's "Fencing"). Lease
+releases mostly ride on the client's next get or put (ended before it is served), else come as
+one-way messages.
 """
 import asyncio
 import contextlib
@@ -64,7 +66,10 @@ class KVServer:
     serves both regions when each is a range of it: ``KVServer("file:///dev/dax0.0?size=64M",
     pool_size, pool_url="file:///dev/dax0.0?offset=64M")``. A put not committed within
     ``put_timeout_s`` fails; its block is freed when its connection is done with it (commits,
-    aborts or departs), as that connection may still be writing into it.
+    aborts or departs), as that connection may still be writing into it. A connection judged
+    gone (its heartbeat stopped for ``client_timeout``, 1 s by default) may be frozen, not dead:
+    its pending blocks are freed only when cxlrpc fences it (its process exited, on this host;
+    ``fence_timeout`` seconds after it was reaped, 10 s by default, on another host).
     """
 
     def __init__(self, url: str, pool_size: int, *, pool_url: str | None = None,
@@ -89,6 +94,7 @@ class KVServer:
                              put_timeout_s=put_timeout_s,
                              on_publish=lambda offset, version: self._pool.publish(offset, version),
                              on_free=lambda offset: self._pool.clear(offset),
+                             on_claim=lambda offset, ticket_id: self._pool.claim(offset, ticket_id),
                              first_id=_first_id(), first_version=_first_id())
         rpc_options.setdefault("slots", 64)  # two TP-8 pods and their helpers
         rpc_options.setdefault("response_capacity", 256 << 10)
@@ -96,6 +102,7 @@ class KVServer:
         #: Connections that said hello (so they map this server's pool): only they are served.
         self._greeted: set[cxlrpc.Peer] = set()
         self.rpc.on_disconnect(self.index.release_owner)
+        self.rpc.on_fenced(self.index.fence_owner)
         self.rpc.on_disconnect(self._greeted.discard)
         self._pool: Pool | None = None
         self._release_messages = 0

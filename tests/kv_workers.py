@@ -105,3 +105,45 @@ def churn_main(url: str, writer: int, seconds: float, shared: int, results) -> N
         results.put((writer, f"{type(exc).__name__}: {exc}"))
         raise
     results.put((writer, counts))
+
+
+def _await(go) -> None:
+    """Poll an Event (not wait(): its set() would block on a waiter the test froze)."""
+    while not go.is_set():
+        time.sleep(0.005)
+
+
+def late_put_main(url: str, key: bytes, size: int, begun, go, outcome) -> None:
+    """Begin a put of ``size`` bytes and say so; once ``go`` is set (the test freezes this
+    process first), fill the whole block with 0xEE and commit: put 'committed' or the error's
+    name on ``outcome``; then wait to be killed (while it lives, its old connection is unfenced)."""
+    from kvservice import SyncKVClient
+
+    kv = SyncKVClient.connect(url)
+    pending = kv.begin_put(key, size)
+    begun.put(pending.size)
+    _await(go)
+    pending.view()[:] = b"\xee" * size  # the late write: the block may be another key's by now
+    try:
+        pending.commit()
+        outcome.put("committed")
+    except Exception as exc:
+        outcome.put(type(exc).__name__)
+    time.sleep(3600)
+
+
+def late_get_main(url: str, key: bytes, leased, go, outcome) -> None:
+    """Lease ``key`` and say so; once ``go`` is set (the test freezes this process first),
+    copy the value out (tobytes: checked after the copy): put ('bytes', its blake2b) or
+    ('expired', '') on ``outcome``; then wait to be killed."""
+    from kvservice import LeaseExpired, SyncKVClient
+
+    kv = SyncKVClient.connect(url)
+    block = kv.get(key)
+    leased.put(block.size)
+    _await(go)
+    try:
+        outcome.put(("bytes", hashlib.blake2b(block.tobytes()).hexdigest()))
+    except LeaseExpired:
+        outcome.put(("expired", ""))
+    time.sleep(3600)

@@ -78,7 +78,7 @@ def made(size: int, seed: int) -> bytes:
 def _followed_server_main(url: str, ready) -> None:
     import cxlrpc
     from cxlrpc import memory
-    from cxlrpc.heap import HeapAccess
+    from cxlrpc.heap import SEAL_AT, HeapAccess, seal_word
 
     real = HeapAccess.publish
 
@@ -88,6 +88,13 @@ def _followed_server_main(url: str, ready) -> None:
 
     def garbage(self, offset, body):  # a progress word past the length
         self.mem.store(self.start + offset, len(body) + 1, memory.RELEASE)
+
+    def reseal(self, offset, body):  # half written, the extent sealed for another, the rest
+        at, view, n = self.start + offset, memoryview(body), len(body)
+        memory.publish_copy(self.mem, self.buf, at, at + 64, view[:n // 2])
+        self.mem.store(at + SEAL_AT, seal_word(1000, 1), memory.RELEASE)  # (as a new owner's)
+        self.buf[at + 64 + n // 2:at + 64 + n] = view[n // 2:]
+        self.mem.store(at, n, memory.RELEASE)
 
     async def main() -> None:
         server = cxlrpc.Server(url)
@@ -107,7 +114,7 @@ def _followed_server_main(url: str, ready) -> None:
 
         @server.method("publish")
         def publish(how: str) -> None:  # how the server writes followed bodies from now on
-            HeapAccess.publish = {"whole": real, "half": half, "garbage": garbage}[how]
+            HeapAccess.publish = {"whole": real, "half": half, "garbage": garbage, "reseal": reseal}[how]
             if server._fast is not None:  # (the native dispatcher follows replies itself)
                 server._fast.enabled = int(how == "whole")
 
@@ -135,7 +142,7 @@ def followed_server(url: str) -> AbstractContextManager[mp.Process]:
     """A server in a child process whose replies are followed: ``echo``, ``make`` ([size,
     seed] -> made(size, seed)), ``heap_used`` (bytes beyond the spares clients keep), and
     ``publish`` ("whole", "half": it stops half way, "garbage": a progress word past the
-    length)."""
+    length, "reseal": the extent's seal rewritten as for another owner half way)."""
     return _child_server(_followed_server_main, (url,), "followed server")
 
 

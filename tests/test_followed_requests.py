@@ -313,7 +313,7 @@ async def test_a_client_that_stops_writing_is_unavailable_and_others_are_served(
 
 
 async def test_a_client_whose_copy_fails_is_refused_at_once(name, monkeypatch):
-    def fails(mem, buf, progress_at, at, src):
+    def fails(mem, buf, progress_at, at, src, *seal):  # (a client passes its seal too)
         buf[at:at + 100] = bytes(src[:100])
         mem.store(progress_at, 100, memory.RELEASE)
         raise MemoryError("the copy failed half way")

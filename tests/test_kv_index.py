@@ -459,8 +459,11 @@ def test_release_owner_drops_its_leases_and_tickets_only():
     assert idx.stats()["pool_used"] == 5 * U
     assert idx.release_owner("dead") == 2
     stats = idx.stats()
-    assert stats["leases"] == 1 and stats["pending_puts"] == 1 and stats["pool_used"] == 3 * U
+    assert stats["leases"] == 1 and stats["pending_puts"] == 1 and stats["pool_used"] == 5 * U
+    assert stats["quarantined_blocks"] == 1 and stats["quarantined_bytes"] == 2 * U
     assert idx.release_owner("dead") == 0
+    assert idx.fence_owner("dead") == 1  # its writer can write no more: the block is freed
+    assert idx.stats()["pool_used"] == 3 * U and idx.fence_owner("dead") == 0
     idx.commit_put(kept.ticket_id)
     assert idx.release_owner("alive") == 1
     assert idx.stats()["pool_used"] == 2 * U  # retired block freed with its last lease
@@ -476,6 +479,67 @@ def test_released_or_expired_records_leave_their_owner():
     ticket = idx.begin_put("m", "x", U, owner=7)
     idx.commit_put(ticket.ticket_id)
     assert idx.release_owner(7) == 0
+
+
+# ---- fencing: a departed writer's blocks wait for its fence ---------------------------------
+
+def test_a_departed_writers_pending_blocks_are_not_reused_until_it_is_fenced():
+    """A writer judged gone may be frozen, holding a writable view of its blocks: they are
+    quarantined (counted, not free), its tickets are dead, and no other put gets their bytes
+    until fence_owner; then they are freed and reused."""
+    idx, clock = make(4, put_timeout_s=5)
+    late = idx.begin_put("m", "late", U, owner="frozen")
+    clock.now += 6  # late's ticket expires: its block stays the writer's (it may be writing)
+    pending = idx.begin_put("m", "p", 2 * U, owner="frozen")
+    assert idx.stats()["expired_puts_held"] == 1
+    assert idx.release_owner("frozen") == 2
+    stats = idx.stats()
+    assert stats["pending_puts"] == stats["expired_puts_held"] == 0
+    assert stats["quarantined_blocks"] == 2 and stats["quarantined_bytes"] == 3 * U
+    assert stats["pool_used"] == 3 * U and stats["namespaces"]["m"]["bytes"] == 3 * U
+    held = {pending.offset, pending.offset + U, late.offset}
+    other = idx.begin_put("n", "o", U, owner="alive")  # the one unit left
+    assert other.offset not in held
+    with pytest.raises(PoolFull):  # nothing evictable: the quarantined units are not free
+        idx.begin_put("n", "x", U, owner="alive")
+    for tid in (pending.ticket_id, late.ticket_id):  # the resumed writer's commits fail
+        with pytest.raises(KeyError):
+            idx.commit_put(tid, "frozen")
+        assert not idx.abort_put(tid, "frozen")
+    assert idx.stats()["quarantined_blocks"] == 2  # and free nothing: it is not fenced yet
+    assert idx.fence_owner("frozen") == 2
+    stats = idx.stats()
+    assert stats["quarantined_blocks"] == stats["quarantined_bytes"] == 0
+    assert stats["pool_used"] == U and "m" not in stats["namespaces"]
+    reused = {idx.begin_put("n", k, U, owner="alive").offset for k in "abc"}
+    assert reused == held
+    assert idx.fence_owner("frozen") == 0
+
+
+def test_fence_without_a_disconnect_first_releases_the_owner():
+    """fence_owner of an owner still holding records ends them as release_owner would, then
+    frees its pending blocks at once."""
+    idx, _ = make(4)
+    put(idx, "m", "k")
+    idx.get("m", "k", owner="w")
+    idx.begin_put("m", "p", 2 * U, owner="w")
+    assert idx.fence_owner("w") == 1
+    stats = idx.stats()
+    assert stats["leases"] == stats["pending_puts"] == stats["quarantined_blocks"] == 0
+    assert stats["pool_used"] == U
+
+
+def test_a_departed_readers_leases_end_at_once():
+    """Leases are not quarantined: a late reader's copy fails its version check instead, so a
+    frozen reader pins nothing (a hidden block it held is freed on release_owner)."""
+    idx, _ = make(4)
+    put(idx, "m", "k", 2)
+    idx.get("m", "k", owner="reader")
+    idx.remove("m", "k")
+    assert idx.stats()["pool_used"] == 2 * U  # retired, held by the lease
+    idx.release_owner("reader")
+    stats = idx.stats()
+    assert stats["pool_used"] == 0 and stats["quarantined_blocks"] == 0
 
 
 # ---- stats, validation, bounded metadata --------------------------------------------------
@@ -544,7 +608,8 @@ def test_lease_timer_heap_stays_bounded_under_renewals():
 
 
 OPS = ["put"] * 4 + ["commit"] * 3 + ["get"] * 3 + ["release"] * 2 + ["abort", "remove", "tick",
-                                                                      "owner", "renew", "hold"]
+                                                                      "owner", "renew", "hold",
+                                                                      "fence"]
 
 
 @settings(max_examples=300, deadline=None)
@@ -562,6 +627,8 @@ def test_random_operations_keep_invariants(ops):
     #: leases the index must still hold: id -> (lease, owner, until, end of its hold)
     leases: dict[int, tuple[Lease, int, float, float]] = {}
     latest: dict[tuple[str, str], int] = {}
+    #: owner -> tickets it held when it departed: their blocks are kept until it is fenced
+    quarantined: dict[int, list[PutTicket]] = {0: [], 1: []}
 
     def released(lid: int) -> None:  # the model of a release the index accepted
         lease, lowner, _, hold_until = leases.pop(lid)
@@ -577,6 +644,7 @@ def test_random_operations_keep_invariants(ops):
                 continue
             start, end = ticket.offset, ticket.offset + b * U
             held = [(t.offset, t.size) for t, *_ in (*tickets.values(), *expired.values())]
+            held += [(t.offset, t.size) for ts in quarantined.values() for t in ts]
             held += [(lease.offset, lease.size) for lease, *_ in leases.values()]
             assert all(end <= o or o + s <= start for o, s in held), "range reused while held"
             tickets[ticket.ticket_id] = (ticket, ns, key, owner, clock.now + 7)
@@ -628,8 +696,13 @@ def test_random_operations_keep_invariants(ops):
             leases = {k: v for k, v in leases.items() if v[2] > clock.now}
             expired.update((k, v) for k, v in tickets.items() if v[4] <= clock.now)
             tickets = {k: v for k, v in tickets.items() if v[4] > clock.now}
-        elif op == "owner":
+        elif op in ("owner", "fence"):
             idx.release_owner(owner)
+            quarantined[owner] += [v[0] for v in (*tickets.values(), *expired.values())
+                                   if v[3] == owner]
+            if op == "fence":
+                assert idx.fence_owner(owner) == len(quarantined[owner])
+                quarantined[owner] = []
             tickets = {k: v for k, v in tickets.items() if v[3] != owner}
             expired = {k: v for k, v in expired.items() if v[3] != owner}
             leases = {k: v for k, v in leases.items() if v[1] != owner}
@@ -639,15 +712,19 @@ def test_random_operations_keep_invariants(ops):
         assert stats["namespaces"].get("q", {"bytes": 0})["bytes"] <= 3 * U
         assert stats["leases"] >= len(leases)
         assert stats["expired_puts_held"] == len(expired)
+        assert stats["quarantined_blocks"] == sum(map(len, quarantined.values()))
+        assert stats["quarantined_bytes"] == sum(-(-t.size // U) * U for ts in quarantined.values()
+                                                 for t in ts)
     clock.now += 100
-    for owner in (0, 1):  # the owners depart, as a server's connections all end
+    for owner in (0, 1):  # the owners depart and are fenced, as a server's connections all end
         idx.release_owner(owner)
+        idx.fence_owner(owner)
     for ns in "pqr":
         for key in "0123":
             idx.remove(ns, key)
     stats = idx.stats()
     assert stats["pool_used"] == 0 and stats["leases"] == stats["pending_puts"] == 0
-    assert stats["expired_puts_held"] == 0
+    assert stats["expired_puts_held"] == stats["quarantined_blocks"] == 0
     assert stats["namespaces"] == {"q": {"bytes": 0, "entries": 0, "quota": 3 * U}}
 
 

@@ -544,16 +544,18 @@ def test_block_over_plain_bytes():
 
 
 async def test_serve_command_with_quotas_and_stats_of_one_namespace(tmp_path):
-    """`serve` takes the service URL, pool, slots and quotas as flags; `stats --namespace` shows
-    that namespace only."""
+    """`serve` takes the service URL, pool, slots, quotas and timeouts as flags; `stats
+    --namespace` shows that namespace only."""
     url = f"file://{tmp_path}/kv"
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "kvservice", "serve", "--url", url, "--pool-size", "8MiB",
-        "--quota", "a=2MiB", "--quota", "=1MiB", "--slots", "4", cwd=ROOT,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        "--quota", "a=2MiB", "--quota", "=1MiB", "--slots", "4", "--client-timeout", "2.5",
+        "--fence-timeout", "30", cwd=ROOT, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE)
     try:
         line = await asyncio.wait_for(proc.stdout.readline(), 30)
         assert b"quota a=2097152" in line, line
+        assert b"client timeout 2.5 s, fence timeout 30.0 s" in line, line
         async with KVClient.connect(url) as kv:
             await kv.put("k", b"v" * 10, namespace="b")
             mine = await kv.stats("a")

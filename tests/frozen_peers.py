@@ -1,0 +1,69 @@
+"""Clients that freeze themselves (SIGSTOP) at a chosen moment of a followed body, run in child
+processes by tests/test_frozen_clients.py. Kept free of top-level cxlrpc imports: a child
+chooses its paths (the reference writer and reader, whose stores and loads it can watch)
+before cxlrpc is imported."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+
+class _Freezing:
+    """A heap's AtomicMemory that stops this process at the first store of a followed body's
+    progress past zero (``on="store"``: mid-write, one chunk written) or at its first load
+    (``on="load"``: about to follow a reply), and after the resume slows every store by
+    ``pace`` seconds (a writer whose stores go on while the others' traffic reuses the heap)."""
+
+    def __init__(self, mem, on: str, pace: float) -> None:
+        self._mem, self._on, self._pace, self._frozen = mem, on, pace, False
+
+    def __getattr__(self, name: str):
+        return getattr(self._mem, name)
+
+    def store(self, at: int, value: int, order: int) -> None:
+        if self._frozen and self._pace:
+            time.sleep(self._pace)
+        self._mem.store(at, value, order)
+        if self._on == "store" and value and not self._frozen:
+            self._freeze()
+
+    def load(self, at: int, order: int) -> int:
+        if self._on == "load" and not self._frozen:
+            self._freeze()
+        return self._mem.load(at, order)
+
+    def _freeze(self) -> None:
+        self._frozen = True
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def frozen_client_main(url: str, how: str, size: int, seed: int, results) -> None:
+    """Connect; ``how="write"``: echo a followed request of ``size`` bytes, frozen after its
+    first chunk; ``how="read"``: ask ``make`` for a followed reply, frozen as it begins to
+    follow it. Send the outcome to ``results`` (("ok", body) or ("error", name, message)),
+    then wait to be killed (never detaching: a detach would end the quarantine at once)."""
+    os.environ["CXLRPC_NO_NATIVE"] = "1"
+    import cxlrpc
+    from cxlrpc import memory
+    from procs import made
+
+    memory._native = None  # the reference copies: each progress word stored or loaded by Python
+
+    async def main() -> None:
+        client = await cxlrpc.connect(url)
+        heap = client._heap
+        heap.mem = _Freezing(heap.mem, "store" if how == "write" else "load", 0.005)
+        try:
+            if how == "write":
+                got = await client.call("echo", made(size, seed), timeout=60)
+            else:
+                got = await client.call("make", [size, seed], timeout=60)
+            results.send(("ok", bytes(got)))
+        except Exception as exc:  # (what the test asserts on)
+            results.send(("error", type(exc).__name__, str(exc)))
+        while True:
+            await asyncio.sleep(3600)
+
+    asyncio.run(main())

@@ -22,7 +22,8 @@ class Limits:
     """The server's per-connection limits (its keyword options of the same names, validated).
 
     - ``max_backlog_bytes`` / ``max_backlog_replies``: replies held for a client whose response
-      ring is full (it reads slower than it calls). A reply past either is replaced by a
+      ring is full (it reads slower than it calls) or that wait for room in the heap (the
+      server's default for the bytes: the larger of 16 MiB and max_message_size). A reply past either is replaced by a
       RESOURCE_EXHAUSTED error for its call (as are its new requests, unrun, while it is over),
       held up to as many entries again; past that it is dropped (``Server.shed_replies``) and
       the call ends at its deadline. A connection's first held reply is held whatever its size.

@@ -266,12 +266,14 @@ class Server:
                  max_message_size: int = 64 << 20, heap_size: int | None = None,
                  shutdown_grace: float | None = 1.0,
                  interceptors: Sequence[ServerInterceptor] = (),
-                 max_backlog_bytes: int = Limits.max_backlog_bytes,
+                 max_backlog_bytes: int | None = None,
                  max_backlog_replies: int = Limits.max_backlog_replies,
                  max_alloc_waiters: int = Limits.max_alloc_waiters,
                  alloc_timeout: float = Limits.alloc_timeout,
                  max_followed_requests: int = Limits.max_followed_requests) -> None:
         parse_url(url)  # fail fast on a malformed URL
+        if max_backlog_bytes is None:  # two bodies of max_message_size at least (the first always fits)
+            max_backlog_bytes = max(Limits.max_backlog_bytes, max_message_size)
         #: What one connection may make the server hold (validated: ValueError)
         self.limits = Limits(max_backlog_bytes, max_backlog_replies, max_alloc_waiters, alloc_timeout,
                              max_followed_requests)
@@ -1485,11 +1487,11 @@ class Server:
         self._refused[:] = left
 
     def _backlog_full(self, held: HeldReplies) -> str:
-        """Why a connection's replies and requests are refused: it does not read its replies."""
+        """Why a connection's replies and requests are refused: replies wait for it already."""
         limits = self.limits
-        return (f"{len(held)} replies ({held.size} bytes) wait for this client to read its response "
-                f"ring (max_backlog_replies={limits.max_backlog_replies}, "
-                f"max_backlog_bytes={limits.max_backlog_bytes})")
+        return (f"{len(held)} replies ({held.size} bytes) wait to be sent to this client already (it "
+                f"reads slower than it calls, or they wait for heap room; max_backlog_replies="
+                f"{limits.max_backlog_replies}, max_backlog_bytes={limits.max_backlog_bytes})")
 
     def _hold(self, slot: int, gen: int, head: bytes, body: bytes | memoryview) -> bool:
         """Hold a reply until its client's ring has room; past the connection's limits, a

@@ -55,7 +55,7 @@ def test_a_client_that_stops_reading_replies_is_refused_not_queued(name):
         assert got["exhausted"] > 0 and got["other"] == 0, (got, stats)
         assert grown < 64 * MiB, (grown, stats, got)
         assert statistics.median(ratios) <= LATENCY_RATIO, ratios
-        limits = cxlrpc.Server(b).limits
+        limits = cxlrpc.Server(b, **OPTS).limits
         # what is held for the non-reader: its limits, and refusals of as many entries again
         assert stats["backlog_bytes"] <= limits.max_backlog_bytes + 16 * 1024 + 2 * limits.max_backlog_replies * 512, stats
         assert stats["backlog_replies"] <= 2 * limits.max_backlog_replies, stats
@@ -76,7 +76,7 @@ def test_alloc_floods_are_bounded_per_connection(name):
         assert got["exhausted"] > 0, (got, stats)
         assert grown < 32 * MiB, (grown, stats)
         assert statistics.median(ratios) <= LATENCY_RATIO, ratios
-        limits = cxlrpc.Server(b).limits
+        limits = cxlrpc.Server(b, **OPTS).limits
         assert 0 < stats["alloc_waiters"] <= limits.max_alloc_waiters, stats
         assert got["exhausted"] >= got["sent"] - limits.max_alloc_waiters - 1 > 0, got
 
@@ -119,7 +119,7 @@ def test_drip_fed_followed_requests_are_bounded_and_cheap(name):
             got = feeder.result()
         assert got["exhausted"] > 0, (got, stats)
         assert statistics.median(ratios) <= LATENCY_RATIO, (ratios, stats)
-        limits = cxlrpc.Server(b).limits
+        limits = cxlrpc.Server(b, **OPTS).limits
         assert 0 < stats["following"] <= limits.max_followed_requests, stats
         assert got["exhausted"] >= 200 - limits.max_followed_requests, got
 

@@ -11,10 +11,17 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
+
+from . import frame as fr
+from .errors import StatusCode
+from .heap import FOLLOW_MIN_RATE, FOLLOW_STALL_S
 
 #: The most bytes a refusal in the backlog (a RESOURCE_EXHAUSTED error frame) takes.
 REFUSAL_MAX = 512
+#: What :meth:`HeldReplies.hold` did with a reply: held it, held a refusal in its place, or
+#: dropped it (past twice the limit of entries).
+HELD, REFUSED, SHED = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -93,14 +100,27 @@ class HeldReplies:
         """At or past the connection's limit: its replies (and requests) are refused."""
         return len(self._queue) >= limits.max_backlog_replies or self.size >= limits.max_backlog_bytes
 
-    def admits(self, size: int, limits: Limits) -> bool:
-        """May a reply of ``size`` bytes join (the first always may)?"""
-        return not self._queue or (len(self._queue) < limits.max_backlog_replies
-                                   and self.size + size <= limits.max_backlog_bytes)
+    def hold(self, slot: int, gen: int, head: bytes, body: bytes | memoryview, limits: Limits) -> int:
+        """Hold a reply (HELD; a connection's first always is); past the limits, a
+        RESOURCE_EXHAUSTED error for its call in its place (REFUSED), up to as many entries
+        again; past that, nothing (SHED: a client that reads nothing makes us hold no more)."""
+        queue = self._queue
+        if not queue or (len(queue) < limits.max_backlog_replies
+                         and self.size + len(head) + len(body) <= limits.max_backlog_bytes):
+            self.append((gen, head, bytes(body)))
+            return HELD
+        if len(queue) >= 2 * limits.max_backlog_replies:
+            return SHED
+        call_id = fr.HEADER.unpack_from(head)[5]
+        self.append((gen, fr.header(fr.ERROR, fr.RAW, int(StatusCode.RESOURCE_EXHAUSTED), slot, gen, call_id,
+                                    0.0, b""), self.why(limits).encode()[:REFUSAL_MAX - fr.HEADER_SIZE]))
+        return REFUSED
 
-    def admits_refusal(self, limits: Limits) -> bool:
-        """May a refusal join (past the limit, as many entries again)?"""
-        return len(self._queue) < 2 * limits.max_backlog_replies
+    def why(self, limits: Limits) -> str:
+        """Why the connection's replies and requests are refused: replies wait for it already."""
+        return (f"{len(self._queue)} replies ({self.size} bytes) wait to be sent to this client already "
+                f"(it reads slower than it calls, or they wait for heap room; max_backlog_replies="
+                f"{limits.max_backlog_replies}, max_backlog_bytes={limits.max_backlog_bytes})")
 
 
 class PerConnection:
@@ -127,3 +147,40 @@ class PerConnection:
 
     def clear(self) -> None:
         self._counts.clear()
+
+
+class RefusedExtents:
+    """Extents of followed requests refused past ``max_followed_requests``: answered at once,
+    but kept from reuse (lent) until their writers are done with them, so that a client still
+    copying its body never writes into an extent handed to another."""
+
+    __slots__ = ("_entries",)
+
+    def __init__(self) -> None:
+        self._entries: list[tuple[int, float, Any]] = []
+
+    def __bool__(self) -> bool:
+        return bool(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def add(self, offset: int, length: int, progress: Any, now: float) -> None:
+        """Keep the extent at ``offset`` while ``progress`` (a memory.FollowedBody that does
+        not copy) says its body is not whole, for FOLLOW_STALL_S plus its length at
+        FOLLOW_MIN_RATE at most (the time a client has to write a followed body)."""
+        self._entries.append((offset, now + FOLLOW_STALL_S + length / FOLLOW_MIN_RATE, progress))
+
+    def over(self, now: float) -> list[int]:
+        """The extents whose writing is over (whole, garbage progress, or out of time), no
+        longer kept: the caller gives them back."""
+        done, left = [], []
+        for entry in self._entries:
+            offset, until, progress = entry
+            try:
+                over = progress.step(0.0, 0.0) or now >= until
+            except ValueError:  # garbage progress: its writer is done with it
+                over = True
+            (done if over else left).append(offset if over else entry)
+        self._entries = left
+        return done

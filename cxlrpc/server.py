@@ -28,13 +28,13 @@ from typing import Any, Awaitable, Callable, Mapping, NamedTuple, NoReturn, Sequ
 import msgspec
 
 from . import frame as fr
-from .bounds import REFUSAL_MAX, HeldReplies, Limits, PerConnection
+from .bounds import HELD, SHED, HeldReplies, Limits, PerConnection, RefusedExtents
 from .channel import KIND_RPC, FlushServerChannel, ServerChannel, layout, server_channel
 from .doorbell import WaitStrategy, resolve
 from .errors import (ERRORS, DeadlineExceeded, Internal, InvalidArgument, ResourceExhausted, RpcError,
                      StatusCode, Unimplemented)
-from .heap import (EXTENT, FOLLOW_HEADER, FOLLOW_IDLE_MAX_S, FOLLOW_MIN, FOLLOW_MIN_RATE, FOLLOW_SPIN_S,
-                   FOLLOW_STALL_S, FOLLOW_STEP_S, GRANT, OFFSET, SPARE_SHARE, HeapAccess, ServerHeap)
+from .heap import (EXTENT, FOLLOW_HEADER, FOLLOW_IDLE_MAX_S, FOLLOW_MIN, FOLLOW_SPIN_S, FOLLOW_STALL_S,
+                   FOLLOW_STEP_S, GRANT, OFFSET, SPARE_SHARE, HeapAccess, ServerHeap)
 from .service import add_service, stream_item
 from .streams import STREAM_WINDOW, RequestStream
 from .memory import ACQ_REL, FOLLOW_CHUNK
@@ -341,9 +341,8 @@ class Server:
         self._following: dict[tuple[int, int, int], _Following] = {}
         self._followed_by = PerConnection()  # how many of them each connection has
         self._hot_follows = 0  # how many of them are followed every loop turn (their writers write)
-        #: extents of followed requests refused past max_followed_requests, kept from reuse
-        #: until their clients are done writing them: (offset, length, until, its progress)
-        self._refused: list[tuple[int, int, float, Any]] = []
+        #: extents of followed requests refused past max_followed_requests
+        self._refused = RefusedExtents()
         self._oneway_ids = itertools.count(1)
         self._peers: dict[int, Peer] = {}  # per slot, so a request costs no Peer allocation
         #: method name's bytes -> (fn, mode, decode, name) for the native dispatcher
@@ -629,7 +628,9 @@ class Server:
         if self._heap_waiting:
             self._expire_heap_waiters(now)
         if self._refused:
-            self._release_refused(now)
+            for offset in self._refused.over(now):
+                if self._heap.give_back(offset):
+                    self._heap_freed()
         ring = chan.requests
         if ring.blocked_producer() is None or ring.unblock(chan.producer_dead, chan.live_claims):
             return None
@@ -760,7 +761,7 @@ class Server:
             return
         held = self._backlog.get(slot)
         if held is not None and f.call_id != fr.NO_REPLY and held.full(self.limits):
-            self._error(f, StatusCode.RESOURCE_EXHAUSTED, self._backlog_full(held))
+            self._error(f, StatusCode.RESOURCE_EXHAUSTED, held.why(self.limits))
             return
         m = self._methods.get(f.method)
         peer = self._peers.get(slot)
@@ -1463,54 +1464,23 @@ class Server:
 
     def _refuse_following(self, f: fr.Frame, offset: int, length: int) -> None:
         """A followed request past its connection's max_followed_requests: RESOURCE_EXHAUSTED at
-        once, its extent (lent) kept from reuse until its client is done writing it (or had
-        time enough to: FOLLOW_STALL_S plus its length at FOLLOW_MIN_RATE)."""
+        once, its extent (lent) kept from reuse until its client is done writing it."""
         limit = self.limits.max_followed_requests
-        until = self._polled_at + FOLLOW_STALL_S + length / FOLLOW_MIN_RATE
-        self._refused.append((offset, length, until, self._heap.access.follower(offset, length, copy=False)))
+        self._refused.add(offset, length, self._heap.access.follower(offset, length, copy=False), self._polled_at)
         self._error(f, StatusCode.RESOURCE_EXHAUSTED, f"{limit} followed requests of this connection "
                     f"are being written already (max_followed_requests={limit})")
 
-    def _release_refused(self, now: float) -> None:
-        """Give back the extents of refused followed requests whose writing is over."""
-        left = []
-        for entry in self._refused:
-            offset, length, until, body = entry
-            try:
-                over = body.step(0.0, 0.0) or now >= until
-            except ValueError:  # garbage progress: its writer is done with it
-                over = True
-            if not over:
-                left.append(entry)
-            elif self._heap.give_back(offset):
-                self._heap_freed()
-        self._refused[:] = left
-
-    def _backlog_full(self, held: HeldReplies) -> str:
-        """Why a connection's replies and requests are refused: replies wait for it already."""
-        limits = self.limits
-        return (f"{len(held)} replies ({held.size} bytes) wait to be sent to this client already (it "
-                f"reads slower than it calls, or they wait for heap room; max_backlog_replies="
-                f"{limits.max_backlog_replies}, max_backlog_bytes={limits.max_backlog_bytes})")
-
     def _hold(self, slot: int, gen: int, head: bytes, body: bytes | memoryview) -> bool:
-        """Hold a reply until its client's ring has room; past the connection's limits, a
-        RESOURCE_EXHAUSTED error for its call instead (False), dropped and counted in
-        ``shed_replies`` past twice as many entries (a client that reads nothing holds no more)."""
+        """Hold a reply until its client's ring has room; False: refused instead (its backlog
+        is full; a RESOURCE_EXHAUSTED error is held for the call, or past twice the limit
+        nothing, counted in ``shed_replies``)."""
         queue = self._backlog.get(slot)
         if queue is None:
             queue = self._backlog[slot] = HeldReplies()
-        if queue.admits(len(head) + len(body), self.limits):
-            queue.append((gen, head, bytes(body)))
-            return True
-        if queue.admits_refusal(self.limits):
-            call_id = fr.HEADER.unpack_from(head)[5]
-            queue.append((gen, fr.header(fr.ERROR, fr.RAW, int(StatusCode.RESOURCE_EXHAUSTED), slot, gen,
-                                         call_id, 0.0, b""),
-                          self._backlog_full(queue).encode()[:REFUSAL_MAX - fr.HEADER_SIZE]))
-        else:
+        held = queue.hold(slot, gen, head, body, self.limits)
+        if held == SHED:
             self.shed_replies += 1
-        return False
+        return held == HELD
 
     def _flush_backlog(self) -> None:
         """Retry responses that met a full response ring (backpressure; bounded: _hold)."""

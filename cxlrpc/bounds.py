@@ -30,10 +30,11 @@ class Limits:
 
     - ``max_backlog_bytes`` / ``max_backlog_replies``: replies held for a client whose response
       ring is full (it reads slower than it calls) or that wait for room in the heap (the
-      server's default for the bytes: the larger of 16 MiB and max_message_size). A reply past either is replaced by a
-      RESOURCE_EXHAUSTED error for its call (as are its new requests, unrun, while it is over),
-      held up to as many entries again; past that it is dropped (``Server.shed_replies``) and
-      the call ends at its deadline. A connection's first held reply is held whatever its size.
+      server's default for the bytes: the larger of 16 MiB and max_message_size). A reply past
+      either is replaced by a RESOURCE_EXHAUSTED error for its call (as are its new requests,
+      unrun, while it is over), held up to as many entries again; past that it is dropped
+      (``Server.shed_replies``) and the call ends at its deadline. A connection's first held
+      reply is held whatever its size.
     - ``max_alloc_waiters``: ALLOCs (heap extents for big request bodies) of one connection
       waiting for room in the heap; ``alloc_timeout``: how long one without a deadline waits
       (its caller then gets RESOURCE_EXHAUSTED).
@@ -174,13 +175,17 @@ class RefusedExtents:
     def over(self, now: float) -> list[int]:
         """The extents whose writing is over (whole, garbage progress, or out of time), no
         longer kept: the caller gives them back."""
-        done, left = [], []
+        done: list[int] = []
+        left: list[tuple[int, float, Any]] = []
         for entry in self._entries:
             offset, until, progress = entry
             try:
                 over = progress.step(0.0, 0.0) or now >= until
             except ValueError:  # garbage progress: its writer is done with it
                 over = True
-            (done if over else left).append(offset if over else entry)
+            if over:
+                done.append(offset)
+            else:
+                left.append(entry)
         self._entries = left
         return done

@@ -72,6 +72,9 @@ _TURN_EVERY_S = 1e-3
 #: slow handlers (20 us each) in batches of 256 kept the loop from its turn for 6 ms of CPU
 #: between turns, and 100 ms on a slower machine, under a flood of one-way calls.
 _BATCH_MAX = 256
+#: A followed request whose writer paused is looked at (without a spin) this many loop turns in
+#: a row before its looks back off to timers (a writer that only started late loses no time).
+_FOLLOW_HOT_LOOKS = 3
 logger = logging.getLogger("cxlrpc.server")
 
 
@@ -1328,7 +1331,8 @@ class Server:
                 why = (f"the heap had no room for {size} bytes within "
                        f"alloc_timeout={self.limits.alloc_timeout} s")
             else:
-                code, why = StatusCode.DEADLINE_EXCEEDED, f"the heap had no room for {size} bytes before the deadline"
+                code = StatusCode.DEADLINE_EXCEEDED
+                why = f"the heap had no room for {size} bytes before the deadline"
             self._send(slot, gen, fr.header(fr.ERROR, fr.RAW, int(code), slot, gen, call_id, 0.0, b""),
                        why.encode())
 
@@ -1407,8 +1411,9 @@ class Server:
                 elif now - following.since > FOLLOW_STALL_S:
                     self._end_following(key, StatusCode.UNAVAILABLE,
                                         f"the client stopped writing its request body for {FOLLOW_STALL_S} s")
-                elif following.idle:  # back off: the loop's turns go to writers that write
-                    pause = min(FOLLOW_IDLE_MAX_S, FOLLOW_SPIN_S * (1 << min(following.idle, 16)))
+                elif following.idle > _FOLLOW_HOT_LOOKS:  # back off: turns go to writers that write
+                    doubled = 1 << min(following.idle - _FOLLOW_HOT_LOOKS, 16)
+                    pause = min(FOLLOW_IDLE_MAX_S, FOLLOW_SPIN_S * doubled)
                     self._event_loop.call_later(pause, self._follow_step, key)
                 else:
                     following.soon = True
@@ -1466,7 +1471,8 @@ class Server:
         """A followed request past its connection's max_followed_requests: RESOURCE_EXHAUSTED at
         once, its extent (lent) kept from reuse until its client is done writing it."""
         limit = self.limits.max_followed_requests
-        self._refused.add(offset, length, self._heap.access.follower(offset, length, copy=False), self._polled_at)
+        progress = self._heap.access.follower(offset, length, copy=False)
+        self._refused.add(offset, length, progress, self._polled_at)
         self._error(f, StatusCode.RESOURCE_EXHAUSTED, f"{limit} followed requests of this connection "
                     f"are being written already (max_followed_requests={limit})")
 

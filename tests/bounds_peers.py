@@ -126,10 +126,9 @@ def _report(seen: Counter) -> dict:
     from cxlrpc import StatusCode
     from cxlrpc import frame as fr
 
-    return {"responses": seen[(fr.RESPONSE, 0)],
-            "exhausted": seen[(fr.ERROR, int(StatusCode.RESOURCE_EXHAUSTED))],
-            "other": sum(n for (kind, status), n in seen.items()
-                         if (kind, status) not in ((fr.RESPONSE, 0), (fr.ERROR, int(StatusCode.RESOURCE_EXHAUSTED))))}
+    ok, exhausted = (fr.RESPONSE, 0), (fr.ERROR, int(StatusCode.RESOURCE_EXHAUSTED))
+    return {"responses": seen[ok], "exhausted": seen[exhausted],
+            "other": sum(n for what, n in seen.items() if what not in (ok, exhausted))}
 
 
 def _non_reader_main(url: str, size: int, started, stopping, out) -> None:

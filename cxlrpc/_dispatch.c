@@ -6,8 +6,8 @@
  * A Dispatcher is the ring handler the server's reader passes to poll(). Every frame it cannot
  * vouch for goes whole to the reference (Server._on_request) before anything is done for it:
  * other kinds and flags, an unknown or reserved method, a slot whose generation, seen record or
- * peer entry is not the sender's, a server that is draining, has interceptors or holds replies
- * back. Once a handler has run, its rare outcomes go to the reference's own methods (_fail,
+ * peer entry is not the sender's, a server that is draining or has interceptors, a slot whose
+ * replies are held back. Once a handler has run, its rare outcomes go to the reference's own methods (_fail,
  * _reply, _bad_request, _eager_reply, _suspended_at, _broken), given the request as a Frame
  * made from the fields validated here (what a peer writes into the record meanwhile changes
  * nothing). The header is validated before use, as the reference decoder does: a peer
@@ -683,8 +683,7 @@ static int seen_holder(Dispatcher *d, unsigned slot, uint32_t gen) {
 /* Dispatch a request whose header fields, body and where it lies are in ``r`` (its method
  * name: ``mname``/``mlen``, valid lengths); 1: the reference must take it (nothing was done). */
 static int dispatch_req(Dispatcher *d, Req *r, const unsigned char *mname, unsigned mlen) {
-    if (!d->enabled || PyDict_GET_SIZE(d->backlog) || !region_open(d) || r->flags & ~FLAG_RAW || mlen == 0 ||
-        mlen > MAX_METHOD)
+    if (!d->enabled || !region_open(d) || r->flags & ~FLAG_RAW || mlen == 0 || mlen > MAX_METHOD)
         return 1;
     int rc = 1, slow = 0;
     PyObject *slot_obj = NULL, *key = NULL, *arg = NULL, *deadline = NULL, *call = NULL, *result = NULL;
@@ -697,6 +696,15 @@ static int dispatch_req(Dispatcher *d, Req *r, const unsigned char *mname, unsig
         goto done;
     if ((slot_obj = PyLong_FromUnsignedLong(slot)) == NULL)
         goto fail;
+    /* replies held back for this slot (its client reads slower than it calls): the reference,
+     * which keeps them in order and bounds them (Server._hold); other slots stay here */
+    if (PyDict_GET_SIZE(d->backlog)) {
+        int held = PyDict_Contains(d->backlog, slot_obj);
+        if (held < 0)
+            goto fail;
+        if (held)
+            goto done;
+    }
     peer = PyDict_GetItemWithError(d->peers, slot_obj);
     if (peer == NULL) {
         if (PyErr_Occurred())

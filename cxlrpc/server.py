@@ -28,13 +28,14 @@ from typing import Any, Awaitable, Callable, Mapping, NamedTuple, NoReturn, Sequ
 import msgspec
 
 from . import frame as fr
+from .bounds import HELD, SHED, HeldReplies, Limits, PerConnection, RefusedExtents
 from .channel import DETACHED, KIND_RPC, Departure, FlushServerChannel, ServerChannel, layout, server_channel
 from .doorbell import WaitStrategy, resolve
 from .fencing import Fences
 from .errors import (ERRORS, DeadlineExceeded, Internal, InvalidArgument, ResourceExhausted, RpcError,
                      StatusCode, Unimplemented)
-from .heap import (EXTENT, FOLLOW_HEADER, FOLLOW_MIN, FOLLOW_SPIN_S, FOLLOW_STALL_S, FOLLOW_STEP_S,
-                   GRANT, OFFSET, SPARE_SHARE, HeapAccess, ServerHeap)
+from .heap import (EXTENT, FOLLOW_HEADER, FOLLOW_IDLE_MAX_S, FOLLOW_MIN, FOLLOW_SPIN_S, FOLLOW_STALL_S,
+                   FOLLOW_STEP_S, GRANT, OFFSET, SPARE_SHARE, HeapAccess, ServerHeap)
 from .service import add_service, stream_item
 from .streams import STREAM_WINDOW, RequestStream
 from .memory import ACQ_REL, FOLLOW_CHUNK
@@ -72,6 +73,9 @@ _TURN_EVERY_S = 1e-3
 #: slow handlers (20 us each) in batches of 256 kept the loop from its turn for 6 ms of CPU
 #: between turns, and 100 ms on a slower machine, under a flood of one-way calls.
 _BATCH_MAX = 256
+#: A followed request whose writer paused is looked at (without a spin) this many loop turns in
+#: a row before its looks back off to timers (a writer that only started late loses no time).
+_FOLLOW_HOT_LOOKS = 3
 logger = logging.getLogger("cxlrpc.server")
 
 
@@ -255,6 +259,12 @@ class Server:
     frozen; what it held (its heap extents) is handed to others only once it is *fenced*
     (:meth:`on_fenced`): when its process exits (same host), or ``fence_timeout`` seconds
     after it was reaped when it runs on another host (or its PID cannot be watched).
+
+    What one client may make the server hold is bounded per connection, each overflow answered
+    RESOURCE_EXHAUSTED to that client alone (see :class:`cxlrpc.bounds.Limits`): replies held
+    for a client that reads slower than it calls (``max_backlog_bytes``, ``max_backlog_replies``),
+    ALLOCs waiting for heap room (``max_alloc_waiters``; one without a deadline waits
+    ``alloc_timeout`` s at most) and followed requests being written (``max_followed_requests``).
     """
 
     def __init__(self, url: str, *, slots: int = 16, request_capacity: int | None = None,
@@ -264,10 +274,20 @@ class Server:
                  error_details: bool = True, coherence: str = HARDWARE,
                  max_message_size: int = 64 << 20, heap_size: int | None = None,
                  shutdown_grace: float | None = 1.0,
-                 interceptors: Sequence[ServerInterceptor] = (), fence_timeout: float = 10.0) -> None:
+                 interceptors: Sequence[ServerInterceptor] = (), fence_timeout: float = 10.0,
+                 max_backlog_bytes: int | None = None,
+                 max_backlog_replies: int = Limits.max_backlog_replies,
+                 max_alloc_waiters: int = Limits.max_alloc_waiters,
+                 alloc_timeout: float = Limits.alloc_timeout,
+                 max_followed_requests: int = Limits.max_followed_requests) -> None:
         parse_url(url)  # fail fast on a malformed URL
         self._fences = Fences(fence_timeout)  # (validates it)
         self._on_fenced: list[Callable[[Peer], None]] = []
+        if max_backlog_bytes is None:  # two bodies of max_message_size at least (the first always fits)
+            max_backlog_bytes = max(Limits.max_backlog_bytes, max_message_size)
+        #: What one connection may make the server hold (validated: ValueError)
+        self.limits = Limits(max_backlog_bytes, max_backlog_replies, max_alloc_waiters, alloc_timeout,
+                             max_followed_requests)
         if not poll_interval > 0:
             raise ValueError("poll_interval must be > 0 seconds")
         for interceptor in interceptors:
@@ -316,7 +336,10 @@ class Server:
         #: Calls the server cancelled (their deadline passed, their caller broke the stream
         #: protocol), with the error their caller gets.
         self._cancelled_with: dict[tuple[int, int, int], RpcError] = {}
-        self._backlog: dict[int, list[tuple]] = {}
+        #: replies held back per slot while its response ring is full (bounded: self.limits)
+        self._backlog: dict[int, HeldReplies] = {}
+        #: replies dropped past a connection's backlog limits (their calls end at their deadline)
+        self.shed_replies = 0
         self._heap: ServerHeap | None = None
         #: replies of this many bytes and more are followed (cxlrpc.heap); never without a heap
         #: or on memory without coherence, where each chunk would need a write-back
@@ -327,6 +350,10 @@ class Server:
         self._heap_waiting: list[tuple] = []
         #: followed requests whose bodies their clients are still writing, per call
         self._following: dict[tuple[int, int, int], _Following] = {}
+        self._followed_by = PerConnection()  # how many of them each connection has
+        self._hot_follows = 0  # how many of them are followed every loop turn (their writers write)
+        #: extents of followed requests refused past max_followed_requests
+        self._refused = RefusedExtents()
         self._oneway_ids = itertools.count(1)
         self._peers: dict[int, Peer] = {}  # per slot, so a request costs no Peer allocation
         #: method name's bytes -> (fn, mode, decode, name) for the native dispatcher
@@ -497,6 +524,8 @@ class Server:
         self._fences.close()  # pending fences dropped: the region goes with the server
         self._reader.cancel()
         self._following.clear()  # their steps find nothing to do
+        self._followed_by.clear()
+        self._hot_follows = 0
         tasks = list(self._tasks.values())
         for t in tasks:
             _cancel(t)
@@ -558,12 +587,14 @@ class Server:
                     done = time.monotonic()
                     batch = _batch_fitting(n, done - now)
                     now = done
-            # nothing else of ours to run (no call in a task, no reply held back, no client in
-            # this process, which needs the loop to run): the next request is looked for a
-            # moment longer without loop turns, by the ring itself (its requests' deadlines
-            # then count from the clock reading above, at most that moment early); natively,
-            # batch after batch until one of them needs the loop or its turn is due
-            lone = not (self._tasks or self._backlog or self._following or chan.peers_in_process)
+            # nothing else of ours to run (no call in a task, no body being written that is
+            # followed every turn, no client in this process, which needs the loop to run):
+            # the next request is looked for a moment longer without loop turns, by the ring
+            # itself (its requests' deadlines then count from the clock reading above, at most
+            # that moment early); natively, batch after batch until one of them needs the loop
+            # or its turn is due. Replies held back are retried between batches, and idle
+            # followed bodies are looked at by timers: neither takes the hot path from others.
+            lone = not (self._tasks or self._hot_follows or chan.peers_in_process)
             if lone and hot_s and not (idle and self.strategy.park):
                 if fast is not None:
                     n += fast.serve(ring, hot_s, until)
@@ -583,7 +614,7 @@ class Server:
                 # Nothing else of ours needs the loop: look for the next request at once (a loop
                 # turn costs an epoll_wait, on the next call's path), yet turn it at least
                 # every _TURN_EVERY_S of serving.
-                if (self._tasks or self._backlog or self._following or chan.peers_in_process
+                if (self._tasks or self._hot_follows or chan.peers_in_process
                         or now - turned >= _TURN_EVERY_S):
                     await asyncio.sleep(0)
                     turned = time.monotonic()
@@ -603,7 +634,7 @@ class Server:
             else:
                 # replies waiting for a full response ring, bodies being followed: come back
                 # soon to retry them; a lone server past its spin and yield phases parks at once
-                wait = 0.0005 if self._backlog or self._following else housekeeping_every
+                wait = 0.0005 if self._backlog or self._hot_follows else housekeeping_every
                 idle = not await chan.bell.wait_async(ring.readable, strategy, wait,
                                                       idle or bool(lone and hot_s))
                 turned = time.monotonic()
@@ -619,6 +650,10 @@ class Server:
             self._fenced(Peer(slot, gen))
         if self._heap_waiting:
             self._expire_heap_waiters(now)
+        if self._refused:
+            for offset in self._refused.over(now):
+                if self._heap.give_back(offset):
+                    self._heap_freed()
         ring = chan.requests
         if ring.blocked_producer() is None or ring.unblock(chan.producer_dead, chan.live_claims):
             return None
@@ -636,7 +671,7 @@ class Server:
                 self._end_following(key)
         queue = self._backlog.get(slot)
         if queue:
-            queue[:] = [entry for entry in queue if entry[0] != gen]
+            queue.drop_gen(gen)
             if not queue:
                 del self._backlog[slot]
         for key, task in list(self._tasks.items()):
@@ -760,6 +795,10 @@ class Server:
         slot = f.slot
         if self._draining and not f.method.startswith(fr.RESERVED_PREFIX):
             self._error(f, StatusCode.UNAVAILABLE, "server is shutting down")
+            return
+        held = self._backlog.get(slot)
+        if held is not None and f.call_id != fr.NO_REPLY and held.full(self.limits):
+            self._error(f, StatusCode.RESOURCE_EXHAUSTED, held.why(self.limits))
             return
         m = self._methods.get(f.method)
         peer = self._peers.get(slot)
@@ -1172,10 +1211,12 @@ class Server:
         head = fr.header(fr.ERROR, fr.RAW, int(code), f.slot, f.gen, f.call_id, 0.0, b"")
         self._send(f.slot, f.gen, head, message.encode()[:4096])
 
-    def _send(self, slot: int, gen: int, head: bytes, body: bytes | memoryview) -> None:
+    def _send(self, slot: int, gen: int, head: bytes, body: bytes | memoryview) -> bool:
+        """Send a frame to a client: into its ring, else held for it (False: refused instead,
+        its backlog is full; see _hold)."""
         chan = self._chan
         if chan.slot_generation(slot) != gen:
-            return  # the client left or died: nobody to answer
+            return True  # the client left or died: nobody to answer
         ring = chan.responses[slot]
         if len(head) + len(body) > ring.max_payload and (self._heap is None
                                                          or len(body) > self._body_limit):
@@ -1188,9 +1229,11 @@ class Server:
         # a small reply need not wait behind replies that wait for the heap (it may be the
         # ALLOC grant whose request frees the heap for them)
         inline = len(head) + len(body) <= ring.max_payload
+        sent = True
         if (slot in self._backlog and not inline) or not self._push_reply(slot, gen, ring, head, body):
-            self._backlog.setdefault(slot, []).append((gen, head, bytes(body)))
+            sent = self._hold(slot, gen, head, body)
         chan.ring_client(slot, gen)
+        return sent
 
     def _push_reply(self, slot: int, gen: int, ring: Any, head: bytes, body: bytes | memoryview) -> bool:
         """Push a reply, through the heap when it is too big for the ring or big enough to be
@@ -1262,8 +1305,15 @@ class Server:
             self._error(f, StatusCode.RESOURCE_EXHAUSTED, f"request of {size} bytes exceeds the "
                         f"server's {self._limit_setting()}")
             return
-        deadline = time.monotonic() + f.timeout if f.timeout > 0 else None
-        self._heap_waiting.append((deadline, f.slot, f.gen, f.call_id, size, keep))
+        peer, limit = (f.slot, f.gen), self.limits.max_alloc_waiters
+        if sum(1 for w in self._heap_waiting if w[1:3] == peer) >= limit:
+            self._error(f, StatusCode.RESOURCE_EXHAUSTED, f"{limit} ALLOCs of this connection wait for "
+                        f"room in the heap already (max_alloc_waiters={limit})")
+            return
+        # (one without a deadline waits alloc_timeout at most: True at the end says so)
+        default = not f.timeout > 0
+        deadline = time.monotonic() + (self.limits.alloc_timeout if default else f.timeout)
+        self._heap_waiting.append((deadline, f.slot, f.gen, f.call_id, size, keep, default))
         self._heap_freed()
 
     def _limit_setting(self) -> str:
@@ -1294,23 +1344,31 @@ class Server:
             self._flush_backlog()
         heap, waiting = self._heap, self._heap_waiting
         while waiting:
-            _, slot, gen, call_id, size, keep = waiting[0]
+            slot, gen, call_id, size, keep = waiting[0][1:6]
             offset = heap.alloc(slot, gen, size, keep == 1)
             if offset is None:
                 return
             waiting.pop(0)
-            self._send(slot, gen, fr.header(fr.RESPONSE, fr.RAW, 0, slot, gen, call_id, 0.0, b""),
-                       GRANT.pack(offset, heap.is_spare(offset)))
+            if not self._send(slot, gen, fr.header(fr.RESPONSE, fr.RAW, 0, slot, gen, call_id, 0.0, b""),
+                              GRANT.pack(offset, heap.is_spare(offset))):
+                heap.free(offset, slot, gen)  # the grant was refused (its client's backlog is full)
 
     def _expire_heap_waiters(self, now: float) -> None:
         expired = [w for w in self._heap_waiting if w[0] is not None and w[0] <= now]
         if not expired:
             return
         self._heap_waiting[:] = [w for w in self._heap_waiting if w not in expired]
-        for _, slot, gen, call_id, size, _ in expired:
-            self._send(slot, gen, fr.header(fr.ERROR, fr.RAW, int(StatusCode.DEADLINE_EXCEEDED),
-                                            slot, gen, call_id, 0.0, b""),
-                       f"the heap had no room for {size} bytes before the deadline".encode())
+        for w in expired:
+            slot, gen, call_id, size = w[1:5]
+            if len(w) > 6 and w[6]:  # it had no deadline: alloc_timeout's
+                code = StatusCode.RESOURCE_EXHAUSTED
+                why = (f"the heap had no room for {size} bytes within "
+                       f"alloc_timeout={self.limits.alloc_timeout} s")
+            else:
+                code = StatusCode.DEADLINE_EXCEEDED
+                why = f"the heap had no room for {size} bytes before the deadline"
+            self._send(slot, gen, fr.header(fr.ERROR, fr.RAW, int(code), slot, gen, call_id, 0.0, b""),
+                       why.encode())
 
     def _take_body(self, f: fr.Frame) -> int | None:
         """Replace an out-of-line request's extent by its bytes and free the extent (-1), or,
@@ -1348,6 +1406,10 @@ class Server:
                 lends = type(f.body) is memoryview
                 f.body = b""  # (a view of the ring's record, which is reused once we return)
                 heap.lend(offset)
+                if self._followed_by[key[:2]] >= self.limits.max_followed_requests:
+                    self._refuse_following(f, offset, length)
+                    return
+                self._followed_by.add(key[:2])
                 self._following[key] = _Following(f, offset, length, lends, self._polled_at,
                                                   heap.access.follower(offset, length, copy=not lends))
                 self._follow_step(key)
@@ -1361,10 +1423,11 @@ class Server:
         following = self._following.get(key)
         if following is None or self._closing:
             return  # cancelled, its client departed, or the server closed
+        self._cool(following)
         f, offset, length = following.frame, following.offset, following.length
         try:
-            try:
-                whole = following.body.step(FOLLOW_SPIN_S, FOLLOW_STEP_S)
+            try:  # (one idle at its last look is looked at, not waited for)
+                whole = following.body.step(0.0 if following.idle else FOLLOW_SPIN_S, FOLLOW_STEP_S)
             except ValueError as exc:  # garbage, or the client gave up writing
                 self._end_following(key, StatusCode.INVALID_ARGUMENT,
                                     f"the request body was not written whole: {exc}")
@@ -1373,17 +1436,26 @@ class Server:
             deadline = following.arrived + f.timeout if f.timeout else None
             if not whole:
                 if following.body.done > following.done:
-                    following.done, following.since = following.body.done, now
+                    following.done, following.since, following.idle = following.body.done, now, 0
+                else:
+                    following.idle += 1
                 if deadline is not None and now >= deadline:
                     self._end_following(key, StatusCode.DEADLINE_EXCEEDED,
                                         "the deadline passed while the request body was written")
                 elif now - following.since > FOLLOW_STALL_S:
                     self._end_following(key, StatusCode.UNAVAILABLE,
                                         f"the client stopped writing its request body for {FOLLOW_STALL_S} s")
+                elif following.idle > _FOLLOW_HOT_LOOKS:  # back off: turns go to writers that write
+                    doubled = 1 << min(following.idle - _FOLLOW_HOT_LOOKS, 16)
+                    pause = min(FOLLOW_IDLE_MAX_S, FOLLOW_SPIN_S * doubled)
+                    self._event_loop.call_later(pause, self._follow_step, key)
                 else:
+                    following.soon = True
+                    self._hot_follows += 1
                     self._event_loop.call_soon(self._follow_step, key)
                 return
             del self._following[key]
+            self._followed_by.remove(key[:2])
             if not following.lends:
                 f.body = following.body.take()
                 if self._heap.give_back(offset):  # (else it is the client's again)
@@ -1416,26 +1488,55 @@ class Server:
         """Stop following a request and give its extent back (freed, or its client's again if
         a spare); answer ``code`` (0: no answer, the caller gave up or left)."""
         following = self._following.pop(key)
+        self._followed_by.remove(key[:2])
+        self._cool(following)
         if self._heap.give_back(following.offset):
             self._heap_freed()
         if code:
             self._error(following.frame, code, message)
 
+    def _cool(self, following: "_Following") -> None:
+        """A followed request's step that was due next turn ran (or it ended)."""
+        if following.soon:
+            following.soon = False
+            self._hot_follows -= 1
+
+    def _refuse_following(self, f: fr.Frame, offset: int, length: int) -> None:
+        """A followed request past its connection's max_followed_requests: RESOURCE_EXHAUSTED at
+        once, its extent (lent) kept from reuse until its client is done writing it."""
+        limit = self.limits.max_followed_requests
+        progress = self._heap.access.follower(offset, length, copy=False)
+        self._refused.add(offset, length, progress, self._polled_at)
+        self._error(f, StatusCode.RESOURCE_EXHAUSTED, f"{limit} followed requests of this connection "
+                    f"are being written already (max_followed_requests={limit})")
+
+    def _hold(self, slot: int, gen: int, head: bytes, body: bytes | memoryview) -> bool:
+        """Hold a reply until its client's ring has room; False: refused instead (its backlog
+        is full; a RESOURCE_EXHAUSTED error is held for the call, or past twice the limit
+        nothing, counted in ``shed_replies``)."""
+        queue = self._backlog.get(slot)
+        if queue is None:
+            queue = self._backlog[slot] = HeldReplies()
+        held = queue.hold(slot, gen, head, body, self.limits)
+        if held == SHED:
+            self.shed_replies += 1
+        return held == HELD
+
     def _flush_backlog(self) -> None:
-        """Retry responses that met a full response ring (backpressure, never loss)."""
+        """Retry responses that met a full response ring (backpressure; bounded: _hold)."""
         chan = self._chan
         for slot in list(self._backlog):
             queue = self._backlog[slot]
             ring = chan.responses[slot]
             holder = chan.slot_generation(slot)
             while queue:
-                gen, head, body = queue[0]
+                gen, head, body = queue.first()
                 if holder != gen:
-                    queue.pop(0)
+                    queue.pop()
                     continue
                 if not self._push_reply(slot, gen, ring, head, body):
                     break
-                queue.pop(0)
+                queue.pop()
             if holder >= 0:
                 chan.ring_client(slot, holder)
             if not queue:
@@ -1459,7 +1560,7 @@ class Server:
 class _Following:
     """A followed request in progress: its frame, extent, and how far its body has come."""
 
-    __slots__ = ("frame", "offset", "length", "lends", "arrived", "body", "done", "since")
+    __slots__ = ("frame", "offset", "length", "lends", "arrived", "body", "done", "since", "idle", "soon")
 
     def __init__(self, frame: fr.Frame, offset: int, length: int, lends: bool, arrived: float,
                  body: Any) -> None:
@@ -1467,6 +1568,8 @@ class _Following:
         self.arrived = self.since = arrived  # the clock reading of the poll that found it
         self.body = body  # a memory.FollowedBody
         self.done = 0
+        self.idle = 0  # looks in a row that found no progress (they come ever less often)
+        self.soon = False  # its next step is due next loop turn (Server._hot_follows counts it)
 
 
 class _Resumed:

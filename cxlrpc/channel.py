@@ -451,13 +451,13 @@ class _ServerWatch:
             self.stopped_beat = (self.region.epoch, beat)
             return f"server heartbeat stopped for {live.age(now):.2f} s"
         closed = self._server_state() != STATE_RUNNING
-        info = self.region.info()
         dead = self.region.owner_alive_locally() is False
-        if closed and info.closed:
-            return "server closed"
-        if dead and not info.closed and info.owner_pid == self._owner_pid:
-            return "server process died"
         if closed or dead:
+            info = self.region.info()
+            if closed and info.closed:
+                return "server closed"
+            if dead and not info.closed and info.owner_pid == self._owner_pid:
+                return "server process died"
             if self._suspect_since is None:
                 self._suspect_since = now
             elif now - self._suspect_since >= WORD_CONFIRM_S:

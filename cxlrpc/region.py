@@ -471,7 +471,8 @@ def in_use(url: str, window: float) -> str | None:
                 retirer = _retirer(mem.load(_EPOCH, ACQUIRE))
                 if retirer is not None:  # a hint: another PID namespace's PID names nothing here
                     return f"being replaced by process {retirer}" if pid_alive(retirer) else None
-            return _busy_reason(url, mem, memoryview(mapping), window)
+            with memoryview(mapping) as view:  # released even when it raises (another layout)
+                return _busy_reason(url, mem, view, window)
     finally:
         mapping.close()
 
@@ -699,7 +700,8 @@ def _takeover_epoch(url: str, mapping: mmap.mmap, stale_after: float,
         if retirer is not None:
             raise _Retired(url, retirer)
         try:
-            reason = _busy_reason(url, mem, memoryview(mapping), stale_after)
+            with memoryview(mapping) as view:  # released even when it raises: the caller unmaps
+                reason = _busy_reason(url, mem, view, stale_after)
         except RegionError as exc:
             raise FileExistsError(f"region {url} exists but is unusable here ({exc}); "
                                   f"remove it if no server of another build uses it") from exc

@@ -234,7 +234,10 @@ class _ServerWords:
 
     def republish(self) -> int:
         """Put back the owner's and control words a stray write changed (housekeeping calls
-        it, ~10 times a second; nothing is stored while they hold); how many were wrong."""
+        it, ~10 times a second; nothing is stored while they hold, nor once the region's
+        epoch word is not ours: another server took it over); how many were wrong."""
+        if not self.region.still_ours():
+            return 0
         return self.region.republish() + self._owned.restore()
 
     def _store_closed(self) -> None:

@@ -360,12 +360,16 @@ class Region:
         """Owner only: put back header words a stray write changed (owner state, PID, identity,
         magic, layout words); how many were wrong.  Not the epoch word, by which servers take
         a region over: while it is not ours, nothing is written (the region is another's)."""
-        if self._owned is None or self.closed:
-            return 0
-        self.mem.invalidate(_EPOCH, 8)
-        if self.mem.load(_EPOCH, ACQUIRE) != self.epoch:
+        if self._owned is None or not self.still_ours():
             return 0
         return self._owned.restore()
+
+    def still_ours(self) -> bool:
+        """Does the epoch word still hold the epoch this mapping was opened (or won) with?"""
+        if self.closed:
+            return False
+        self.mem.invalidate(_EPOCH, 8)
+        return self.mem.load(_EPOCH, ACQUIRE) == self.epoch
 
     # ------------------------------------------------------------------ opening
     @classmethod

@@ -26,15 +26,18 @@ it (and polls for its requests) before its first call.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
+import struct
 import time
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import Collection, NamedTuple, Sequence
 
 from .doorbell import Doorbell, DoorbellReceiver, wake_address
 from .identity import host_identity
 from .memory import ACQ_REL, ACQUIRE, FLUSH, RELAXED, RELEASE, check_coherence
+from .owned import OwnedWords
 from .region import HEADER_SIZE as REGION_HEADER, PidWatch, Region, RegionError
 from .ring import MpscRing, SpscRing, ring_size
 from .ring.base import RingBase
@@ -52,6 +55,17 @@ STATE_STARTING, STATE_RUNNING, STATE_CLOSED = 0, 1, 2
 # control block offsets (relative to CONTROL)
 CONTROL = REGION_HEADER
 _STATE, _SLOTS, _REQ_CAP, _RESP_CAP, _HEAP_SIZE, _MAX_MESSAGE = 0, 8, 16, 24, 32, 40
+_GEOMETRY = (_SLOTS, _REQ_CAP, _RESP_CAP, _HEAP_SIZE, _MAX_MESSAGE)
+#: a checksum of the geometry words and the region's coherence: a client attaches only to a
+#: geometry its server wrote (plausible garbage would have it write into another slot's words)
+_GEOMETRY_SUM = 48
+#: Seconds a client waits for a control block that fails its checksum to be put right by the
+#: server's housekeeping (~0.1 s) before it gives up with a RegionError.
+GEOMETRY_PATIENCE = 0.5
+#: Seconds a client waits, while the server's heartbeat moves, before it believes one word
+#: that says the server closed or died (its server puts a stray write back within ~0.1 s); a
+#: clean close (both state words agree) and the death of the PID it attached to count at once.
+WORD_CONFIRM_S = 0.35
 _SERVER_PARKED = 128
 _DROPPED = 256
 # slot offsets (relative to the slot's base); each line has one writer except the state
@@ -140,23 +154,46 @@ def layout(slots: int, request_capacity: int, response_capacity: int, coherence:
                     _page(heap_size), max_message_size)
 
 
-def _write_geometry(mem, geo: Geometry) -> None:
-    """Store the geometry words of the control block (what :func:`read_geometry` reads)."""
-    mem.store(CONTROL + _SLOTS, geo.slots, RELAXED)
-    mem.store(CONTROL + _REQ_CAP, geo.request_capacity, RELAXED)
-    mem.store(CONTROL + _RESP_CAP, geo.response_capacity, RELAXED)
-    mem.store(CONTROL + _HEAP_SIZE, geo.heap_size, RELAXED)
-    mem.store(CONTROL + _MAX_MESSAGE, geo.max_message_size, RELAXED)
+def geometry_sum(words: Sequence[int], coherence: str) -> int:
+    """The checksum of a control block's geometry words (in ``_GEOMETRY`` order) for a region
+    of that coherence: 64 bits of BLAKE2b, so no plausible stray write matches it."""
+    packed = struct.pack("<5Q", *(w & 0xFFFFFFFFFFFFFFFF for w in words)) + coherence.encode()
+    return int.from_bytes(hashlib.blake2b(packed, digest_size=8, person=b"cxlrpc.geometry").digest(),
+                          "little")
 
 
-def read_geometry(region: Region) -> Geometry:
-    """Read and validate a server region's geometry (it may be garbage)."""
+def _write_geometry(region: Region, geo: Geometry) -> OwnedWords:
+    """Store the geometry words of the control block and their checksum (what
+    :func:`read_geometry` reads); they and the state word are the server's to keep true."""
     mem = region.mem
-    mem.invalidate(CONTROL, 64)
+    words = (geo.slots, geo.request_capacity, geo.response_capacity, geo.heap_size, geo.max_message_size)
+    owned = OwnedWords(mem)
+    for off, value in (*zip(_GEOMETRY, words), (_GEOMETRY_SUM, geometry_sum(words, region.coherence))):
+        mem.store(CONTROL + off, value, RELAXED)
+        owned.expect(CONTROL + off, value)
+    owned.expect(CONTROL + _STATE, STATE_RUNNING)  # stored last, by the channel
+    return owned
+
+
+def read_geometry(region: Region, patience: float = GEOMETRY_PATIENCE) -> Geometry:
+    """Read and validate a server region's geometry (it may be garbage): words that fail their
+    checksum are read again for up to ``patience`` seconds (the server puts stray writes
+    back), then RegionError, before anything is written where they point."""
+    mem = region.mem
+    deadline = time.monotonic() + patience
+    while True:
+        mem.invalidate(CONTROL, 64)
+        words = [mem.load(CONTROL + off, ACQUIRE) for off in _GEOMETRY]
+        if mem.load(CONTROL + _GEOMETRY_SUM, ACQUIRE) == geometry_sum(words, region.coherence):
+            break
+        if time.monotonic() >= deadline:
+            raise RegionError(f"{region.url}: the control block's geometry fails its checksum "
+                              f"(words written over it that its server did not put back within "
+                              f"{patience} s, or a server of another build)")
+        time.sleep(0.01)
     try:
-        geo = Geometry(mem.load(CONTROL + _SLOTS, ACQUIRE), mem.load(CONTROL + _REQ_CAP, ACQUIRE),
-                       mem.load(CONTROL + _RESP_CAP, ACQUIRE), region.coherence == FLUSH,
-                       mem.load(CONTROL + _HEAP_SIZE, ACQUIRE), mem.load(CONTROL + _MAX_MESSAGE, ACQUIRE))
+        slots, req, resp, heap, most = words
+        geo = Geometry(slots, req, resp, region.coherence == FLUSH, heap, most)
     except ValueError as exc:
         raise RegionError(f"{region.url}: bad geometry in control block ({exc})") from exc
     if geo.size > region.size:
@@ -214,7 +251,27 @@ def _reaped(slot: int, gen: int, pid: int, local: bool, watches: list[PidWatch])
     return Departure(slot, gen, REAPED, pid, True, watch)
 
 
-class ServerChannel:
+class _ServerWords:
+    """What both server channels share: the words of the region header and control block
+    they alone write, kept true by the server's housekeeping (see :mod:`cxlrpc.owned`)."""
+
+    region: Region
+    _owned: OwnedWords
+
+    def republish(self) -> int:
+        """Put back the owner's and control words a stray write changed (housekeeping calls
+        it, ~10 times a second; nothing is stored while they hold, nor once the region's
+        epoch word is not ours: another server took it over); how many were wrong."""
+        if not self.region.still_ours():
+            return 0
+        return self.region.republish() + self._owned.restore()
+
+    def _store_closed(self) -> None:
+        self._owned.expect(CONTROL + _STATE, STATE_CLOSED)
+        self.state.store(STATE_CLOSED, RELEASE)
+
+
+class ServerChannel(_ServerWords):
     """The server's side of a region: consumes requests, produces responses, watches slots."""
 
     def __init__(self, region: Region, geo: Geometry, poll_interval: float = 1e-3) -> None:
@@ -227,7 +284,7 @@ class ServerChannel:
         self.peers_in_process = False
         self.state = mem.counter(CONTROL + _STATE)
         self.dropped = mem.counter(CONTROL + _DROPPED)
-        _write_geometry(mem, geo)
+        self._owned = _write_geometry(region, geo)
         self.requests = MpscRing(region.buf, mem, geo.request_ring, geo.request_capacity)
         self.requests.reset()
         self.responses: list[SpscRing] = []
@@ -346,6 +403,17 @@ class ServerChannel:
         return [self.slot_claim[i].load(ACQUIRE) for i in range(self.geo.slots)
                 if self.slot_state[i].load(ACQUIRE) & 1]
 
+    def revoke_claims(self, positions: Collection[int]) -> None:
+        """Take back the claims at ``positions``, which the request ring's consumer passes
+        although live slots hold them (no progress for the stall bound): each such claim word
+        is set to NO_CLAIM, so a producer that resumes learns its claim was revoked (its push
+        raises ClaimRevoked) instead of committing into space already reused."""
+        for i in range(self.geo.slots):
+            if self.slot_state[i].load(ACQUIRE) & 1:
+                word = self.slot_claim[i].load(ACQUIRE)
+                if word in positions:
+                    self.slot_claim[i].cas(word, NO_CLAIM, ACQ_REL)
+
     def client_bell_words(self) -> tuple[list[int], int]:
         """Where each slot's doorbell word lies in the region, and what a holder parked on this
         host writes there: a native ringer looks first and calls :meth:`ring_client` only then."""
@@ -361,7 +429,7 @@ class ServerChannel:
 
     def close(self) -> None:
         """Mark the server closed and wake every parked client so it sees that at once."""
-        self.state.store(STATE_CLOSED, RELEASE)
+        self._store_closed()
         for slot in range(self.geo.slots):
             gen = self.slot_generation(slot)
             if gen >= 0:
@@ -386,26 +454,47 @@ class _ServerWatch:
     #: The server runs in this very process (it shares our GIL and, likely, our event loop:
     #: polling for its reply without letting it run cannot see one).
     server_in_process: bool = False
+    #: The server's PID when we attached (its death, seen by that PID, is believed at once).
+    _owner_pid: int = 0
+    #: Since when the words say the server closed or died while its heartbeat moves on.
+    _suspect_since: float | None = None
 
     def _note_server(self, region: Region) -> bool:
         """Note whether the server runs in this process; whether it shares our identity."""
         info = region.info()
         local = info.owner_identity == host_identity()
         self.server_in_process = local and info.owner_pid == os.getpid()
+        self._owner_pid = info.owner_pid
         return local
 
     def server_gone(self, timeout: float) -> str | None:
-        """Why the server should be considered gone, or None while it looks alive."""
-        if self._server_state() != STATE_RUNNING:
-            return "server closed"
+        """Why the server should be considered gone, or None while it looks alive.
+
+        Its heartbeat stopped for ``timeout``: gone. A clean close (the control block's state
+        and the owner state both say closed) and the death of the PID we attached to count at
+        once; one word alone that says closed or dead (a stray write, which the server puts
+        back) counts only once it held for WORD_CONFIRM_S."""
+        now = time.monotonic()
         live = self.server_liveness
         live.timeout = timeout
         beat = self.region.heartbeat_value()
-        if live.stale(beat, time.monotonic()):
+        if live.stale(beat, now):
             self.stopped_beat = (self.region.epoch, beat)
-            return f"server heartbeat stopped for {live.age(time.monotonic()):.2f} s"
-        if self.region.owner_alive_locally() is False:
-            return "server process died"
+            return f"server heartbeat stopped for {live.age(now):.2f} s"
+        closed = self._server_state() != STATE_RUNNING
+        dead = self.region.owner_alive_locally() is False
+        if closed or dead:
+            info = self.region.info()
+            if closed and info.closed:
+                return "server closed"
+            if dead and not info.closed and info.owner_pid == self._owner_pid:
+                return "server process died"
+            if self._suspect_since is None:
+                self._suspect_since = now
+            elif now - self._suspect_since >= WORD_CONFIRM_S:
+                return "server closed" if closed else "server process died"
+        else:
+            self._suspect_since = None
         if not self.holds_slot():
             return ("the server reclaimed this client's slot (it saw no heartbeat from it for "
                     "its client_timeout)")
@@ -484,7 +573,10 @@ class ClientChannel(_ServerWatch):
         return (self.slot, self.tag, self.claim, self._revoked)
 
     def _revoked(self) -> bool:
-        return not self.holds_slot()
+        """Asked by a push in its slow paths: the server reclaimed our slot, or took back the
+        claim being pushed (it made no progress for the server's client_timeout, see
+        :meth:`ServerChannel.revoke_claims`): nothing of ours may be committed then."""
+        return not self.holds_slot() or self.claim.load(ACQUIRE) == NO_CLAIM
 
     def acknowledged(self) -> bool:
         """Has the server seen this connection (it acknowledges new holders every ~0.1 s)?"""
@@ -579,7 +671,7 @@ class _ClientRequestRings:
         return None
 
 
-class FlushServerChannel:
+class FlushServerChannel(_ServerWords):
     """The server's side of the single-writer layout (memory without cross-host coherence).
 
     No line is written by two hosts and nothing is read-modify-written across hosts: each
@@ -603,7 +695,7 @@ class FlushServerChannel:
         self.peers_in_process = False
         self.state = mem.counter(CONTROL + _STATE)
         self.dropped = mem.counter(CONTROL + _DROPPED)
-        _write_geometry(mem, geo)
+        self._owned = _write_geometry(region, geo)
         self.requests = _ClientRequestRings()
         self.request_rings: list[SpscRing] = []
         self.responses: list[SpscRing] = []
@@ -707,7 +799,7 @@ class FlushServerChannel:
 
     def close(self) -> None:
         """Mark the server closed (clients see it at their next look)."""
-        self.state.store(STATE_CLOSED, RELEASE)
+        self._store_closed()
         self.region.mem.writeback(CONTROL, 64)
         self.bell.close()
         for watch in self._pids:

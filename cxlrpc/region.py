@@ -32,10 +32,12 @@ import posix_ipc
 from .identity import host_identity
 from .memory import ACQ_REL, ACQUIRE, FLUSH, HARDWARE, RELAXED, RELEASE, AtomicMemory, check_coherence
 from .memory import _native as _native_flush
+from .owned import OwnedWords
 from .simulator import CacheSim
 
 MAGIC = int.from_bytes(b"CXLRPC\x00\x01", "little")
-LAYOUT_VERSION = 2
+#: 3: a server's control block carries a checksum of its geometry (cxlrpc.channel)
+LAYOUT_VERSION = 3
 HEADER_SIZE = 4096
 SHM_PREFIX = "cxlrpc."
 
@@ -46,6 +48,8 @@ HEARTBEAT_OFFSET = 128  # owner's heartbeat counter, its own cache lines
 _OWNER_STATE = 256      # OWNER_LIVE while the owner serves, OWNER_CLOSED after a clean close
 _COHERENCE = 264        # how openers must treat the memory: _CODES below
 OWNER_LIVE, OWNER_CLOSED = 1, 2
+#: The header words an owner keeps true (Region.republish): all but the epoch and the heartbeat
+_OWNED_WORDS = (_VERSION, _SIZE, _KIND, _PID, _CREATED_NS, _IDENTITY, _OWNER_STATE, _COHERENCE)
 # Epoch word values: 0 never claimed; 1 .. 2**63-1 a claim (live, dead or being created);
 # _RETIRED | PID the tombstone of a shm/sim segment the process PID won in order to replace
 # it (it unlinks the name next, then creates a new segment there). No claim has the top bit,
@@ -185,6 +189,8 @@ class Region:
             self.mem.invalidate(0, size)  # lines cached from an earlier mapping are stale
         self._owner = PidWatch()
         self.closed = False
+        #: Owner only: the header words it wrote, which :meth:`republish` keeps true.
+        self._owned: OwnedWords | None = None
 
     # ------------------------------------------------------------------ creation
     @classmethod
@@ -328,6 +334,7 @@ class Region:
         mem.store(_COHERENCE, _CODES[coherence], RELEASE)
         host = socket.gethostname().encode()[:_HOST_LEN]
         self.buf[_HOST:_HOST + len(host)] = host
+        self._owned = OwnedWords(mem, ((at, mem.load(at, RELAXED)) for at in _OWNED_WORDS))
         self.kind = kind
         if coherence == FLUSH and not mem.flushing:
             mem.use_flushes()
@@ -339,11 +346,30 @@ class Region:
         self.mem.writeback(0, self.size)
         self.mem.store(_MAGIC, MAGIC, RELEASE)
         self.mem.writeback(_MAGIC, 8)
+        if self._owned is not None:
+            self._owned.expect(_MAGIC, MAGIC)
 
     def mark_closed(self) -> None:
         """Owner only: record a clean close, so the next server takes the region at once."""
         self.mem.store(_OWNER_STATE, OWNER_CLOSED, RELEASE)
         self.mem.writeback(_OWNER_STATE, 8)
+        if self._owned is not None:
+            self._owned.expect(_OWNER_STATE, OWNER_CLOSED)
+
+    def republish(self) -> int:
+        """Owner only: put back header words a stray write changed (owner state, PID, identity,
+        magic, layout words); how many were wrong.  Not the epoch word, by which servers take
+        a region over: while it is not ours, nothing is written (the region is another's)."""
+        if self._owned is None or not self.still_ours():
+            return 0
+        return self._owned.restore()
+
+    def still_ours(self) -> bool:
+        """Does the epoch word still hold the epoch this mapping was opened (or won) with?"""
+        if self.closed:
+            return False
+        self.mem.invalidate(_EPOCH, 8)
+        return self.mem.load(_EPOCH, ACQUIRE) == self.epoch
 
     # ------------------------------------------------------------------ opening
     @classmethod
@@ -449,7 +475,8 @@ def in_use(url: str, window: float) -> str | None:
                 retirer = _retirer(mem.load(_EPOCH, ACQUIRE))
                 if retirer is not None:  # a hint: another PID namespace's PID names nothing here
                     return f"being replaced by process {retirer}" if pid_alive(retirer) else None
-            return _busy_reason(url, mem, memoryview(mapping), window)
+            with memoryview(mapping) as view:  # released even when it raises (another layout)
+                return _busy_reason(url, mem, view, window)
     finally:
         mapping.close()
 
@@ -682,7 +709,8 @@ def _takeover_epoch(url: str, mapping: mmap.mmap, stale_after: float,
         if retirer is not None:
             raise _Retired(url, retirer)
         try:
-            reason = _busy_reason(url, mem, memoryview(mapping), stale_after)
+            with memoryview(mapping) as view:  # released even when it raises: the caller unmaps
+                reason = _busy_reason(url, mem, view, stale_after)
         except RegionError as exc:
             raise FileExistsError(f"region {url} exists but is unusable here ({exc}); "
                                   f"remove it if no server of another build uses it") from exc

@@ -640,7 +640,9 @@ class Server:
                 turned = time.monotonic()
 
     def _housekeeping(self, now: float) -> int | None:
-        """Reclaim dead clients' slots and unblock records their producers never committed.
+        """Reclaim dead clients' slots, put back the words only the server writes, and unblock
+        records their producers never committed (a live one's after client_timeout without
+        progress: see MpscRing.unblock).
 
         Returns the head position when the request ring is blocked by a live producer."""
         chan = self._chan
@@ -654,10 +656,20 @@ class Server:
             for offset in self._refused.over(now):
                 if self._heap.give_back(offset):
                     self._heap_freed()
+        self._republish()
         ring = chan.requests
-        if ring.blocked_producer() is None or ring.unblock(chan.producer_dead, chan.live_claims):
+        if ring.blocked_producer() is None or ring.unblock(chan.producer_dead, chan.live_claims,
+                                                          self.client_timeout, chan.revoke_claims):
             return None
         return ring.head_position
+
+    def _republish(self) -> None:
+        """Put back owner, state and geometry words a stray write changed (clients would
+        otherwise see a closed or dead server, or a wrong geometry, for good)."""
+        restored = self._chan.republish()
+        if restored:
+            logger.warning("put back %d word(s) of %s's header or control block that were written "
+                           "over", restored, self.url)
 
     def _departed(self, gone: Departure) -> None:
         """A slot's holder left (detached, reaped, or replaced by a new holder): cancel its

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 import cxlrpc
 from cxlrpc import frame as fr
-from cxlrpc.channel import CONTROL, KIND_RPC, SLOT_STRIDE, read_geometry
+from cxlrpc.channel import CONTROL, KIND_RPC, SLOT_STRIDE, geometry_sum, read_geometry
 from cxlrpc.memory import ACQUIRE, RELEASE
 from cxlrpc.region import Region, pid_alive
 from cxlrpc.ring import MpscRing
@@ -476,6 +476,8 @@ def test_region_too_small_for_its_geometry_is_unavailable(url):
         region.mem.store(CONTROL + 16, 8 << 20, RELEASE)  # request capacity
         region.mem.store(CONTROL + 24, 8 << 20, RELEASE)  # response capacity
         region.mem.store(CONTROL, 1, RELEASE)             # "running"
+        # as a server writes it: with its checksum (without one, clients refuse it sooner)
+        region.mem.store(CONTROL + 48, geometry_sum((16, 8 << 20, 8 << 20, 0, 0), region.coherence), RELEASE)
         region.publish()
         with pytest.raises(cxlrpc.Unavailable, match="geometry needs"):
             cxlrpc.connect_sync(url)

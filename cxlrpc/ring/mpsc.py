@@ -4,12 +4,14 @@ A producer claims space with a CAS on the tail, writes an uncommitted header car
 producer id, copies the payload, then release-stores the committed header.  The consumer
 stops at an uncommitted record and zeroes what it consumes, so every header a producer
 has not yet written reads as zero.  A record whose producer died between claim and commit
-is turned into padding by :meth:`MpscRing.unblock` once the caller proves the producer dead
-(never by time alone), so one crash never stalls the ring and a slow producer never loses
-a record it goes on to commit.
+is turned into padding by :meth:`MpscRing.unblock` once the caller proves the producer dead,
+so one crash never stalls the ring and a slow producer never loses a record it goes on to
+commit.  A claim of a live producer that makes no progress for a bound the caller gives (garbage
+over its claim word, most likely) is taken back and padded too, so one word never stalls it.
 """
 from __future__ import annotations
 
+import time
 from typing import Callable, Collection, Sequence
 
 from ..memory import ACQ_REL, ACQUIRE, RELEASE, Counter
@@ -49,6 +51,16 @@ class MpscRing(RingBase):
     are written and committed by CAS from the value the producer expects, so a producer
     whose claim the consumer already padded learns it (:class:`ClaimRevoked`) and never
     commits into space that was reclaimed.
+
+    A consumer that pads a live producer's claim (:meth:`unblock` with ``stall``) first takes
+    it back (the claim word is set to NO_CLAIM), and ``revoked()`` must say True once it is:
+    a producer that resumes then either finds its header CAS or its commit CAS failing (its
+    exact header word is nowhere else: the producer id is its own), or finds the head past
+    its claim after writing its header into free space, and in each case learns it was
+    revoked, undoes its header or clears its bytes, and raises ClaimRevoked.  What remains is
+    a producer frozen inside its payload copy for the whole stall bound while its heartbeat
+    goes on: the rest of its copy lands in freed space (cleared again when it resumes unless
+    the ring came close to a lap meanwhile).
     """
 
     _multi_producer = True
@@ -200,8 +212,26 @@ class MpscRing(RingBase):
             return None
         return header_producer(word) if word else -1
 
+    #: (head, header word, claims at the head) the head was last found blocked at, and since when
+    _stall: tuple[tuple, float] | None = None
+
+    def _passable(self, head: int, word: int, at: list[int], stall: float | None) -> bool:
+        """May the consumer pass the live claims ``at`` the head?  One it reached by skipping
+        garbage after HOLD_S; any once the head stood blocked, unchanged, for ``stall`` s."""
+        if head == self._jumped_to and not self._waiting("claim", head):
+            return True
+        if stall is None:
+            return False
+        key, now = (head, word, tuple(sorted(at))), time.monotonic()
+        if self._stall is None or self._stall[0] != key:
+            self._stall = (key, now)
+            return False
+        return now - self._stall[1] >= stall
+
     def unblock(self, producer_dead: Callable[[int, int], bool],
-                live_claims: Callable[[], Collection[int]] | None = None) -> bool:
+                live_claims: Callable[[], Collection[int]] | None = None,
+                stall: float | None = None,
+                revoke: Callable[[Collection[int]], None] | None = None) -> bool:
         """Consumer only: turn a dead producer's uncommitted record at the head into padding.
 
         Without ``live_claims``, ``producer_dead(id, tag)`` tells whether the producer that
@@ -210,7 +240,12 @@ class MpscRing(RingBase):
         live producer may be writing at the head (see :meth:`writing_at`): the header is then
         a dead producer's or garbage, and a header still zero (claimed, nothing written yet)
         is cleared too.  A claim the consumer reached by skipping garbage (it may be garbage
-        over the claim word, naming the middle of a record) is waited for HOLD_S at most.
+        over the claim word, naming the middle of a record) is waited for HOLD_S at most,
+        and any other for ``stall`` seconds (None: for ever) in which neither the head, its
+        header word nor the claims there changed: a live producer makes progress within a
+        moment, so that is garbage over a claim word (or a producer stalled as long as its
+        heartbeat's timeout; its claim is taken back first, through ``revoke(positions)``, so
+        that one raises ClaimRevoked instead of committing, see the class docstring).
         The padding ends at the next live producer's record start, the tail, or the end of
         the buffer, and a zero header's at the next written header.  It is written by CAS,
         so a producer writing at that moment wins or learns it lost.  Returns True if it
@@ -226,9 +261,14 @@ class MpscRing(RingBase):
             return False
         limit = min(self.capacity - idx, tail - head)
         if live_claims is not None:
-            writing = self.writing_at(self._claims(live_claims))
-            if head in writing and (head != self._jumped_to or self._waiting("claim", head)):
-                return False  # a live producer may be writing there (through garbage: HOLD_S at most)
+            claims = self._claims(live_claims)
+            writing = self.writing_at(claims)
+            if head in writing:
+                at = [c for c in claims if head in self.writing_at((c,))]
+                if not self._passable(head, word, at, stall):
+                    return False  # a live producer may be writing there
+                if revoke is not None:
+                    revoke(at)
             later = [w - head for w in writing if head < w < head + limit]
             if later:
                 limit = min(later)

@@ -36,6 +36,7 @@ from .process_heap import keep_freed_heap
 from .service import S, stub
 from .streams import StreamCall
 from .region import Region, RegionError
+from .size_guard import cut_message
 from .ring import ClaimRevoked
 
 try:  # calls of the common shape in C (CXLRPC_NO_NATIVE=1: the reference only)
@@ -240,20 +241,23 @@ class _Link:
 def _watch(ref: "weakref.ref[_Base]", chan: ClientChannel | FlushClientChannel,
            stop: threading.Event, server_timeout: float) -> None:
     """The monitor thread: beat our slot's heartbeat and tell the client when its server is
-    gone. It holds the client only for a moment per beat."""
+    gone, or its region's file was truncated (looked at first: then the region is not touched,
+    and calls fail with Unavailable). It holds the client only for a moment per beat."""
     while not stop.wait(_BEAT_INTERVAL):
         client = ref()
         if client is None:
             return
+        cut = chan.region.size_guard.short()
         if client._gone is None and client._chan is chan:
-            reason = chan.server_gone(server_timeout)
+            reason = cut_message(chan.region.url, cut) if cut is not None else chan.server_gone(server_timeout)
             if reason is not None:
-                client._stopped_beat = chan.stopped_beat
+                if cut is None:
+                    client._stopped_beat = chan.stopped_beat
                 client._set_gone(reason)
         del client  # the finalizer of a client dropped meanwhile may run here: it sets stop
         if stop.is_set():
             return
-        if chan.holds_slot():
+        if cut is None and chan.holds_slot():
             chan.beat()  # a reaped client stops writing its old slot's words
 
 

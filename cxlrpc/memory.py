@@ -105,21 +105,33 @@ class AtomicMemory:
         """memset ``length`` bytes at ``offset`` to zero (no source buffer to read, unlike a copy)."""
         if offset < 0 or length < 0 or offset + length > self.size:
             raise ValueError(f"zero({offset}, {length}) outside a {self.size}-byte buffer")
-        ctypes.memset(self._view.address + offset, 0, length)
+        address = self._view.address  # 0 once closed
+        if not address and length:
+            _closed(offset, length)
+        ctypes.memset(address + offset, 0, length)
 
     def counter(self, offset: int) -> Counter:
         """Bind an atomic u64 at ``offset`` (bounds and 8-byte alignment checked here, once)."""
         return self._view.cell_u64(offset)
 
     def close(self) -> None:
-        """Release the buffer export so the mapping can be closed."""
+        """Release the buffer export so the mapping can be closed. From here every access
+        raises ValueError, write-back and invalidation too (their hooks may hold the mapping's
+        address: after it is unmapped they would fault)."""
         self._view.close()
+        if self.flushing:
+            self._writeback = self._invalidate = _closed
 
     def __enter__(self) -> "AtomicMemory":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _closed(offset: int, length: int) -> None:
+    """A closed AtomicMemory's write-back and invalidate hooks (and zero's check)."""
+    raise ValueError("operation on a closed AtomicMemory (its region was closed)")
 
 
 #: From these sizes up, a copy into shared memory is made with streaming (non-temporal) stores:

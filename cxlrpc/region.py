@@ -34,6 +34,7 @@ from .memory import ACQ_REL, ACQUIRE, FLUSH, HARDWARE, RELAXED, RELEASE, AtomicM
 from .memory import _native as _native_flush
 from .owned import OwnedWords
 from .simulator import CacheSim
+from .size_guard import SizeGuard
 
 MAGIC = int.from_bytes(b"CXLRPC\x00\x01", "little")
 #: 3: a server's control block carries a checksum of its geometry (cxlrpc.channel)
@@ -169,8 +170,10 @@ class Region:
     """A mapped shared region: ``buf`` is the whole mapping, ``mem`` its atomic accessor."""
 
     def __init__(self, url: str, backend: str, path: str, mapping: mmap.mmap | CacheSim,
-                 size: int) -> None:
+                 size: int, fd: int = -1) -> None:
         self.url = url
+        #: notices the region's file cut short under the mapping (it owns ``fd``)
+        self.size_guard = SizeGuard(fd, (_subrange(url) or (0, None))[0] + size, url)
         self.backend = backend
         self.path = path
         self._sim = mapping if isinstance(mapping, CacheSim) else None
@@ -218,26 +221,28 @@ class Region:
             try:
                 _reserve(shm.fd, size, url, "/dev/shm")
                 mapping = mmap.mmap(shm.fd, size)
+                fd = os.dup(shm.fd)
             except BaseException:
                 unlink_shm(path)
                 raise
             finally:
                 shm.close_fd()
         elif _subrange(url) is not None:
-            mapping, actual = _map_existing(url, backend, path)
-            _check_fits(url, mapping, actual, size)
+            mapping, actual, fd = _map_existing(url, backend, path)
+            _check_fits(url, mapping, actual, size, fd)
             try:
                 return cls._claim(url, backend, path, mapping, kind, observed_epoch=0,
-                                  coherence=coherence)
+                                  coherence=coherence, fd=fd)
             except FileExistsError as exc:
                 raise FileExistsError(f"sub-region {url} already holds a region (or another "
                                       f"process claimed it first); Region.acquire takes over "
                                       f"one nobody serves") from exc
         else:
-            mapping = _map_new_file(path, size, mode)
+            mapping, fd = _map_new_file(path, size, mode)
         if backend == "sim":
             mapping = CacheSim(mapping)
-        return cls._claim(url, backend, path, mapping, kind, observed_epoch=0, coherence=coherence)
+        return cls._claim(url, backend, path, mapping, kind, observed_epoch=0, coherence=coherence,
+                          fd=fd)
 
     @classmethod
     def acquire(cls, url: str, size: int, kind: int, mode: int = 0o600,
@@ -270,7 +275,8 @@ class Region:
             if backend == "file":
                 return cls._take_over_in_place(url, path, size, kind, stale_after, coherence)
             try:
-                mapping, _ = _map_existing(url, backend, path)
+                mapping, _, fd = _map_existing(url, backend, path)
+                os.close(fd)
             except FileNotFoundError:
                 retired = None  # a winner unlinked the old segment, its own not yet created
                 continue
@@ -296,27 +302,31 @@ class Region:
                             coherence: str) -> "Region":
         """Take over an existing file or device region nobody serves, in place (it is never
         unlinked or resized); FileExistsError if it is in use."""
-        mapping, actual = _map_existing(url, "file", path)
+        mapping, actual, fd = _map_existing(url, "file", path)
         try:
             epoch = _takeover_epoch(url, mapping, stale_after)
         except BaseException:
             mapping.close()
+            os.close(fd)
             raise
-        _check_fits(url, mapping, actual, size)
-        return cls._claim(url, "file", path, mapping, kind, epoch, coherence=coherence)
+        _check_fits(url, mapping, actual, size, fd)
+        return cls._claim(url, "file", path, mapping, kind, epoch, coherence=coherence, fd=fd)
 
     @classmethod
     def _claim(cls, url: str, backend: str, path: str, mapping: mmap.mmap | CacheSim, kind: int,
-               observed_epoch: int, coherence: str = HARDWARE) -> "Region":
-        """Win the region by a CAS of its epoch word from ``observed_epoch``, then initialise it."""
+               observed_epoch: int, coherence: str = HARDWARE, fd: int = -1) -> "Region":
+        """Win the region by a CAS of its epoch word from ``observed_epoch``, then initialise it
+        (``fd``, the file's, is the region's from here)."""
         raw = mapping.cache if isinstance(mapping, CacheSim) else mapping
         try:
             if _cas_epoch(raw, observed_epoch, _new_epoch()) != observed_epoch:
                 raise FileExistsError(f"region {url} was taken over by another process first")
         except BaseException:
             mapping.close()
+            if fd >= 0:
+                os.close(fd)
             raise
-        region = cls(url, backend, path, mapping, len(raw))
+        region = cls(url, backend, path, mapping, len(raw), fd)
         region._init_header(kind, coherence)
         return region
 
@@ -376,7 +386,7 @@ class Region:
     def open(cls, url: str, kind: int | None = None) -> "Region":
         """Map an existing region and validate its header; :class:`RegionError` if unusable."""
         backend, path = parse_url(url)
-        mapping, actual = _map_existing(url, backend, path)
+        mapping, actual, fd = _map_existing(url, backend, path)
         try:
             if backend == "sim":
                 mapping = CacheSim(mapping)  # a cold cache: a fresh copy of the memory
@@ -388,8 +398,9 @@ class Region:
                 _validate_header(url, mapping, actual, kind)
         except BaseException:
             mapping.close()
+            os.close(fd)
             raise
-        return cls(url, backend, path, mapping, actual)
+        return cls(url, backend, path, mapping, actual, fd)
 
     # ------------------------------------------------------------------ lifetime
     def info(self) -> RegionInfo:
@@ -432,6 +443,7 @@ class Region:
             return
         self.closed = True
         self._owner.close()
+        self.size_guard.close()
         self.mem.close()
         self.buf.release()
         try:
@@ -468,7 +480,8 @@ def in_use(url: str, window: float) -> str | None:
     live process replacing its shm segment), or None when a new owner may take it (or
     ``clean`` remove it).  Raises RegionError for another layout."""
     backend, path = parse_url(url)
-    mapping, _ = _map_existing(url, backend, path)
+    mapping, _, fd = _map_existing(url, backend, path)
+    os.close(fd)
     try:
         with AtomicMemory(mapping) as mem:
             if backend != "file":
@@ -719,9 +732,10 @@ def _takeover_epoch(url: str, mapping: mmap.mmap, stale_after: float,
     return epoch
 
 
-def _map_existing(url: str, backend: str, path: str) -> tuple[mmap.mmap, int]:
+def _map_existing(url: str, backend: str, path: str) -> tuple[mmap.mmap, int, int]:
     """Map an existing region: a segment or file whole (its size is the object's), or a
-    sub-region's range of its file or device (never created, truncated or grown)."""
+    sub-region's range of its file or device (never created, truncated or grown). Returns the
+    mapping, its size and a descriptor of the file (the caller closes it)."""
     if backend in ("shm", "sim"):
         try:
             shm = posix_ipc.SharedMemory(path)
@@ -733,7 +747,12 @@ def _map_existing(url: str, backend: str, path: str) -> tuple[mmap.mmap, int]:
             actual = shm.size
             if actual < HEADER_SIZE:
                 raise RegionError(f"region {url} is {actual} bytes, smaller than a header")
-            return mmap.mmap(shm.fd, actual), actual
+            mapping = mmap.mmap(shm.fd, actual)
+            try:
+                return mapping, actual, os.dup(shm.fd)
+            except BaseException:
+                mapping.close()
+                raise
         finally:
             shm.close_fd()
     sub = _subrange(url)
@@ -750,9 +769,10 @@ def _map_existing(url: str, backend: str, path: str) -> tuple[mmap.mmap, int]:
             offset, size = _fit_subrange(url, path, st, size, *sub)
         if size < HEADER_SIZE:
             raise RegionError(f"region {url} is {size} bytes, smaller than a header")
-        return mmap.mmap(fd, size, offset=offset), size
-    finally:
+        return mmap.mmap(fd, size, offset=offset), size, fd
+    except BaseException:
         os.close(fd)
+        raise
 
 
 def _fit_subrange(url: str, path: str, st: os.stat_result, file_size: int, offset: int,
@@ -780,11 +800,12 @@ def _fit_subrange(url: str, path: str, st: os.stat_result, file_size: int, offse
     return offset, size
 
 
-def _check_fits(url: str, mapping: mmap.mmap, actual: int, size: int) -> None:
+def _check_fits(url: str, mapping: mmap.mmap, actual: int, size: int, fd: int) -> None:
     """An existing file or sub-region of ``actual`` bytes must hold the ``size`` asked for
-    (unmapped and refused otherwise: it is never resized)."""
+    (unmapped, its descriptor closed, and refused otherwise: it is never resized)."""
     if actual < size:
         mapping.close()
+        os.close(fd)
         raise RegionError(f"{url} is {actual} bytes, this server needs {size}; existing "
                           f"files and devices are never resized")
 
@@ -825,10 +846,10 @@ def _dax_alignment(path: str, st: os.stat_result) -> int:
     return align
 
 
-def _map_new_file(path: str, size: int, mode: int) -> mmap.mmap:
+def _map_new_file(path: str, size: int, mode: int) -> tuple[mmap.mmap, int]:
     """Create, size and map a new region file. It appears under its name only at full size
     (made under a temporary name, then linked: exclusive), so a racing creator never maps a
-    file still being sized."""
+    file still being sized. Returns the mapping and a descriptor of the file."""
     if os.path.exists(path):
         raise FileExistsError(f"region file {path} already exists")
     tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.creating"
@@ -842,7 +863,7 @@ def _map_new_file(path: str, size: int, mode: int) -> mmap.mmap:
         except FileExistsError as exc:
             mapping.close()
             raise FileExistsError(f"region file {path} already exists") from exc
-        return mapping
+        return mapping, os.dup(fd)
     finally:
         os.unlink(tmp)
         os.close(fd)

@@ -42,6 +42,7 @@ from .memory import ACQ_REL, FOLLOW_CHUNK
 from .memory import HARDWARE
 from .process_heap import keep_freed_heap
 from .region import Region, RegionError, coherence_for, parse_url
+from .size_guard import TruncationWatch
 
 Handler = Callable[..., Any]
 try:  # the common request shape dispatched in C (CXLRPC_NO_NATIVE=1: the reference only)
@@ -367,6 +368,10 @@ class Server:
         self._closed = asyncio.Event()
         self._beat_stop = threading.Event()
         self._beater: threading.Thread | None = None
+        #: looks at the region files' sizes (set by start(); see cxlrpc.size_guard)
+        self._cuts = TruncationWatch(lambda message: None)
+        self._failure: RegionError | None = None  # why the server stopped by itself
+        self._cut_close: asyncio.Future | None = None  # the close that failure began
         self.dropped_frames = 0
 
     # ------------------------------------------------------------------ registration
@@ -441,6 +446,9 @@ class Server:
                               f"+ request_capacity={g.request_capacity} + heap_size={g.heap_size} "
                               f"(max_message_size={g.max_message_size}); lower slots=, the "
                               f"capacities or heap_size= to fit") from exc
+        loop = asyncio.get_running_loop()
+        self._cuts = TruncationWatch(lambda message: loop.call_soon_threadsafe(self._region_cut, message))
+        self._cuts.add(self._region.size_guard)
         # beat from the start: a racing server sees this region being created, not abandoned
         self._beater = threading.Thread(target=self._beat, name="cxlrpc-server-heartbeat", daemon=True)
         self._beater.start()
@@ -539,8 +547,22 @@ class Server:
             self._closed.set()
 
     async def serve_forever(self) -> None:
-        """Wait until :meth:`close` is called (by a handler, a signal handler or another task)."""
+        """Wait until :meth:`close` is called (by a handler, a signal handler or another task);
+        RegionError when the server stopped by itself (its region's file was truncated)."""
         await self._closed.wait()
+        if self._failure is not None:
+            raise self._failure
+
+    def guard_region(self, region: Region) -> None:
+        """Also look at ``region``'s file (e.g. kvservice's pool) as at the server's own: a
+        truncation found is undone and stops the server (see :mod:`cxlrpc.size_guard`)."""
+        self._cuts.add(region.size_guard)
+
+    def _region_cut(self, message: str) -> None:
+        """A region's file was found truncated (and grown back): stop, with that error."""
+        if self._failure is None and not self._draining:
+            self._failure = RegionError(message)
+            self._cut_close = asyncio.ensure_future(self.close())
 
     async def __aenter__(self) -> "Server":
         await self.start()
@@ -555,8 +577,10 @@ class Server:
             self._beater.join()
 
     def _beat(self) -> None:
-        region = self._region
+        region, cuts = self._region, self._cuts
         while not self._beat_stop.wait(self.heartbeat_interval):
+            if cuts.check():  # grown back, not touched: the server stops
+                return
             region.beat()
 
     # ------------------------------------------------------------------ data path
@@ -578,6 +602,8 @@ class Server:
         while True:
             # one clock reading a batch: its requests' deadlines count from it
             self._polled_at = now = time.monotonic()
+            if now >= next_housekeeping:
+                self._cuts.check()  # a truncated file grown back before the ring is touched
             if fast is not None:
                 until = min(turned + _TURN_EVERY_S, next_housekeeping)  # the turn, or housekeeping
                 n = fast.poll(ring, now, until)

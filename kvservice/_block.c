@@ -4,8 +4,10 @@
  *
  * Block: what kvservice.pool documents (view, check, release, with, len, released, size,
  * version; ended through owner._release(lease_id, collected)). Its version check reads the
- * version table entry in place when the pool is coherent and the Block still holds its view
- * (the view keeps the whole mapping mapped), and asks pool.holds(entry, version) otherwise.
+ * version table entry in place when the pool is coherent and the Block's view is not released
+ * (the view keeps the whole mapping mapped), and asks pool.holds(entry, version) otherwise, as
+ * the reference does: view() hands that view out, so its user may release it, and once the
+ * pool is closed too the entry is unmapped (pool.holds then raises ValueError).
  *
  * Leaser: a coherent pool's Pool.leased, validating every offset and size the server sent
  * (anything it would refuse goes to the reference, which raises the error) before slicing. */
@@ -142,11 +144,17 @@ static PyObject *block_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     return (PyObject *)self;
 }
 
+/* Does ``view`` still hold its export of the pool's mapping? A user may release the view
+ * view() handed out; the pool may then be closed and unmapped (one load of a flag). */
+static inline int view_live(PyObject *view) {
+    return view != NULL && !(((PyMemoryViewObject *)view)->flags & _Py_MEMORYVIEW_RELEASED);
+}
+
 /* 1 if the pool still holds this block's value, 0 if not, -1 on error. */
 static int block_holds(BlockObject *self) {
     if (self->pool == Py_None)
         return 1;
-    if (self->word != NULL && self->view != NULL) {  /* the view keeps the table mapped */
+    if (self->word != NULL && view_live(self->view)) {  /* the view keeps the table mapped */
         if (!self->version_ok)
             return 0;
         __atomic_thread_fence(__ATOMIC_SEQ_CST);  /* the reads of the value come before */

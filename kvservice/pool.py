@@ -353,9 +353,15 @@ class Pool:
         reading the block: its fence orders those reads before the check."""
         fence()
         mem = self._mem
-        if mem.flushing:
-            mem.invalidate(entry, 8)
-        return mem.load(entry, ACQUIRE) == version
+        try:
+            if mem.flushing:
+                mem.invalidate(entry, 8)
+            return mem.load(entry, ACQUIRE) == version
+        except ValueError:
+            if self.region.closed:  # (a block that outlived its pool: kvservice._block's too)
+                raise ValueError(f"the pool {self.region.url} was closed: its blocks can no "
+                                 f"longer be read") from None
+            raise
 
     def written(self, offset: int, size: int) -> None:
         """The block's bytes are complete: write its lines back (memory without coherence)

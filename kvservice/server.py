@@ -128,6 +128,7 @@ class KVServer:
                 raise RegionError(f"cannot create the pool at {self.pool_url} ({exc}); pass "
                                   f"pool_url= (a device or file of its own)") from exc
             raise
+        self.rpc.guard_region(self._pool.region)  # a truncated pool file stops the server
         self._expirer = asyncio.get_running_loop().create_task(self._expire_loop())
 
     async def close(self) -> None:

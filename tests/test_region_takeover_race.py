@@ -37,7 +37,8 @@ def _dead_pid() -> int:
 def _epoch_under_name(url: str) -> int:
     """The epoch word of the segment the region's name holds now (published or not)."""
     backend, path = parse_url(url)
-    mapping, _ = region_mod._map_existing(url, backend, path)
+    mapping, _, fd = region_mod._map_existing(url, backend, path)
+    os.close(fd)
     try:
         with AtomicMemory(mapping) as mem:
             return mem.load(region_mod._EPOCH, ACQUIRE)
@@ -50,7 +51,7 @@ def test_a_mapping_of_the_replaced_segment_does_not_take_the_name_again(url, nam
     A's new segment in use, not claim the old one and unlink A's."""
     _, path = parse_url(url)
     _leave_stale(url)
-    old, actual = region_mod._map_existing(url, "shm", path)  # B's view, taken before A's unlink
+    old, actual, old_fd = region_mod._map_existing(url, "shm", path)  # B's view, taken before A's unlink
     a = b = None
     try:
         a = Region.acquire(url, SIZE, KIND)
@@ -62,7 +63,7 @@ def test_a_mapping_of_the_replaced_segment_does_not_take_the_name_again(url, nam
             if handed:
                 return real_map(*args)
             handed.append(old)
-            return old, actual
+            return old, actual, os.dup(old_fd)
 
         monkeypatch.setattr(region_mod, "_map_existing", old_mapping_once)
         with pytest.raises(FileExistsError, match=f"in use by live process {os.getpid()}"):
@@ -74,6 +75,7 @@ def test_a_mapping_of_the_replaced_segment_does_not_take_the_name_again(url, nam
             assert now.info().owner_pid == os.getpid()
     finally:
         old.close()
+        os.close(old_fd)
         for region in (b, a):
             if region is not None:
                 region.close()

@@ -147,6 +147,7 @@ class RegionFuzzer:
         self.flush = geo.per_client_requests
         self.ops = 0
         self._heap_writes = 0
+        self._real = {at: self.load(at) for at in _GEOMETRY}  # the geometry the server wrote
 
     # ------------------------------------------------------------------ memory, either coherence
     def load(self, at: int) -> int:
@@ -315,18 +316,23 @@ class RegionFuzzer:
                 return
 
     def _owner(self) -> None:
-        """The words issue 40 item 8 names: owner state and PID (region header), control state."""
+        """The words issue 40 item 8 names: owner state and PID (region header), control state;
+        never their right values (a case's garbage always needs repairing at the end)."""
         rng = self.rng
         at = rng.choice((_OWNER_STATE, _PID, CONTROL))
-        self.store(at, rng.choice((0, 2, 3, rng.getrandbits(64), 1 << 31, 4_000_000, 1, _word(rng, 1))))
+        if at == _PID:  # no process has these
+            self.store(at, rng.choice((4_000_000, 1 << 31, (1 << 40) | rng.getrandbits(32))))
+        else:  # states nobody writes, or those of a closed or starting owner
+            self.store(at, rng.choice((0, 2, 3, 1 << 31, rng.getrandbits(64) | 4)))
 
     def _geometry(self) -> None:
-        """Plausible but wrong geometry words (issue 40 item 9)."""
+        """Plausible but wrong geometry words (issue 40 item 9); never the right ones."""
         rng = self.rng
         at = rng.choice(_GEOMETRY)
-        real = self.load(at)
-        self.store(at, rng.choice((real + 1, real - 1 if real else 1, real * 2, real // 2, real + 4096,
-                                   rng.getrandbits(64), 1 << rng.randrange(40), 0)))
+        real = self._real[at]
+        wrong = [v for v in (real + 1, real - 1, real * 2, real // 2, real + 4096, rng.getrandbits(64),
+                             1 << rng.randrange(40), 0) if v != real]
+        self.store(at, rng.choice(wrong))
 
     @property
     def heap_writes(self) -> int:

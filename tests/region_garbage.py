@@ -135,7 +135,7 @@ class Crafter:
 class RegionFuzzer:
     """Writes garbage into one area of a live server region: ``op()`` writes one burst."""
 
-    AREAS = ("request-ring", "reply-ring", "slots", "heap", "claim", "owner", "geometry")
+    AREAS = ("request-ring", "reply-ring", "slots", "slot-owner", "heap", "claim", "owner", "geometry")
 
     def __init__(self, region: Region, geo: Geometry, area: str, rng: random.Random) -> None:
         if area not in self.AREAS:
@@ -251,8 +251,9 @@ class RegionFuzzer:
             self.put(data_at, data[len(first):])
 
     def _slots(self) -> None:
+        """Free slots' bytes and words; a live slot's heartbeat, doorbell and acknowledgement."""
         rng, geo = self.rng, self.geo
-        live = dict(self.crafter.live)
+        live = dict(self.held())  # (fresh: a slot claimed a moment ago is no longer free)
         if rng.random() < 0.3 or not live:  # a slot nobody holds: random bytes, or a plausible claim
             free = [i for i in range(geo.slots) if i not in live]
             if not free:
@@ -264,10 +265,21 @@ class RegionFuzzer:
                 self.store(base + rng.choice((_SLOT_STATE, _SLOT_HEARTBEAT, _SLOT_PID, _SLOT_WRITER,
                                               _SLOT_IDENTITY, _SLOT_ACK, _SLOT_CLAIM)), _word(rng, 1))
             return
+        at = geo.slot(rng.choice(list(live))) + rng.choice((_SLOT_HEARTBEAT, _SLOT_PARKED, _SLOT_ACK))
+        self.store(at, _word(rng, self.load(at)))
+
+    def _slot_owner(self) -> None:
+        """The words that say who holds a live slot (state, PID, identity, writer): the server
+        takes its holder for gone (or replaced) and frees what it held. A holder that goes on
+        writing a heap body it held then writes into another's (issue 40 item 1, fencing): the
+        test's clients keep their bodies in the rings in this area."""
+        rng, geo = self.rng, self.geo
+        live = dict(self.crafter.live)
+        if not live:
+            return
         slot = rng.choice(list(live))
         gen, base = live[slot], geo.slot(slot)
-        at = base + rng.choice((_SLOT_HEARTBEAT, _SLOT_HEARTBEAT, _SLOT_PARKED, _SLOT_PID, _SLOT_IDENTITY,
-                                _SLOT_WRITER, _SLOT_ACK, _SLOT_STATE))
+        at = base + rng.choice((_SLOT_PID, _SLOT_IDENTITY, _SLOT_WRITER, _SLOT_STATE))
         value = _word(rng, self.load(at))
         if at == base + _SLOT_STATE:
             value = rng.choice((value, ((gen + 1) << 1) | 1, gen << 1, ((gen - 1) << 1) | 1))

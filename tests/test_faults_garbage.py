@@ -28,8 +28,7 @@ from cxlrpc.ring import MpscRing
 from cxlrpc.ring.record import CONTROL_SIZE, HEAD_OFFSET, TAIL_OFFSET
 from procs import (Pump, fault_server, open_counting, report, start_fault_server, start_load_clients, stop,
                    until)
-
-DROPPED = CONTROL + 256  # the control block's dropped-frames counter
+from region_garbage import DROPPED
 CALL_TIMEOUT = 1.0
 SLACK = 1.0  # a call may end this much after its timeout (two busy cores) and still not "hang"
 # Garbage that lands inside a committed request can turn its method or body into something else:

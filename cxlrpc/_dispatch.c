@@ -533,10 +533,12 @@ static int swap_task(Dispatcher *d, PyObject *from, PyObject *to) {
     return to != Py_None ? task_call(d, d->enter_task, to) : 0;
 }
 
-/* Does a weak reference to ``obj`` exist (one kept by, say, a WeakKeyDictionary of tasks)? */
+/* Does a weak reference to ``obj`` exist (one kept by, say, a WeakKeyDictionary of tasks)? Its
+ * list lies at tp_weaklistoffset from the object: positive up to 3.11, negative (before the
+ * object, "managed") for a class's __weakref__ from 3.12; 0 when the type has none. */
 static int weakly_held(PyObject *obj) {
     Py_ssize_t at = Py_TYPE(obj)->tp_weaklistoffset;
-    return at > 0 && *(PyObject **)((char *)obj + at) != NULL;
+    return at != 0 && *(PyObject **)((char *)obj + at) != NULL;
 }
 
 /* A coroutine handler's first step, inline (Server._run_eagerly and _first_step): in a copy of

@@ -1,7 +1,7 @@
 """Every cross-process atomic access goes through this module.
 
 Shared counters are 8-byte aligned u64 words updated with real atomic instructions
-(``atomicshm``, ~30 ns per op) with explicit memory orderings.  Code in higher layers
+(the native module ``cxlrpc._atomic``, ~30 ns per op) with explicit memory orderings.  Code in higher layers
 binds a :class:`Counter` once per field and calls ``load``/``store``/``cas``/``fetch_add``
 on it; it never packs a published field with ``struct``.
 
@@ -19,7 +19,7 @@ import ctypes
 import time
 from typing import Callable
 
-import atomicshm
+from . import _atomic
 
 try:
     from . import _flush as _native
@@ -30,16 +30,16 @@ except ImportError:  # built by the package where a C compiler exists
 HARDWARE, FLUSH = "hardware", "flush"
 COHERENCE_MODES = (HARDWARE, FLUSH)
 
-RELAXED: int = atomicshm.RELAXED
-ACQUIRE: int = atomicshm.ACQUIRE
-RELEASE: int = atomicshm.RELEASE
-ACQ_REL: int = atomicshm.ACQ_REL
-SEQ_CST: int = atomicshm.SEQ_CST
+RELAXED: int = _atomic.RELAXED
+ACQUIRE: int = _atomic.ACQUIRE
+RELEASE: int = _atomic.RELEASE
+ACQ_REL: int = _atomic.ACQ_REL
+SEQ_CST: int = _atomic.SEQ_CST
 
 #: An atomic 64-bit cell bound to one offset: ``load(order)``, ``store(v, order)``,
 #: ``cas(expected, desired, order)`` (returns the previous value), ``fetch_add(n, order)``,
 #: ``exchange(v, order)``.
-Counter = atomicshm.AtomicU64
+Counter = _atomic.AtomicU64
 
 class AtomicMemory:
     """Atomic access to a writable buffer (a region's mapping, or any bytearray/mmap).
@@ -53,7 +53,7 @@ class AtomicMemory:
                  "_writeback", "_invalidate")
 
     def __init__(self, buffer) -> None:
-        view = atomicshm.AtomicView(buffer)
+        view = _atomic.AtomicView(buffer)
         self._view = view
         self.size: int = view.nbytes
         self.load = view.load_u64
@@ -332,5 +332,5 @@ def check_coherence(mode: str) -> str:
 
 #: ``fence(order=SEQ_CST)``: a full (by default) memory fence, ordering this thread's loads and
 #: stores (the extension's function itself: no Python frame on hot paths).
-fence: Callable[..., None] = atomicshm.fence
+fence: Callable[..., None] = _atomic.fence
 

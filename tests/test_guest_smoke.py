@@ -8,10 +8,10 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator
 
-import atomicshm
 import pytest
 
-from guest_vm import Guest, GuestImage
+from cxlrpc._atomic import AtomicView
+from guest_vm import PROJECT, Guest, GuestImage
 
 pytestmark = [pytest.mark.guests, pytest.mark.timeout(300)]
 
@@ -76,9 +76,10 @@ def test_guest_and_host_see_each_others_bytes(image: GuestImage, shm_file: Calla
 COUNTER, GO, DONE, READY = 0, 8, 16, 24
 N_ADDS = 100_000
 GUEST_ADDS = f"""
-import mmap, os, time, atomicshm
+import mmap, os, time
+from cxlrpc._atomic import AtomicView
 fd = os.open(os.environ["CXL_DEV0"], os.O_RDWR)
-with atomicshm.AtomicView(mmap.mmap(fd, os.fstat(fd).st_size)) as v:
+with AtomicView(mmap.mmap(fd, os.fstat(fd).st_size)) as v:
     v.fetch_add_u64({READY}, 1)
     while v.load_u64({GO}) == 0:
         time.sleep(0.001)
@@ -89,7 +90,7 @@ with atomicshm.AtomicView(mmap.mmap(fd, os.fstat(fd).st_size)) as v:
 
 
 def _until(
-    view: atomicshm.AtomicView, offset: int, value: int, guests: list[Guest], adding: bool
+    view: AtomicView, offset: int, value: int, guests: list[Guest], adding: bool
 ) -> int:
     """Wait for the cell at ``offset`` to reach ``value``, meanwhile fetch_adding the counter
     (``adding``) or polling every 10 ms; return the adds done. Fails if a guest fails."""
@@ -118,13 +119,13 @@ def test_fetch_add_is_atomic_across_two_guests_and_host(
     shm = shm_file()
     host = _map(shm)
     try:
-        with atomicshm.AtomicView(host) as view, Guest(image, "adder0", [shm]) as g0, Guest(
+        with AtomicView(host) as view, Guest(image, "adder0", [shm]) as g0, Guest(
             image, "adder1", [shm]
         ) as g1:
             guests = [g0, g1]
             for g in guests:
                 (g.out / "adds.py").write_text(GUEST_ADDS)
-                g.start('python "$OUT/adds.py"')
+                g.start('python "$OUT/adds.py"', {"PYTHONPATH": str(PROJECT)})  # this checkout's
             _until(view, READY, 2, guests, adding=False)
             view.store_u64(GO, 1)
             host_adds = _until(view, DONE, 2, guests, adding=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import statistics
+import sys
 import threading
 import time
 
@@ -554,9 +555,12 @@ async def test_async_handlers_start_inline_and_get_a_task_only_when_they_suspend
     @server.method("guarded")
     async def guarded(seconds: float) -> str:
         try:
-            async with asyncio.timeout(seconds):  # entered inline, expires in the task
-                await asyncio.sleep(5)
-        except TimeoutError:
+            if sys.version_info >= (3, 11):
+                async with asyncio.timeout(seconds):  # entered inline, expires in the task
+                    await asyncio.sleep(5)
+            else:  # no asyncio.timeout before 3.11 (nor its TimeoutError alias)
+                await asyncio.wait_for(asyncio.sleep(5), seconds)
+        except asyncio.TimeoutError:
             return "timed out"
         return "finished"
 

@@ -105,8 +105,9 @@ class AtomicMemory:
         """memset ``length`` bytes at ``offset`` to zero (no source buffer to read, unlike a copy)."""
         if offset < 0 or length < 0 or offset + length > self.size:
             raise ValueError(f"zero({offset}, {length}) outside a {self.size}-byte buffer")
-        address = self._view.address  # 0 once closed
-        if not address and length:
+        try:
+            address = self._view.address
+        except ValueError:  # the view is closed
             _closed(offset, length)
         ctypes.memset(address + offset, 0, length)
 

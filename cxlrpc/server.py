@@ -369,7 +369,7 @@ class Server:
         self._beat_stop = threading.Event()
         self._beater: threading.Thread | None = None
         #: looks at the region files' sizes (set by start(); see cxlrpc.size_guard)
-        self._cuts = TruncationWatch(lambda message: None)
+        self._cuts = TruncationWatch()
         self._failure: RegionError | None = None  # why the server stopped by itself
         self._cut_close: asyncio.Future | None = None  # the close that failure began
         self.dropped_frames = 0
@@ -447,7 +447,7 @@ class Server:
                               f"(max_message_size={g.max_message_size}); lower slots=, the "
                               f"capacities or heap_size= to fit") from exc
         loop = asyncio.get_running_loop()
-        self._cuts = TruncationWatch(lambda message: loop.call_soon_threadsafe(self._region_cut, message))
+        self._cuts.on_cut = lambda message: loop.call_soon_threadsafe(self._region_cut, message)
         self._cuts.add(self._region.size_guard)
         # beat from the start: a racing server sees this region being created, not abandoned
         self._beater = threading.Thread(target=self._beat, name="cxlrpc-server-heartbeat", daemon=True)
@@ -671,6 +671,7 @@ class Server:
         progress: see MpscRing.unblock).
 
         Returns the head position when the request ring is blocked by a live producer."""
+        self._cuts.check()  # (a truncated file grown back before the slots are read)
         chan = self._chan
         for gone in chan.reap(self.client_timeout, now):
             self._departed(gone)

@@ -91,9 +91,10 @@ class TruncationWatch:
     process faults on it any more) and reported once through ``on_cut(message)``. Looked
     from the heartbeat thread and the serving loop alike (one ``fstat`` a region)."""
 
-    def __init__(self, on_cut: Callable[[str], None]) -> None:
+    def __init__(self, on_cut: Callable[[str], None] = lambda message: None) -> None:
         self._guards: list[SizeGuard] = []
-        self._on_cut = on_cut
+        #: told (from the thread that looked) once a region was found cut
+        self.on_cut = on_cut
         self._lock = threading.Lock()
         #: the report, once a region was found cut
         self.cut: str | None = None
@@ -123,6 +124,6 @@ class TruncationWatch:
                     "; its size was restored (the cut bytes read as zeros) and the server stops"
                     if restored else "; its size could not be restored")
             logger.error("%s", self.cut)
-            self._on_cut(self.cut)
+            self.on_cut(self.cut)
             return True
         return False

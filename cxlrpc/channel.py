@@ -36,7 +36,7 @@ from typing import Collection, NamedTuple, Sequence
 
 from .doorbell import Doorbell, DoorbellReceiver, wake_address
 from .identity import host_identity
-from .memory import ACQ_REL, ACQUIRE, FLUSH, RELAXED, RELEASE, check_coherence
+from .memory import ACQ_REL, ACQUIRE, FLUSH, RELAXED, RELEASE, Counter, check_coherence
 from .owned import OwnedWords
 from .region import HEADER_SIZE as REGION_HEADER, PidWatch, Region, RegionError
 from .ring import MpscRing, SpscRing, ring_size
@@ -256,6 +256,7 @@ class _ServerWords:
     they alone write, kept true by the server's housekeeping (see :mod:`cxlrpc.owned`)."""
 
     region: Region
+    state: Counter
     _owned: OwnedWords
 
     def republish(self) -> int:

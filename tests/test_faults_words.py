@@ -24,7 +24,7 @@ import cxlrpc
 from cxlrpc.channel import _SLOT_CLAIM, CONTROL, KIND_RPC, read_geometry
 from cxlrpc.memory import ACQUIRE, RELEASE
 from cxlrpc.region import Region, RegionError
-from cxlrpc.ring import ClaimRevoked, MpscRing
+from cxlrpc.ring import ClaimRevoked
 from cxlrpc.ring.mpsc import NO_CLAIM
 from cxlrpc.ring.record import HEAD_OFFSET, TAIL_OFFSET
 from procs import open_counting, report, start_fault_server, stop, until

@@ -619,6 +619,8 @@ class Server:
             self._fenced(Peer(slot, gen))
         if self._heap_waiting:
             self._expire_heap_waiters(now)
+        if self._heap is not None and self._heap.abandoned and self._heap.free_abandoned():
+            self._heap_freed()
         ring = chan.requests
         if ring.blocked_producer() is None or ring.unblock(chan.producer_dead, chan.live_claims):
             return None
@@ -1413,10 +1415,11 @@ class Server:
             self._broken(exc)
 
     def _end_following(self, key: tuple[int, int, int], code: int = 0, message: str = "") -> None:
-        """Stop following a request and give its extent back (freed, or its client's again if
-        a spare); answer ``code`` (0: no answer, the caller gave up or left)."""
+        """Stop following a request and give its extent back (a spare is its client's again;
+        another is freed once its writer stopped: ServerHeap.abandon); answer ``code`` (0: no
+        answer, the caller gave up or left)."""
         following = self._following.pop(key)
-        if self._heap.give_back(following.offset):
+        if self._heap.abandon(following.offset, following.length):
             self._heap_freed()
         if code:
             self._error(following.frame, code, message)

@@ -201,6 +201,7 @@ class ServerHeap:
         #: followed requests' extents the server stopped reading while their writers may write
         #: on: offset -> body length (freed once the progress word says the writer stopped)
         self.abandoned: dict[int, int] = {}
+        self._handed_back: set[int] = set()  # spares their client FREEd while the server read them
 
     def alloc(self, slot: int, gen: int, length: int, keep: bool = False) -> int | None:
         """An extent of ``length`` bytes for the connection, or None while the heap is full;
@@ -264,7 +265,10 @@ class ServerHeap:
                 or owner[:2] in self._quarantined):
             return False
         if offset in self._lent:
-            return self._unkeep(offset)
+            if self._unkeep(offset):  # its client is done writing it: free it once read
+                self._handed_back.add(offset)
+                return True
+            return False
         self._unkeep(offset)
         if offset in self._replies and (slot, gen) not in self._parked:
             self._parked[(slot, gen)] = offset
@@ -299,6 +303,9 @@ class ServerHeap:
         owner = self._owners.get(offset)
         if offset in self._kept or owner is None or owner[:2] in self._quarantined:
             return False
+        if offset in self._handed_back:  # its writer is done: its client said so
+            self._drop(offset)
+            return True
         self.abandoned[offset] = length
         return self.free_abandoned() > 0
 
@@ -350,6 +357,7 @@ class ServerHeap:
         del self._owners[offset]
         self._replies.discard(offset)
         self.abandoned.pop(offset, None)
+        self._handed_back.discard(offset)
         if offset in self._sealed:  # a writer still at it (a request the server gave up) stops
             self._sealed.discard(offset)
             self.access.seal(offset, SEAL_REVOKED)

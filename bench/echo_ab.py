@@ -34,7 +34,7 @@ def _serve(url: str) -> None:
     import cxlrpc
 
     async def main() -> None:
-        server = cxlrpc.Server(url)
+        server = cxlrpc.Server(url, client_timeout=10.0)
 
         @server.method("echo")
         def echo(body: bytes) -> bytes:
@@ -55,7 +55,7 @@ async def _measure(url: str, n: int) -> dict[str, list[int]]:
 
     out: dict[str, list[int]] = {}
     clock = time.perf_counter_ns
-    async with cxlrpc.connect(url) as client:
+    async with cxlrpc.connect(url, server_timeout=10.0) as client:  # (a loaded machine starves beats)
         for op, size in SIZES.items():
             body = os.urandom(size)
             calls = CALLS[op] * n

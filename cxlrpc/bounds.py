@@ -11,11 +11,10 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Iterator
 
 from . import frame as fr
 from .errors import StatusCode
-from .heap import FOLLOW_MIN_RATE, FOLLOW_STALL_S
 
 #: The most bytes a refusal in the backlog (a RESOURCE_EXHAUSTED error frame) takes.
 REFUSAL_MAX = 512
@@ -148,44 +147,3 @@ class PerConnection:
 
     def clear(self) -> None:
         self._counts.clear()
-
-
-class RefusedExtents:
-    """Extents of followed requests refused past ``max_followed_requests``: answered at once,
-    but kept from reuse (lent) until their writers are done with them, so that a client still
-    copying its body never writes into an extent handed to another."""
-
-    __slots__ = ("_entries",)
-
-    def __init__(self) -> None:
-        self._entries: list[tuple[int, float, Any]] = []
-
-    def __bool__(self) -> bool:
-        return bool(self._entries)
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def add(self, offset: int, length: int, progress: Any, now: float) -> None:
-        """Keep the extent at ``offset`` while ``progress`` (a memory.FollowedBody that does
-        not copy) says its body is not whole, for FOLLOW_STALL_S plus its length at
-        FOLLOW_MIN_RATE at most (the time a client has to write a followed body)."""
-        self._entries.append((offset, now + FOLLOW_STALL_S + length / FOLLOW_MIN_RATE, progress))
-
-    def over(self, now: float) -> list[int]:
-        """The extents whose writing is over (whole, garbage progress, or out of time), no
-        longer kept: the caller gives them back."""
-        done: list[int] = []
-        left: list[tuple[int, float, Any]] = []
-        for entry in self._entries:
-            offset, until, progress = entry
-            try:
-                over = progress.step(0.0, 0.0) or now >= until
-            except ValueError:  # garbage progress: its writer is done with it
-                over = True
-            if over:
-                done.append(offset)
-            else:
-                left.append(entry)
-        self._entries = left
-        return done

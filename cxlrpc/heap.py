@@ -203,6 +203,10 @@ class ServerHeap:
         self._parked_bytes = 0
         self._quarantined: set[tuple[int, int]] = set()  # departed, not yet fenced
         self._sealed: set[int] = set()  # followed extents: their header holds a seal
+        #: followed requests' extents the server stopped reading while their writers may write
+        #: on: offset -> body length (freed once the progress word says the writer stopped)
+        self.abandoned: dict[int, int] = {}
+        self._handed_back: set[int] = set()  # spares their client FREEd while the server read them
 
     def alloc(self, slot: int, gen: int, length: int, keep: bool = False) -> int | None:
         """An extent of ``length`` bytes for the connection, or None while the heap is full;
@@ -266,7 +270,10 @@ class ServerHeap:
                 or owner[:2] in self._quarantined):
             return False
         if offset in self._lent:
-            return self._unkeep(offset)
+            if self._unkeep(offset):  # its client is done writing it: free it once read
+                self._handed_back.add(offset)
+                return True
+            return False
         self._unkeep(offset)
         if offset in self._replies and (slot, gen) not in self._parked:
             self._parked[(slot, gen)] = offset
@@ -291,6 +298,31 @@ class ServerHeap:
         self._drop(offset)
         return True
 
+    def abandon(self, offset: int, length: int) -> bool:
+        """The server stopped reading a followed request (its writer stalled, its deadline
+        passed, its caller cancelled or left) whose writer may still be writing: end the lending
+        and, unless it is a spare (its client's again) or its owner is quarantined (freed when
+        fenced), free it once its progress word reaches ``length`` (:meth:`free_abandoned`; at
+        once if it has). Whether any abandoned extent was freed now."""
+        self._lent.discard(offset)
+        owner = self._owners.get(offset)
+        if offset in self._kept or owner is None or owner[:2] in self._quarantined:
+            return False
+        if offset in self._handed_back:  # its writer is done: its client said so
+            self._drop(offset)
+            return True
+        self.abandoned[offset] = length
+        return self.free_abandoned() > 0
+
+    def free_abandoned(self) -> int:
+        """Free the abandoned extents whose writers stopped (their progress word at or past
+        the length: done, or given up); how many (from housekeeping: O(abandoned))."""
+        done = [offset for offset, length in self.abandoned.items()
+                if self.access.mem.load(self.access.start + offset, ACQUIRE) >= length]
+        for offset in done:
+            self._drop(offset)
+        return len(done)
+
     def quarantine(self, slot: int, gen: int) -> None:
         """The connection departed but may still write (frozen): keep all it holds, parked
         extent included, from every other connection until :meth:`release_owner`."""
@@ -299,8 +331,10 @@ class ServerHeap:
         if parked is not None:
             self._unpark(parked)  # (a heap under pressure frees parked extents: not this one)
         for offset, (s, g, _) in self._owners.items():
-            if s == slot and g == gen and offset in self._sealed:
-                self.access.seal(offset, SEAL_REVOKED)  # it writes and reads no more of it
+            if s == slot and g == gen:
+                self.abandoned.pop(offset, None)  # (freed when fenced, whatever its progress)
+                if offset in self._sealed:
+                    self.access.seal(offset, SEAL_REVOKED)  # it writes and reads no more of it
 
     def release_owner(self, slot: int, gen: int) -> int:
         """Free everything a departed (and fenced) connection held, but what is lent (freed
@@ -327,6 +361,8 @@ class ServerHeap:
         """Free the extent at ``offset`` (not parked, not lent)."""
         del self._owners[offset]
         self._replies.discard(offset)
+        self.abandoned.pop(offset, None)
+        self._handed_back.discard(offset)
         if offset in self._sealed:  # a writer still at it (a request the server gave up) stops
             self._sealed.discard(offset)
             self.access.seal(offset, SEAL_REVOKED)

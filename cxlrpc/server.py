@@ -28,7 +28,7 @@ from typing import Any, Awaitable, Callable, Mapping, NamedTuple, NoReturn, Sequ
 import msgspec
 
 from . import frame as fr
-from .bounds import HELD, SHED, HeldReplies, Limits, PerConnection, RefusedExtents
+from .bounds import HELD, SHED, HeldReplies, Limits, PerConnection
 from .channel import DETACHED, KIND_RPC, Departure, FlushServerChannel, ServerChannel, layout, server_channel
 from .doorbell import WaitStrategy, resolve
 from .fencing import Fences
@@ -353,8 +353,6 @@ class Server:
         self._following: dict[tuple[int, int, int], _Following] = {}
         self._followed_by = PerConnection()  # how many of them each connection has
         self._hot_follows = 0  # how many of them are followed every loop turn (their writers write)
-        #: extents of followed requests refused past max_followed_requests
-        self._refused = RefusedExtents()
         self._oneway_ids = itertools.count(1)
         self._peers: dict[int, Peer] = {}  # per slot, so a request costs no Peer allocation
         #: method name's bytes -> (fn, mode, decode, name) for the native dispatcher
@@ -679,10 +677,8 @@ class Server:
             self._fenced(Peer(slot, gen))
         if self._heap_waiting:
             self._expire_heap_waiters(now)
-        if self._refused:
-            for offset in self._refused.over(now):
-                if self._heap.give_back(offset):
-                    self._heap_freed()
+        if self._heap is not None and self._heap.abandoned and self._heap.free_abandoned():
+            self._heap_freed()
         self._republish()
         ring = chan.requests
         if ring.blocked_producer() is None or ring.unblock(chan.producer_dead, chan.live_claims,
@@ -1524,12 +1520,13 @@ class Server:
             self._broken(exc)
 
     def _end_following(self, key: tuple[int, int, int], code: int = 0, message: str = "") -> None:
-        """Stop following a request and give its extent back (freed, or its client's again if
-        a spare); answer ``code`` (0: no answer, the caller gave up or left)."""
+        """Stop following a request and give its extent back (a spare is its client's again;
+        another is freed once its writer stopped: ServerHeap.abandon); answer ``code`` (0: no
+        answer, the caller gave up or left)."""
         following = self._following.pop(key)
         self._followed_by.remove(key[:2])
         self._cool(following)
-        if self._heap.give_back(following.offset):
+        if self._heap.abandon(following.offset, following.length):
             self._heap_freed()
         if code:
             self._error(following.frame, code, message)
@@ -1542,10 +1539,10 @@ class Server:
 
     def _refuse_following(self, f: fr.Frame, offset: int, length: int) -> None:
         """A followed request past its connection's max_followed_requests: RESOURCE_EXHAUSTED at
-        once, its extent (lent) kept from reuse until its client is done writing it."""
+        once, its extent kept from reuse until its client is done writing it (abandoned)."""
         limit = self.limits.max_followed_requests
-        progress = self._heap.access.follower(offset, length, copy=False)
-        self._refused.add(offset, length, progress, self._polled_at)
+        if self._heap.abandon(offset, length):
+            self._heap_freed()
         self._error(f, StatusCode.RESOURCE_EXHAUSTED, f"{limit} followed requests of this connection "
                     f"are being written already (max_followed_requests={limit})")
 

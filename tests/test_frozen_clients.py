@@ -34,8 +34,8 @@ def _stopped(pid: int) -> bool:
 
 def _server(url: str) -> cxlrpc.Server:
     # room for two followed extents: the frozen client's and one other (so the others' traffic
-    # must reuse the frozen client's once it is freed); reaped after 0.3 s without a heartbeat
-    server = cxlrpc.Server(url, client_timeout=0.3, max_message_size=EXTENT, heap_size=2 * EXTENT)
+    # must reuse the frozen client's once it is freed); reaped after 1 s without a heartbeat
+    server = cxlrpc.Server(url, client_timeout=1.0, max_message_size=EXTENT, heap_size=2 * EXTENT)
 
     @server.method("echo")
     def echo(body: bytes) -> bytes:

@@ -179,3 +179,23 @@ def test_the_server_seals_what_it_hands_out_and_revokes_what_it_takes_back() -> 
     assert seal(reply) == SEAL_REVOKED and heap.used == used  # kept, but no longer its owner's
     assert seal(other) == seal_word(2, 9)
     assert heap.release_owner(1, 5) == 1 and heap.used == used - heap._alloc.rounded(FOLLOW_HEADER + MiB)
+
+
+def test_a_request_the_server_gives_up_is_freed_only_once_its_writer_stopped() -> None:
+    """A followed request abandoned mid-write (stall, deadline, cancel) while its client still
+    holds its slot: its writer may write on, so the extent is freed only once its progress word
+    says the writer stopped (done, or gave up), not when the server stops reading."""
+    from cxlrpc.heap import FOLLOW_ABORTED, HeapAccess, ServerHeap
+
+    buf = bytearray(16 * MiB)
+    mem = AtomicMemory(buf)
+    heap = ServerHeap(HeapAccess(memoryview(buf), mem, 0, len(buf)), spare_budget=0)
+    for stops_with in (MiB, FOLLOW_ABORTED):
+        offset = heap.alloc(1, 5, FOLLOW_HEADER + MiB, keep=True)
+        heap.lend(offset)  # (as the server does while it follows the body)
+        mem.store(offset, FOLLOW_CHUNK, RELEASE)  # one chunk written so far
+        assert not heap.abandon(offset, MiB)
+        assert heap.used > 0 and heap.free_abandoned() == 0
+        assert heap.alloc(2, 1, 16 * MiB - FOLLOW_HEADER) is None  # not handed to another
+        mem.store(offset, stops_with, RELEASE)
+        assert heap.free_abandoned() == 1 and heap.used == 0

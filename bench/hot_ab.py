@@ -3,9 +3,9 @@
 
 Each round runs, once per checkout (order alternating, that checkout first on PYTHONPATH), a
 process that starts a cxlrpc echo server (a plain handler, uvloop) and a ``python -m kvservice
-serve`` (1 GiB pool) in processes of their own, then times from asyncio clients: echo of 64 B
-and 1 MiB, zero-copy kv gets of 64 KiB and 1 MiB (one byte read), and a copying kv get of
-1 MiB (``get_bytes``). The table shows, per checkout, the median across rounds of each round's
+serve`` (1 GiB pool) in processes of their own, then times from asyncio clients: echo of 64 B,
+1 MiB and 8 MiB (followed through the heap both ways), zero-copy kv gets of 64 KiB and 1 MiB
+(one byte read), and a copying kv get of 1 MiB (``get_bytes``). The table shows, per checkout, the median across rounds of each round's
 p50 and p99, and B/A.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from ab import alternate, table  # run as a script: bench/ is on sys.path
 from pool_connect import serving
 
 MiB = 1 << 20
-OPS = ("echo 64B", "echo 1M", "kv get 64K", "kv get 1M", "kv get_bytes 1M")
+OPS = ("echo 64B", "echo 1M", "echo 8M", "kv get 64K", "kv get 1M", "kv get_bytes 1M")
 
 _ECHO_SERVER = """
 import asyncio, sys, uvloop, cxlrpc
@@ -62,9 +62,10 @@ async def _measure(echo_url: str, kv_url: str, n: int) -> dict[str, list[int]]:
     from kvservice import KVClient
 
     out: dict[str, list[int]] = {op: [] for op in OPS}
-    small, big = os.urandom(64), os.urandom(MiB)
+    small, big, huge = os.urandom(64), os.urandom(MiB), os.urandom(8 * MiB)
     async with cxlrpc.connect(echo_url) as client:
-        for payload, op, count in ((small, "echo 64B", 20 * n), (big, "echo 1M", n)):
+        for payload, op, count in ((small, "echo 64B", 20 * n), (big, "echo 1M", n),
+                                   (huge, "echo 8M", max(n // 8, 10))):
             async def echo(payload=payload) -> None:
                 if len(await client.call("echo", payload)) != len(payload):
                     raise AssertionError("short echo")

@@ -19,7 +19,7 @@ from .stats import change
 def environment(loop: str) -> dict[str, Any]:
     """Versions, CPU model, core count and loop: what a reader needs to compare runs."""
     versions = {}
-    for pkg in ("grpcio", "protobuf", "msgspec", "uvloop", "numpy", "pyzmq", "posix-ipc", "atomicshm", "cxlrpc"):
+    for pkg in ("grpcio", "protobuf", "msgspec", "uvloop", "numpy", "pyzmq", "posix-ipc", "cxlrpc"):
         try:
             versions[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:

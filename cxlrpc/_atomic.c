@@ -21,6 +21,9 @@
 #if !defined(__GNUC__)
 #error "cxlrpc._atomic needs GCC or Clang (__atomic builtins)"
 #endif
+#ifdef Py_GIL_DISABLED
+#error "cxlrpc._atomic relies on the GIL between its open check and the access: free-threaded builds are not supported"
+#endif
 _Static_assert(__atomic_always_lock_free(8, 0), "8-byte atomics must be lock-free on this target");
 
 enum { O_RELAXED, O_ACQUIRE, O_RELEASE, O_ACQ_REL, O_SEQ_CST, N_ORDERS };

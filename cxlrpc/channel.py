@@ -75,8 +75,12 @@ _SLOT_PID, _SLOT_IDENTITY, _SLOT_CLAIM = 384, 392, 400  # the client's line
 #: the generation whose holder wrote the PID and identity words (written after them): until
 #: it matches, they may still be the previous holder's, whose PID proves nothing of this one
 _SLOT_WRITER = 408
+#: the generation of a holder that released its slot itself, written before it frees it: a slot
+#: found free (or claimed anew) without it was freed by a stray write, and its holder may still run
+_SLOT_RELEASED = 416
 _SLOT_ACK = 512  # the server's line: the generation it has seen claimed
 _SLOT_WORDS = (_SLOT_HEARTBEAT, _SLOT_PARKED, _SLOT_PID, _SLOT_IDENTITY, _SLOT_CLAIM, _SLOT_WRITER,
+               _SLOT_RELEASED,
                _SLOT_ACK)
 
 
@@ -317,6 +321,8 @@ class ServerChannel(_ServerWords):
                                      wake_address(region.epoch, "server"), poll_interval)
         self._liveness = [Liveness(0.0) for _ in range(geo.slots)]
         self._pids = [PidWatch() for _ in range(geo.slots)]  # holders that share our identity
+        #: per slot, (generation, PID, same host) its holder published at attach, pinned
+        self._pinned: list[tuple[int, int, bool] | None] = [None] * geo.slots
         self.seen: list[int | None] = [None] * geo.slots  # generation last seen claimed (or sending)
         self.requests.live_claims = self.live_claims  # garbage recovery spares claims being written
         self.state.store(STATE_RUNNING, RELEASE)
@@ -359,20 +365,17 @@ class ServerChannel(_ServerWords):
             gen = (word >> 1) & 0xFFFFFFFF
             seen = self.seen[i]
             if seen is not None and (not word & 1 or gen != seen):
-                departed.append(Departure(i, seen, DETACHED))  # (we never freed it: it did)
+                departed.append(self.departure(i, seen))  # (we never freed it)
                 self.seen[i] = None
             if not word & 1:
                 self._liveness[i].forget()
                 self._pids[i].close()
+                self._pinned[i] = None
                 continue
             live = self._liveness[i]
             live.timeout = timeout
             beat = self.slot_heartbeat[i].load(ACQUIRE)
-            base = self.geo.slot(i)
-            # the PID and identity are this holder's only once it wrote its generation after them
-            written = mem.load(base + _SLOT_WRITER, ACQUIRE) == gen
-            local = written and mem.load(base + _SLOT_IDENTITY, ACQUIRE) == self.identity
-            pid = mem.load(base + _SLOT_PID, ACQUIRE) if local else 0
+            pid, local = self._holder(i, gen)
             dead = local and self._pids[i].dead(pid)
             if dead or live.stale(beat, now):
                 if self.slot_state[i].cas(word, word & ~1, ACQ_REL) == word:
@@ -389,6 +392,37 @@ class ServerChannel(_ServerWords):
         self.bell.remote_peers = remote
         self.peers_in_process = in_process
         return departed
+
+    def departure(self, slot: int, gen: int) -> Departure:
+        """How the holder ``gen`` of ``slot`` left a slot we did not free: DETACHED when it
+        wrote its generation into its released word first; else a stray write freed or
+        re-claimed the slot under it, and it may still run and write: REAPED (fenced as one)."""
+        if self.said_stopped(slot, gen):
+            return Departure(slot, gen, DETACHED)
+        pinned = self._pinned[slot]
+        pid, local = pinned[1:] if pinned is not None and pinned[0] == gen else (0, False)
+        return _reaped(slot, gen, pid, local, self._pids)
+
+    def _holder(self, slot: int, gen: int) -> tuple[int, bool]:
+        """The holder's PID and whether it shares our host identity, as it published them at
+        attach and pinned from then on (a stray write to those words later changes nothing:
+        a PID written over must not make a live holder look dead, nor a dead one alive)."""
+        pinned = self._pinned[slot]
+        if pinned is not None and pinned[0] == gen:
+            return pinned[1], pinned[2]
+        base, mem = self.geo.slot(slot), self.region.mem
+        # the PID and identity are this holder's only once it wrote its generation after them
+        if mem.load(base + _SLOT_WRITER, ACQUIRE) != gen:
+            return 0, False
+        local = mem.load(base + _SLOT_IDENTITY, ACQUIRE) == self.identity
+        pid = mem.load(base + _SLOT_PID, ACQUIRE) if local else 0
+        self._pinned[slot] = (gen, pid, local)
+        return pid, local
+
+    def said_stopped(self, slot: int, gen: int) -> bool:
+        """Did the holder ``gen`` of ``slot`` write its generation into its released word
+        (it released the slot, or found it taken and stopped writing)?"""
+        return self.region.mem.load(self.geo.slot(slot) + _SLOT_RELEASED, ACQUIRE) == gen
 
     def producer_dead(self, slot: int, tag: int) -> bool:
         """Is the writer of a request header (slot id, generation tag) gone?  Proven when the
@@ -594,8 +628,13 @@ class ClientChannel(_ServerWatch):
         self.heartbeat.fetch_add(1, ACQ_REL)
 
     def release(self) -> None:
-        """Give the slot back if it is still ours (one CAS: safe from any thread, and twice)."""
+        """Give the slot back if it is still ours (one CAS: safe from any thread, and twice),
+        saying first in the released word that we write no more (also when the slot was taken
+        from us: the server then frees what we held at once, not when our process exits)."""
+        if self.slot < 0:
+            return
         word = (self.gen << 1) | 1
+        self.region.mem.store(self.geo.slot(self.slot) + _SLOT_RELEASED, self.gen, RELEASE)
         self._slot_state.cas(word, word & ~1, ACQ_REL)
 
     def detach(self) -> None:
@@ -735,6 +774,16 @@ class FlushServerChannel(_ServerWords):
         if mem.load(base + _F_GEN, ACQUIRE) != gen:
             return None
         return gen, mem.load(base + _F_PID, ACQUIRE), mem.load(base + _F_IDENTITY, ACQUIRE)
+
+    def said_stopped(self, slot: int, gen: int) -> bool:
+        """Holders here are freed by the server alone (on their released word, or reaped):
+        a reaped one is fenced by its process's exit or the fence timeout."""
+        return False
+
+    def departure(self, slot: int, gen: int) -> Departure:
+        """How a holder left a slot that changed hands unseen: here only the server frees a
+        slot, on the holder's released word (or when it reaped it, and said so then)."""
+        return Departure(slot, gen, DETACHED)
 
     def reap(self, timeout: float, now: float) -> list[Departure]:
         """Grant free slots that were knocked on; free those whose holder released them,

@@ -29,7 +29,7 @@ import msgspec
 
 from . import frame as fr
 from .bounds import HELD, SHED, HeldReplies, Limits, PerConnection
-from .channel import DETACHED, KIND_RPC, Departure, FlushServerChannel, ServerChannel, layout, server_channel
+from .channel import KIND_RPC, Departure, FlushServerChannel, ServerChannel, layout, server_channel
 from .doorbell import WaitStrategy, resolve
 from .fencing import Fences
 from .errors import (ERRORS, DeadlineExceeded, Internal, InvalidArgument, ResourceExhausted, RpcError,
@@ -673,7 +673,7 @@ class Server:
         chan = self._chan
         for gone in chan.reap(self.client_timeout, now):
             self._departed(gone)
-        for slot, gen in self._fences.due(now):
+        for slot, gen in self._fences.due(now, chan.said_stopped):
             self._fenced(Peer(slot, gen))
         if self._heap_waiting:
             self._expire_heap_waiters(now)
@@ -780,7 +780,7 @@ class Server:
         if seen != f.gen:
             chan.seen[slot] = f.gen
             if seen is not None:  # a new holder already: its predecessor left unseen
-                self._departed(Departure(slot, seen, DETACHED))  # (it released its slot)
+                self._departed(chan.departure(slot, seen))
         if f.flags & fr.FOLLOW:  # a unary request's body, or a response's
             if f.kind == fr.REQUEST and f.flags & fr.HEAP and not f.flags & fr.STREAM:
                 self._follow_request(f)

@@ -270,9 +270,8 @@ class RegionFuzzer:
 
     def _slot_owner(self) -> None:
         """The words that say who holds a live slot (state, PID, identity, writer): the server
-        takes its holder for gone (or replaced) and frees what it held. A holder that goes on
-        writing a heap body it held then writes into another's (issue 40 item 1, fencing): the
-        test's clients keep their bodies in the rings in this area."""
+        may take its holder for gone (or replaced), but frees what it held only once the holder
+        is fenced (it said it stopped, or its process exited): its heap bodies stay its own."""
         rng, geo = self.rng, self.geo
         live = dict(self.crafter.live)
         if not live:

@@ -10,9 +10,11 @@ import time
 import pytest
 
 import cxlrpc
-from cxlrpc.channel import DEAD, DETACHED, REAPED, Departure
+import cxlrpc.channel as channel
+from cxlrpc.channel import DEAD, DETACHED, KIND_RPC, REAPED, Departure, client_channel, layout, server_channel
 from cxlrpc.fencing import Fences
-from cxlrpc.region import PidWatch
+from cxlrpc.memory import RELEASE
+from cxlrpc.region import PidWatch, Region
 from procs import client_holding_slot, stop
 
 
@@ -120,3 +122,41 @@ async def test_a_frozen_client_is_quarantined_until_it_dies(url: str) -> None:
             if proc.is_alive():
                 os.kill(proc.pid, signal.SIGKILL)  # (a stopped process ignores SIGTERM)
             await asyncio.to_thread(stop, proc)
+
+
+def test_a_stray_write_freeing_a_live_slot_fences_its_holder_only_once_it_stopped(url):
+    """One word (the slot's state, or its PID) written over must not pass a live holder off as
+    detached or dead, which would free at once what it is still writing: it departs as REAPED
+    (quarantined), and is fenced once it says it stopped (its release writes the released word)."""
+    geo = layout(2, 1024, 1024, "hardware")
+    region = Region.create(url, geo.size, KIND_RPC)
+    server = server_channel(region, geo)
+    region.publish()
+    client = None
+    try:
+        client = client_channel(Region.open(url))
+        assert server.reap(1.0, time.monotonic()) == []  # seen, pinned
+        base = geo.slot(client.slot)
+        region.mem.store(base + channel._SLOT_PID, 4_000_000, RELEASE)  # the PID word: no such process
+        assert server.reap(1.0, time.monotonic()) == []  # the PID seen at attach is alive
+        region.mem.store(base, client.gen << 1, RELEASE)  # the state word: claimed bit cleared
+        (gone,) = server.reap(1.0, time.monotonic())
+        assert (gone.slot, gone.gen, gone.how) == (client.slot, client.gen, REAPED)
+        fences = Fences(3600.0)
+        assert not fences.depart(gone, time.monotonic())
+        assert fences.due(time.monotonic(), server.said_stopped) == []
+        client.release()  # it noticed, stopped writing and released: fenced now
+        assert fences.due(time.monotonic(), server.said_stopped) == [(client.slot, client.gen)]
+        fences.close()
+        # a holder that releases its slot itself departs DETACHED (fenced at once)
+        again = client_channel(client.region)
+        server.reap(1.0, time.monotonic())
+        again.release()
+        (left,) = server.reap(1.0, time.monotonic())
+        assert (left.gen, left.how) == (again.gen, DETACHED)
+    finally:
+        if client is not None:
+            client.region.close()
+        server.close()
+        region.close()
+        region.unlink()

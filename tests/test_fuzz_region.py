@@ -45,12 +45,6 @@ class NotRecovered(Exception):
     """No new client got its answers within RECOVERY_S after the garbage stopped."""
 
 
-def _known(item: int) -> pytest.MarkDecorator:
-    """A recovery another change of issue 40 fixes: only NotRecovered is expected (wrong bytes,
-    a hang or a crash still fail), and the case fails once recovery works (strict)."""
-    return pytest.mark.xfail(strict=True, raises=NotRecovered, reason=f"issue 40 item {item}")
-
-
 CASES = [
     pytest.param("request-ring", "native", "shm", id="request-ring"),
     pytest.param("reply-ring", "native", "shm", id="reply-ring"),
@@ -58,8 +52,8 @@ CASES = [
     pytest.param("slot-owner", "native", "shm", id="slot-owner"),
     pytest.param("heap", "native", "shm", id="heap"),
     pytest.param("claim", "native", "shm", id="claim"),
-    pytest.param("owner", "native", "shm", id="owner", marks=_known(8)),
-    pytest.param("geometry", "native", "shm", id="geometry", marks=_known(9)),
+    pytest.param("owner", "native", "shm", id="owner"),
+    pytest.param("geometry", "native", "shm", id="geometry"),
     pytest.param("request-ring", "reference", "shm", id="request-ring-reference"),
     pytest.param("reply-ring", "reference", "shm", id="reply-ring-reference"),
     pytest.param("heap", "reference", "shm", id="heap-reference"),
@@ -69,17 +63,13 @@ CASES = [
 
 
 def _setup(scheme: str, area: str) -> tuple[dict, list, list, list]:
-    """Server options, the asyncio and the blocking client's size bands, the fresh client's sizes
-    (in the rings only where the garbage makes the server free a live client's heap extents:
-    issue 40 item 1, see RegionFuzzer._slot_owner)."""
+    """Server options, the asyncio and the blocking client's size bands, the fresh client's sizes."""
     if scheme == "sim":  # memory without coherence (flush mode): no followed bodies, small rings
         opts = sized_for("sim://x", {"slots": 6})
         return (opts, [(1, 256), (1024, 24 << 10), (150 << 10, 300 << 10)],
                 [(1, 256), (4 << 10, 32 << 10), (140 << 10, 200 << 10)], [64, 20_000, 200_000])
     opts = {"slots": 6, "request_capacity": 1 << 16, "response_capacity": 1 << 16,
             "max_message_size": 4 * MIB, "heap_size": 16 * MIB}
-    if area == "slot-owner":
-        return opts, [(1, 256), (1024, 24 << 10)], [(1, 256), (2048, 16 << 10)], [64, 20_000, 100_000, MIB]
     return (opts, [(1, 256), (1024, 24 << 10), (40 << 10, 200 << 10), (300 << 10, 3 * MIB)],
             [(1, 256), (2048, 16 << 10), (64 << 10, 128 << 10), (256 << 10, MIB)],
             [64, 20_000, 100_000, MIB])

@@ -39,6 +39,10 @@ class Limits:
       (its caller then gets RESOURCE_EXHAUSTED).
     - ``max_followed_requests``: followed requests of one connection whose bodies are still
       being written.
+    - ``max_stream_bytes``: bytes of request-stream items one connection sent that its handlers
+      have not taken yet (each stream holds at most its credit of items; this bounds them all
+      together; the server's default: the larger of 64 MiB and twice max_message_size). The
+      item past it fails its stream with RESOURCE_EXHAUSTED.
     """
 
     max_backlog_bytes: int = 16 << 20
@@ -46,10 +50,11 @@ class Limits:
     max_alloc_waiters: int = 16
     alloc_timeout: float = 30.0
     max_followed_requests: int = 32
+    max_stream_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         for name in ("max_backlog_bytes", "max_backlog_replies", "max_alloc_waiters",
-                     "max_followed_requests"):
+                     "max_followed_requests", "max_stream_bytes"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")

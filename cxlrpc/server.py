@@ -280,15 +280,18 @@ class Server:
                  max_backlog_replies: int = Limits.max_backlog_replies,
                  max_alloc_waiters: int = Limits.max_alloc_waiters,
                  alloc_timeout: float = Limits.alloc_timeout,
-                 max_followed_requests: int = Limits.max_followed_requests) -> None:
+                 max_followed_requests: int = Limits.max_followed_requests,
+                 max_stream_bytes: int | None = None) -> None:
         parse_url(url)  # fail fast on a malformed URL
         self._fences = Fences(fence_timeout)  # (validates it)
         self._on_fenced: list[Callable[[Peer], None]] = []
         if max_backlog_bytes is None:  # two bodies of max_message_size at least (the first always fits)
             max_backlog_bytes = max(Limits.max_backlog_bytes, max_message_size)
         #: What one connection may make the server hold (validated: ValueError)
+        if max_stream_bytes is None:  # two items of max_message_size at least
+            max_stream_bytes = max(Limits.max_stream_bytes, 2 * max_message_size)
         self.limits = Limits(max_backlog_bytes, max_backlog_replies, max_alloc_waiters, alloc_timeout,
-                             max_followed_requests)
+                             max_followed_requests, max_stream_bytes)
         if not poll_interval > 0:
             raise ValueError("poll_interval must be > 0 seconds")
         for interceptor in interceptors:
@@ -347,6 +350,7 @@ class Server:
         self._follow_min = sys.maxsize
         self._credits: dict[tuple, list] = {}  # per stream: [credit left, event set on credit]
         self._inbound: dict[tuple, RequestStream] = {}  # request streams being read, per call
+        self._stream_bytes: dict[tuple[int, int], int] = {}  # their items' bytes waiting, per connection
         #: ALLOCs the full heap could not serve yet (changed in place: the native dispatcher holds it)
         self._heap_waiting: list[tuple] = []
         #: followed requests whose bodies their clients are still writing, per call
@@ -1060,7 +1064,8 @@ class Server:
         arg: Any
         if m.requests:
             arg = self._inbound[key] = RequestStream(f.method, m.arg_type,
-                                                     functools.partial(self._grant, key))
+                                                     functools.partial(self._grant, key),
+                                                     functools.partial(self._account_stream, key[:2]))
         elif not m.takes_arg:
             arg = _NO_ARG
         elif intercepted:
@@ -1083,7 +1088,7 @@ class Server:
         result = self._run_eagerly(coro, f, f.slot, call, ctx=ctx)
         if result is _SUSPENDED:
             return
-        self._inbound.pop(key, None)
+        self._end_inbound(key)
         if result is not _FAILED:
             self._reply(f, result)
 
@@ -1097,14 +1102,43 @@ class Server:
                 if stream is not None:
                     stream.fail(InvalidArgument("a request item's body is not in a heap extent of its own"))
                 return
-        if stream is not None and not stream.put(f):  # past its credit: a broken caller
-            key = (f.slot, f.gen, f.call_id)
-            task = self._tasks.get(key)
-            if task is not None:
-                self._cancelled_with[key] = InvalidArgument(
-                    f"the caller of {stream.method!r} sent request items beyond its "
-                    f"credit of {STREAM_WINDOW}")
-                _cancel(task)
+        if stream is None:
+            return
+        if f.kind == fr.ITEM and self._stream_held(f.slot, f.gen) + len(f.body) > self.limits.max_stream_bytes:
+            limit = self.limits.max_stream_bytes
+            self._end_stream(stream, f, ResourceExhausted(
+                f"the request streams of this connection hold {limit} bytes their handlers have "
+                f"not taken yet (max_stream_bytes={limit})"))
+        elif not stream.put(f):  # past its credit: a broken caller
+            self._end_stream(stream, f, InvalidArgument(
+                f"the caller of {stream.method!r} sent request items beyond its credit of "
+                f"{STREAM_WINDOW}"))
+
+    def _stream_held(self, slot: int, gen: int) -> int:
+        """Bytes of request-stream items this connection sent that its handlers have not taken."""
+        return self._stream_bytes.get((slot, gen), 0)
+
+    def _account_stream(self, peer: tuple[int, int], delta: int) -> None:
+        held = self._stream_bytes.get(peer, 0) + delta
+        if held:
+            self._stream_bytes[peer] = held
+        else:
+            self._stream_bytes.pop(peer, None)
+
+    def _end_inbound(self, key: tuple) -> None:
+        """A streaming call ended: forget its request stream (and the bytes it still held)."""
+        stream = self._inbound.pop(key, None)
+        if stream is not None:
+            stream.release()
+
+    def _end_stream(self, stream: RequestStream, f: fr.Frame, exc: RpcError) -> None:
+        """Fail a request stream and end its call with ``exc`` (the caller broke a bound)."""
+        stream.fail(exc)  # (its handler may still take the items before the error)
+        key = (f.slot, f.gen, f.call_id)
+        task = self._tasks.get(key)
+        if task is not None:
+            self._cancelled_with[key] = exc
+            _cancel(task)
 
     def _item_body(self, f: fr.Frame) -> bool:
         """Replace an out-of-line item's extent by its bytes and free the extent; False when
@@ -1200,7 +1234,7 @@ class Server:
             self._tasks.pop(key, None)
             self._cancelled_with.pop(key, None)
             if self._inbound:
-                self._inbound.pop(key, None)
+                self._end_inbound(key)
             if self._draining:
                 self._note_drained()
 

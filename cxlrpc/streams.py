@@ -31,12 +31,16 @@ class RequestStream:
     iterator: each item decoded into the handler's annotated item type as it arrives; the
     loop ends when the caller is done writing."""
 
-    __slots__ = ("method", "item_type", "_items", "_waiter", "_taken", "_allowed", "_grant", "_closed")
+    __slots__ = ("method", "item_type", "_items", "_sizes", "_account", "_waiter", "_taken",
+                 "_allowed", "_grant", "_closed")
 
-    def __init__(self, method: str, item_type: Any, grant: Callable[[int], None]) -> None:
+    def __init__(self, method: str, item_type: Any, grant: Callable[[int], None],
+                 account: Callable[[int], None] = lambda delta: None) -> None:
         self.method = method
         self.item_type = item_type
         self._items: deque = deque()  # decoded items, then _END or the error
+        self._sizes: deque = deque()  # each waiting item's bytes as it came
+        self._account = account  # told each change of the bytes waiting (the server bounds them)
         self._waiter: asyncio.Future | None = None
         self._taken = 0
         self._allowed = STREAM_WINDOW  # items the caller may still send
@@ -60,6 +64,7 @@ class RequestStream:
         if isinstance(item, RpcError):
             raise item
         items.popleft()
+        self._account(-self._sizes.popleft())
         self._taken += 1
         if self._taken == CREDIT_EVERY:
             self._taken = 0
@@ -86,8 +91,16 @@ class RequestStream:
             self._close(InvalidArgument(f"bad request item for {self.method!r}: {exc}"))
             return True
         self._items.append(item)
+        self._sizes.append(len(f.body))
+        self._account(len(f.body))
         self._wake()
         return True
+
+    def release(self) -> None:
+        """The call ended: the items it never took are no longer waiting."""
+        if self._sizes:
+            self._account(-sum(self._sizes))
+            self._sizes.clear()
 
     def fail(self, exc: RpcError) -> None:
         """End the stream with ``exc`` (raised to the handler after the items before it)."""

@@ -75,6 +75,11 @@ def _server(url: str, **opts: Any) -> cxlrpc.Server:
         finally:
             server.ended.set()
 
+    @server.method("hoard")
+    async def hoard(blobs: AsyncIterator[bytes]) -> int:
+        await asyncio.sleep(3600)  # takes none of its items
+        return 0
+
     @server.method("refuse")
     async def refuse(xs: AsyncIterator[int]) -> int:
         async for x in xs:
@@ -452,3 +457,29 @@ def test_streaming_service_example_runs(name):
     assert "record: Summary(count=150" in done.stdout
     assert "server: Telemetry.normalize streamed 4 items" in done.stdout
     assert "stranger: UNAUTHENTICATED" in done.stdout
+
+
+async def test_request_stream_bytes_of_one_connection_are_bounded(url):
+    """Items a handler has not taken are bounded per connection across all its streams
+    (max_stream_bytes; each stream alone holds at most its credit of items): the item past it
+    fails its stream RESOURCE_EXHAUSTED, another connection's streams are untouched, and the
+    bytes of ended streams no longer count."""
+    async with _server(url, max_stream_bytes=256 << 10) as server, \
+            cxlrpc.connect(url) as client, cxlrpc.connect(url) as other:
+        item = b"x" * (40 << 10)
+        async with client.open_stream("hoard", timeout=30) as first:
+            for _ in range(4):  # 160 KiB held by a handler that takes nothing
+                await first.send(item)
+            async with other.open_stream("sizes", timeout=30, response_type=list) as bystander:
+                async with client.open_stream("hoard", timeout=30) as second:
+                    with pytest.raises(cxlrpc.ResourceExhausted, match="max_stream_bytes"):
+                        for _ in range(STREAM_WINDOW):  # the third item passes 256 KiB
+                            await second.send(item)
+                        await second.response()
+                for _ in range(5):  # 200 KiB: over what the first connection has left
+                    await bystander.send(item)
+                await bystander.done_writing()
+                assert await bystander.response() == [[len(item), b"x"]] * 5
+        assert await until(lambda: not server._stream_bytes, 5), server._stream_bytes
+    with pytest.raises(ValueError, match="max_stream_bytes"):
+        cxlrpc.Server(url, max_stream_bytes=0)

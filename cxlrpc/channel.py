@@ -420,8 +420,8 @@ class ServerChannel(_ServerWords):
         return pid, local
 
     def said_stopped(self, slot: int, gen: int) -> bool:
-        """Did the holder ``gen`` of ``slot`` write its generation into its released word
-        (it released the slot, or found it taken and stopped writing)?"""
+        """Did the holder ``gen`` of ``slot`` write its generation into its released word (it
+        released the slot itself)?"""
         return self.region.mem.load(self.geo.slot(slot) + _SLOT_RELEASED, ACQUIRE) == gen
 
     def producer_dead(self, slot: int, tag: int) -> bool:
@@ -629,12 +629,13 @@ class ClientChannel(_ServerWatch):
 
     def release(self) -> None:
         """Give the slot back if it is still ours (one CAS: safe from any thread, and twice),
-        saying first in the released word that we write no more (also when the slot was taken
-        from us: the server then frees what we held at once, not when our process exits)."""
-        if self.slot < 0:
-            return
+        saying first in the released word that we do (the server then frees what we held at
+        once). A slot taken from us is not ours to speak for: the layers above may still write
+        through what it held (a kvservice put in another thread), so its holder stays
+        quarantined until our process exits (or its fence timeout passes)."""
         word = (self.gen << 1) | 1
-        self.region.mem.store(self.geo.slot(self.slot) + _SLOT_RELEASED, self.gen, RELEASE)
+        if self._slot_state.load(ACQUIRE) == word:
+            self.region.mem.store(self.geo.slot(self.slot) + _SLOT_RELEASED, self.gen, RELEASE)
         self._slot_state.cas(word, word & ~1, ACQ_REL)
 
     def detach(self) -> None:
@@ -774,11 +775,6 @@ class FlushServerChannel(_ServerWords):
         if mem.load(base + _F_GEN, ACQUIRE) != gen:
             return None
         return gen, mem.load(base + _F_PID, ACQUIRE), mem.load(base + _F_IDENTITY, ACQUIRE)
-
-    def said_stopped(self, slot: int, gen: int) -> bool:
-        """Holders here are freed by the server alone (on their released word, or reaped):
-        a reaped one is fenced by its process's exit or the fence timeout."""
-        return False
 
     def departure(self, slot: int, gen: int) -> Departure:
         """How a holder left a slot that changed hands unseen: here only the server frees a

@@ -19,7 +19,7 @@ cannot happen, so a departed connection is *quarantined* until it is *fenced*:
 """
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 from .channel import DEAD, DETACHED, Departure
 from .region import PidWatch
@@ -61,17 +61,13 @@ class Fences:
         self._held.append(_Held(gone.slot, gone.gen, gone.pid, None, now + self.timeout))
         return False
 
-    def due(self, now: float, stopped: Callable[[int, int], bool] = lambda slot, gen: False
-            ) -> list[tuple[int, int]]:
-        """The (slot, generation) of holders fenced since the last look (each once);
-        ``stopped(slot, gen)``: the holder itself said it writes no more (it saw its slot was
-        taken from it, stopped and released it: a stray write freed a live holder's slot)."""
+    def due(self, now: float) -> list[tuple[int, int]]:
+        """The (slot, generation) of holders fenced since the last look (each once)."""
         if not self._held:
             return []
         fenced, kept = [], []
         for held in self._held:
-            if (now >= held.until or (held.watch is not None and held.watch.dead(held.pid))
-                    or stopped(held.slot, held.gen)):
+            if now >= held.until or (held.watch is not None and held.watch.dead(held.pid)):
                 if held.watch is not None:
                     held.watch.close()
                 fenced.append((held.slot, held.gen))

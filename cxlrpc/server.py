@@ -677,7 +677,7 @@ class Server:
         chan = self._chan
         for gone in chan.reap(self.client_timeout, now):
             self._departed(gone)
-        for slot, gen in self._fences.due(now, chan.said_stopped):
+        for slot, gen in self._fences.due(now):
             self._fenced(Peer(slot, gen))
         if self._heap_waiting:
             self._expire_heap_waiters(now)

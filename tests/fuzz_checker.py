@@ -166,8 +166,8 @@ class Checkers:
         return all(p.is_alive() for p in self.procs)
 
     def stop(self, timeout: float = 30.0) -> list[dict]:
-        """Ask the clients to finish their calls and report; a client that does not report in
-        ``timeout`` seconds (it hung, or died) yields a stats dict saying so."""
+        """Ask the clients to finish their calls, report and exit; a client that does not report
+        in ``timeout`` seconds (it hung, or died) yields a stats dict saying so."""
         self.stop_event.set()
         stats, deadline = [], time.monotonic() + timeout
         for _ in range(2):
@@ -176,6 +176,8 @@ class Checkers:
             except Exception:  # noqa: BLE001 - queue.Empty: the child never reported
                 stats.append({"idx": -1, "exceptions": ["a checking client never reported"],
                               "exitcodes": [p.exitcode for p in self.procs]})
+        for p in self.procs:  # gone, not only done: a holder the garbage took its slot from
+            p.join(max(0.1, deadline - time.monotonic()))  # is fenced when its process exits
         return stats
 
     def close(self) -> None:

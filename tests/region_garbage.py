@@ -271,7 +271,7 @@ class RegionFuzzer:
     def _slot_owner(self) -> None:
         """The words that say who holds a live slot (state, PID, identity, writer): the server
         may take its holder for gone (or replaced), but frees what it held only once the holder
-        is fenced (it said it stopped, or its process exited): its heap bodies stay its own."""
+        is fenced (its process exited): its heap bodies stay its own."""
         rng, geo = self.rng, self.geo
         live = dict(self.crafter.live)
         if not live:

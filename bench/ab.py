@@ -5,12 +5,13 @@ alternating, with that checkout first on ``PYTHONPATH``; its last output line is
 p99, and B/A."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -54,3 +55,22 @@ def table(per: dict[str, dict[str, list[tuple[float, float]]]], trees: dict[str,
         lines.append(f"{op:<20} {a50:>9.1f} {b50:>9.1f} {b50 / a50 if a50 else float('nan'):>6.2f} | "
                      f"{a99:>9.1f} {b99:>9.1f} {b99 / a99 if a99 else float('nan'):>6.2f}")
     return "\n".join(lines)
+
+
+def cli(doc: str, script: str, child: Callable[[int], None], ops: Sequence[str], rounds: int,
+        n_help: str) -> None:
+    """The A/B scripts' command line: ``--a``/``--b`` checkouts, ``--rounds``, ``--n``; run as
+    ``--child N`` inside a round, ``child(N)`` measures and prints its JSON line."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--a", help="checkout A (before)")
+    parser.add_argument("--b", help="checkout B (after)")
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--n", type=int, default=300, help=n_help)
+    parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child is not None:
+        child(args.child)
+        return
+    trees = {"A": args.a, "B": args.b}
+    per = alternate(script, trees, args.rounds, ["--child", str(args.n)])
+    print(table(per, trees, args.rounds, ops))

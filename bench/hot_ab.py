@@ -10,7 +10,6 @@ p50 and p99, and B/A.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -19,7 +18,7 @@ import sys
 import time
 import uuid
 
-from ab import alternate, table  # run as a script: bench/ is on sys.path
+from ab import cli  # run as a script: bench/ is on sys.path
 from pool_connect import serving
 
 MiB = 1 << 20
@@ -110,19 +109,7 @@ def _child(n: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--a", help="checkout A (before)")
-    parser.add_argument("--b", help="checkout B (after)")
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--n", type=int, default=300, help="timed 1 MiB calls per round (64 B: 20x, kv get: 4x)")
-    parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.child is not None:
-        _child(args.child)
-        return
-    trees = {"A": args.a, "B": args.b}
-    per = alternate(os.path.abspath(__file__), trees, args.rounds, ["--child", str(args.n)])
-    print(table(per, trees, args.rounds, OPS))
+    cli(__doc__, os.path.abspath(__file__), _child, OPS, 8, "timed 1 MiB calls per round (64 B: 20x, kv get: 4x)")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ The table shows, per checkout, the median across rounds of each round's p50 and 
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -19,7 +18,7 @@ import time
 
 import numpy as np
 
-from ab import alternate, table  # run as a script: bench/ is on sys.path
+from ab import cli  # run as a script: bench/ is on sys.path
 from pool_connect import serving
 
 MiB = 1 << 20
@@ -85,19 +84,7 @@ def _child(n: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--a", help="checkout A (before)")
-    parser.add_argument("--b", help="checkout B (after)")
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--n", type=int, default=300, help="timed puts per round (gets: 4x)")
-    parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.child is not None:
-        _child(args.child)
-        return
-    trees = {"A": args.a, "B": args.b}
-    per = alternate(os.path.abspath(__file__), trees, args.rounds, ["--child", str(args.n)])
-    print(table(per, trees, args.rounds, (*OPS, "first_read faults")))
+    cli(__doc__, os.path.abspath(__file__), _child, (*OPS, "first_read faults"), 6, "timed puts per round (gets: 4x)")
 
 
 if __name__ == "__main__":

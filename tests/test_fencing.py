@@ -15,16 +15,7 @@ from cxlrpc.channel import DEAD, DETACHED, KIND_RPC, REAPED, Departure, client_c
 from cxlrpc.fencing import Fences
 from cxlrpc.memory import RELEASE
 from cxlrpc.region import PidWatch, Region
-from procs import client_holding_slot, stop
-
-
-async def until(cond, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(0.01)
-    return True
+from procs import client_holding_slot, stop, until
 
 
 def test_fence_timeout_must_be_positive() -> None:

@@ -7,24 +7,14 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 
 import cxlrpc
 from cxlrpc.heap import FOLLOW_HEADER, UNIT
 from frozen_peers import frozen_client_main
-from procs import CTX, made, stop
+from procs import CTX, made, stop, until
 
 SIZE = 4 << 20  # a followed body (past FOLLOW_MIN), too big for a spare extent
 EXTENT = (FOLLOW_HEADER + SIZE + UNIT - 1) // UNIT * UNIT
-
-
-async def until(cond, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(0.01)
-    return True
 
 
 def _stopped(pid: int) -> bool:

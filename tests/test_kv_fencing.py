@@ -12,6 +12,7 @@ import pytest
 import cxlrpc
 from kv_workers import late_get_main, late_put_main
 from kvservice import KVClient, KVServer, PutFenced
+import procs
 from procs import CTX, stop
 
 MiB = 1 << 20
@@ -21,12 +22,7 @@ CLIENT_TIMEOUT = 0.5
 
 
 async def until(cond, timeout: float = 20.0) -> bool:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        if asyncio.get_running_loop().time() > deadline:
-            return False
-        await asyncio.sleep(0.02)
-    return True
+    return await procs.until(cond, timeout, 0.02)
 
 
 async def get_queue(queue, timeout: float = 30.0):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import threading
 import time
 
 import pytest
@@ -24,12 +23,12 @@ import cxlrpc
 from cxlrpc.channel import _SLOT_CLAIM, CONTROL, KIND_RPC, read_geometry
 from cxlrpc.memory import ACQUIRE, RELEASE
 from cxlrpc.region import Region, RegionError
-from cxlrpc.ring import ClaimRevoked
 from cxlrpc.ring.mpsc import NO_CLAIM
 from cxlrpc.ring.record import HEAD_OFFSET, TAIL_OFFSET
 from procs import open_counting, report, start_fault_server, stop, until
 from ring_env import payload
-from test_ring_claims import LIVE, OTHER, TAG, Gate, HeldAfterClaim, HeldBeforeCopy, HeldCommit, Setup, assert_exact
+from test_ring_claims import (LIVE, OTHER, TAG, Gate, HeldAfterClaim, HeldBeforeCopy, HeldCommit, Setup,
+                              assert_exact, assert_revoked_without_trace)
 
 pytestmark = pytest.mark.timeout(120)
 MEMORIES = ("shm", "sim")  # the RPC tests that take ``url`` run on coherent memory and in flush mode
@@ -43,23 +42,6 @@ PAST_CONFIRM_S = 0.7
 
 
 # ----------------------------------------------------------------------------- ring level
-def _push_in_thread(s: Setup, parts) -> tuple[threading.Thread, dict]:
-    """LIVE pushes ``parts`` in a thread; revoked() says what a channel's does: its slot was
-    reaped (never, here) or its claim word was taken back (NO_CLAIM while it pushes)."""
-    out: dict = {}
-    claim = s.claims[LIVE]
-
-    def run() -> None:
-        try:
-            out["ok"] = s.ring._try_push_parts_py(parts, LIVE, TAG, claim, lambda: claim.load(ACQUIRE) == NO_CLAIM)
-        except ClaimRevoked as exc:
-            out["revoked"] = exc
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t, out
-
-
 def _revoke(s: Setup):
     def revoke(positions) -> None:
         for c in s.claims.values():
@@ -93,7 +75,7 @@ def test_stalled_live_claim_is_taken_back_and_its_producer_never_commits(held):
         parts = HeldBeforeCopy((rec,), gate)
     else:
         parts = HeldCommit(s.ring, gate, (rec,))
-    t, out = _push_in_thread(s, parts)
+    t, out = s.push_in_thread(parts, revoked=lambda: s.claims[LIVE].load(ACQUIRE) == NO_CLAIM)
     assert gate.reached.wait(10)
     s.ring._tail = real
     for _ in range(5):  # within the bound: left alone
@@ -101,13 +83,7 @@ def test_stalled_live_claim_is_taken_back_and_its_producer_never_commits(held):
     took = _unblock_within(s, 0.05)
     assert took >= 0.05
     assert s.claims[LIVE].load(ACQUIRE) == NO_CLAIM  # taken back before the padding
-    assert s.ring.poll(lambda v: None) == 0  # the padding is consumed, nothing delivered
-    assert not s.ring.readable()
-    gate.opened.set()
-    t.join(10)
-    assert "revoked" in out and "ok" not in out, out
-    data = s.env.buf[s.ring.data:s.ring.data + s.ring.capacity]
-    assert not any(data), "the revoked producer left bytes in free space"
+    assert_revoked_without_trace(s, gate, t, out)
     assert s.env.guards_intact()
     s.claims[LIVE].store(NO_CLAIM, RELEASE)
     assert_exact(s, [payload(10 + i, 100 + 37 * i) for i in range(40)])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import mmap
 import threading
+from collections.abc import Callable
 
 import pytest
 
@@ -111,13 +112,18 @@ class Setup:
     def live_claims(self) -> list[int]:
         return [c.load(0) for p, c in self.claims.items() if p not in self.dead]
 
-    def push_in_thread(self, parts, producer: int = LIVE) -> tuple[threading.Thread, dict]:
+    def push_in_thread(self, parts, producer: int = LIVE,
+                       revoked: Callable[[], bool] | None = None) -> tuple[threading.Thread, dict]:
+        """``producer`` pushes ``parts`` in a thread; ``revoked()`` says what a channel's does
+        (by default: its slot was reaped, i.e. it is in ``dead``)."""
         out: dict = {}
+        if revoked is None:
+            revoked = lambda: producer in self.dead  # noqa: E731
 
         def run() -> None:
             try:
                 out["ok"] = self.ring._try_push_parts_py(parts, producer, TAG, self.claims[producer],
-                                                         lambda: producer in self.dead)
+                                                         revoked)
             except ClaimRevoked as exc:
                 out["revoked"] = exc
 
@@ -136,6 +142,18 @@ def assert_exact(s: Setup, records: list[bytes]) -> None:
         while not s.ring.try_push_parts((r,), OTHER, TAG, s.claims[OTHER]):
             got += s.ring.pop_batch()
     assert got + s.ring.pop_batch() == records
+
+
+def assert_revoked_without_trace(s: Setup, gate: Gate, t: threading.Thread, out: dict) -> None:
+    """After the consumer padded a held producer's claim: nothing is delivered, and the
+    producer, let go, raises ClaimRevoked and leaves its free space zero."""
+    assert s.ring.poll(lambda v: None) == 0  # the padding is consumed, nothing delivered
+    assert not s.ring.readable()
+    gate.opened.set()
+    t.join(10)
+    assert "revoked" in out and "ok" not in out, out
+    data = s.env.buf[s.ring.data:s.ring.data + s.ring.capacity]
+    assert not any(data), "the revoked producer left bytes in free space"
 
 
 def test_live_producer_held_after_its_claim_is_never_padded():
@@ -196,13 +214,7 @@ def test_padded_claim_is_revoked_and_never_committed(held):
         assert gate.reached.wait(10)
     s.dead.add(LIVE)  # its slot was reaped: the consumer may pad it now
     assert s.unblock()
-    assert s.ring.poll(lambda v: None) == 0  # the padding is consumed, nothing delivered
-    assert not s.ring.readable()
-    gate.opened.set()
-    t.join(10)
-    assert "revoked" in out and "ok" not in out, out
-    data = s.env.buf[s.ring.data:s.ring.data + s.ring.capacity]
-    assert not any(data), "the revoked producer left bytes in free space"
+    assert_revoked_without_trace(s, gate, t, out)
     # the revoked producer left nothing behind: the next records of a live producer are exact
     s.dead.clear()
     assert_exact(s, [payload(10 + i, 100 + 37 * i) for i in range(40)])

@@ -12,7 +12,7 @@ cannot happen, so a departed connection is *quarantined* until it is *fenced*:
   process exits, seen through the pidfd opened while it held its slot (a reuse of its PID by
   another process reads as the exit it is, never as the holder alive);
 - a holder on another host, or whose PID cannot be pinned by a pidfd: ``fence_timeout``
-  seconds after it was reaped (a bound, not a proof: see docs/_draft_fence_rpc.md).
+  seconds after it was reaped (a bound, not a proof: see docs/peers.md).
 
 :class:`Fences` keeps the quarantined holders; the server checks them from its housekeeping
 (O(quarantined) a look, nothing on the hot path).

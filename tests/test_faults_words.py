@@ -27,8 +27,8 @@ from cxlrpc.ring.mpsc import NO_CLAIM
 from cxlrpc.ring.record import HEAD_OFFSET, TAIL_OFFSET
 from procs import open_counting, report, start_fault_server, stop, until
 from ring_env import payload
-from test_ring_claims import (LIVE, OTHER, TAG, Gate, HeldAfterClaim, HeldBeforeCopy, HeldCommit, Setup,
-                              assert_exact, assert_revoked_without_trace)
+from test_ring_claims import (LIVE, OTHER, TAG, Gate, Setup, assert_exact, assert_revoked_without_trace,
+                              push_held)
 
 pytestmark = pytest.mark.timeout(120)
 MEMORIES = ("shm", "sim")  # the RPC tests that take ``url`` run on coherent memory and in flush mode
@@ -67,17 +67,7 @@ def test_stalled_live_claim_is_taken_back_and_its_producer_never_commits(held):
     raises ClaimRevoked, commits nothing, leaves free space zero, and the ring goes on exactly."""
     s, gate = Setup(), Gate()
     rec = payload(3, 256)
-    real = s.ring._tail
-    if held == "after-claim":
-        s.ring._tail = HeldAfterClaim(real, gate)
-        parts = (rec,)
-    elif held == "before-copy":
-        parts = HeldBeforeCopy((rec,), gate)
-    else:
-        parts = HeldCommit(s.ring, gate, (rec,))
-    t, out = s.push_in_thread(parts, revoked=lambda: s.claims[LIVE].load(ACQUIRE) == NO_CLAIM)
-    assert gate.reached.wait(10)
-    s.ring._tail = real
+    t, out = push_held(s, held, gate, rec, revoked=lambda: s.claims[LIVE].load(ACQUIRE) == NO_CLAIM)
     for _ in range(5):  # within the bound: left alone
         assert not s.ring.unblock(s.producer_dead, s.live_claims, 10.0, _revoke(s))
     took = _unblock_within(s, 0.05)

@@ -144,6 +144,25 @@ def assert_exact(s: Setup, records: list[bytes]) -> None:
     assert got + s.ring.pop_batch() == records
 
 
+def push_held(s: Setup, held: str, gate: Gate, rec: bytes,
+              revoked: Callable[[], bool] | None = None) -> tuple[threading.Thread, dict]:
+    """LIVE pushes ``rec`` in a thread and is held at ``gate``: right after its claim
+    ("after-claim"), before its copy ("before-copy") or inside its commit ("mid-copy");
+    returns once it is held (the ring's own tail back in place)."""
+    real = s.ring._tail
+    if held == "after-claim":
+        s.ring._tail = HeldAfterClaim(real, gate)
+        parts = (rec,)
+    elif held == "before-copy":
+        parts = HeldBeforeCopy((rec,), gate)
+    else:
+        parts = HeldCommit(s.ring, gate, (rec,))
+    t, out = s.push_in_thread(parts, revoked=revoked)
+    assert gate.reached.wait(10)
+    s.ring._tail = real
+    return t, out
+
+
 def assert_revoked_without_trace(s: Setup, gate: Gate, t: threading.Thread, out: dict) -> None:
     """After the consumer padded a held producer's claim: nothing is delivered, and the
     producer, let go, raises ClaimRevoked and leaves its free space zero."""
@@ -195,15 +214,7 @@ def test_padded_claim_is_revoked_and_never_committed(held):
     it raises ClaimRevoked, commits nothing, and the ring goes on exactly (free space stays zero)."""
     s, gate = Setup(), Gate()
     rec = payload(3, 256)
-    real = s.ring._tail
-    if held == "after-claim":
-        s.ring._tail = HeldAfterClaim(real, gate)
-        parts = (rec,)
-    else:
-        parts = HeldBeforeCopy((rec,), gate)
-    t, out = s.push_in_thread(parts)
-    assert gate.reached.wait(10)
-    s.ring._tail = real
+    t, out = push_held(s, held, gate, rec)
     assert not s.unblock()  # alive: left alone
     if held == "before-copy":
         gate.opened.set()  # it copies and commits in the window: the record arrives whole

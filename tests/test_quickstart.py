@@ -29,7 +29,7 @@ def test_readme_blocks_are_the_example_files(name):
 
 
 def test_quickstart_copied_into_two_files_runs_as_written(tmp_path):
-    if os.path.exists("/dev/shm/demo"):
+    if os.path.exists("/dev/shm/cxlrpc.demo"):
         pytest.skip("shm://demo is in use on this machine (someone's quickstart is running)")
     for name in FILES:
         (tmp_path / name).write_text(_readme_block(name))
@@ -49,4 +49,4 @@ def test_quickstart_copied_into_two_files_runs_as_written(tmp_path):
             server.wait()
         server.stdout.close()
         server.stderr.close()
-    assert not os.path.exists("/dev/shm/demo"), "the server left its region behind"
+    assert not os.path.exists("/dev/shm/cxlrpc.demo"), "the server left its region behind"

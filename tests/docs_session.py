@@ -32,7 +32,7 @@ async def serve(reply_fd: int) -> None:
             result = eval(code, namespace)  # noqa: S307 - the docs' own blocks
             if inspect.iscoroutine(result):
                 await result
-            reply = {"ok": True}
+            reply: dict[str, object] = {"ok": True}
         except BaseException:  # a block's failure, whatever it raised, is the test's to report
             reply = {"ok": False, "error": traceback.format_exc()}
         sys.stdout.flush()

@@ -98,7 +98,7 @@ def blocks(page: str) -> list[Block]:
     tokens = MarkdownIt("commonmark").parse((ROOT / page).read_text())
     found = []
     for i, tok in enumerate(tokens):
-        if tok.type in ("fence", "code_block"):
+        if tok.type in ("fence", "code_block") and tok.map:
             before = tokens[i - 1] if i and tokens[i - 1].type == "html_block" else None
             m = re.search(r"<!--\s*docs-test:\s*(.*?)\s*-->", before.content) if before else None
             lang = tok.info.split()[0] if tok.type == "fence" and tok.info.strip() else ""
@@ -141,10 +141,10 @@ class Page:
 
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
-        self.session: subprocess.Popen | None = None
+        self.session: subprocess.Popen[str] | None = None
         self.replies = -1
         self.log = tmp / "session.log"
-        self.background: list[tuple[Block, subprocess.Popen, Path]] = []
+        self.background: list[tuple[Block, subprocess.Popen[bytes], Path]] = []
 
     def run(self, block: Block) -> None:
         code = uniquely_named(block.code)
@@ -166,7 +166,8 @@ class Page:
             done = subprocess.run(argv, cwd=ROOT, env=env(), capture_output=True, text=True,
                                   timeout=BLOCK_TIMEOUT)
         except subprocess.TimeoutExpired as exc:
-            raise AssertionError(f"{block} still ran after {BLOCK_TIMEOUT} s:\n{exc.stderr}") from None
+            err = exc.stderr.decode() if isinstance(exc.stderr, bytes) else exc.stderr
+            raise AssertionError(f"{block} still ran after {BLOCK_TIMEOUT} s:\n{err}") from None
         assert done.returncode == 0, f"{block} exited with {done.returncode}:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
 
     def run_in_session(self, block: Block, code: str) -> None:
@@ -177,6 +178,7 @@ class Page:
                     [sys.executable, str(ROOT / "tests" / "docs_session.py"), str(w)], cwd=ROOT, env=env(),
                     stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, text=True, pass_fds=(w,))
             os.close(w)
+        assert self.session.stdin is not None
         self.session.stdin.write(json.dumps({"page": str(ROOT / block.page), "line": block.line, "code": code}) + "\n")
         self.session.stdin.flush()
         ready, _, _ = select.select([self.replies], [], [], BLOCK_TIMEOUT)
@@ -212,7 +214,7 @@ class Page:
     def close(self) -> list[str]:
         """End the session, then the background processes; what went wrong, if anything."""
         problems = []
-        if self.session is not None:
+        if self.session is not None and self.session.stdin is not None:
             self.session.stdin.close()
             try:
                 self.session.wait(30)
@@ -260,7 +262,7 @@ def check_yaml(block: Block, code: str) -> None:
         parse_service_url(u)
 
 
-def test_every_block_runs_or_says_why_not():
+def test_every_block_runs_or_says_why_not() -> None:
     """No block is left out silently, and every NOT_RUN / RUN_ELSEWHERE entry is still a block."""
     seen = set()
     for page in PAGES:
@@ -275,7 +277,7 @@ def test_every_block_runs_or_says_why_not():
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("page", [p for p in PAGES if any(b.lang and b.key not in NOT_RUN and b.key not in RUN_ELSEWHERE
                                                            and b.lang not in EXEMPT for b in blocks(p))])
-def test_page_blocks_run(page, tmp_path):
+def test_page_blocks_run(page: str, tmp_path: Path) -> None:
     run = Page(tmp_path)
     try:
         for block in blocks(page):

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.timeout(300)
-def test_docs_build_strict(tmp_path):
+def test_docs_build_strict(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
@@ -26,7 +26,7 @@ def test_docs_build_strict(tmp_path):
     assert "cxlrpc.Server" in reference and "serve_forever" in reference  # the docstrings made it in
 
 
-def test_readme_links_exist():
+def test_readme_links_exist() -> None:
     text = (ROOT / "README.md").read_text()
     links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
     assert links

@@ -19,7 +19,11 @@ import ctypes
 import time
 from typing import Callable
 
-from . import _atomic
+try:
+    from . import _atomic
+except ImportError:  # built where a C compiler exists; else libatomic through ctypes, and one warning
+    from . import _atomic_ref as _atomic  # type: ignore[no-redef]
+    _atomic.warn_unbuilt()
 
 try:
     from . import _flush as _native

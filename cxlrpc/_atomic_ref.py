@@ -7,9 +7,9 @@ time). There is no correct read-modify-write on shared memory in pure Python; li
 The calls go through ``ctypes.PyDLL``, which keeps the GIL: a view cannot be closed, nor its
 mapping unmapped, between an operation's open check and its access, as in the native module.
 Arguments are checked as the native module checks them, in the same order (the view's open
-check after every conversion), with the same exception types. warn_unbuilt() is the one
-warning memory gives when it falls back here; without libatomic the import raises ImportError
-saying what to install.
+check after every conversion), with the same exception types. Imported in the native module's
+stead it warns once, naming what runs slower and what is unavailable; without libatomic the
+import raises ImportError saying what to install.
 """
 from __future__ import annotations
 
@@ -334,9 +334,8 @@ def _unbuilt() -> list[str]:
     return missing
 
 
-def warn_unbuilt() -> None:
-    """The one warning that cxlrpc runs on this module: what runs slower and what is unavailable
-    (cxlrpc.memory calls it where the native module is missing)."""
+def _warning() -> str:
+    """What runs slower on this module and the other missing ones, and what is unavailable."""
     unbuilt = _unbuilt()
     slower = ["atomic operations (each a ctypes call into libatomic, some 40 times the native module's cost)"]
     slower += [what for name, what in (("cxlrpc._ring", "the rings"), ("cxlrpc._frame", "frame decoding"),
@@ -346,6 +345,9 @@ def warn_unbuilt() -> None:
             f"was installed), so these run their slower reference: {', '.join(slower)}.")
     if "cxlrpc._flush" in unbuilt:
         text += " coherence='flush' is unavailable: it needs cxlrpc._flush."
-    text += (" For the native paths install gcc and the Python headers (apt-get install gcc python3-dev), "
-             "then reinstall cxlrpc.")
-    warnings.warn(text, RuntimeWarning, stacklevel=2)
+    return text + (" For the native paths install gcc and the Python headers (apt-get install gcc python3-dev), "
+                   "then reinstall cxlrpc.")
+
+
+if "cxlrpc._atomic" not in sys.modules:  # cxlrpc.memory is falling back here: one warning, at its import
+    warnings.warn(_warning(), RuntimeWarning, stacklevel=2)

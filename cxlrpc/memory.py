@@ -21,9 +21,8 @@ from typing import Callable
 
 try:
     from . import _atomic
-except ImportError:  # built where a C compiler exists; else libatomic through ctypes, and one warning
-    from . import _atomic_ref as _atomic  # type: ignore[no-redef]
-    _atomic.warn_unbuilt()
+except ImportError:  # built where a C compiler exists; else libatomic through ctypes (it warns once)
+    from . import _atomic_ref as _atomic  # type: ignore[no-redef, unused-ignore]
 
 try:
     from . import _flush as _native

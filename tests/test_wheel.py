@@ -104,7 +104,8 @@ def test_the_sdist_and_the_wheel_hold_what_they_should(dist: dict[str, Path]) ->
         wheel = set(whl.namelist())
     built = {n.split(".")[0].replace("/", ".") for n in wheel if n.endswith(".so")}
     assert built == set(NATIVES)
-    for path in (*TYPED, *SHIM, "cxlrpc/_atomic_ref.py"):
+    stubs = [str(p.relative_to(ROOT)) for package in ("cxlrpc", "kvservice") for p in (ROOT / package).rglob("*.pyi")]
+    for path in (*TYPED, *SHIM, *stubs, "cxlrpc/_atomic_ref.py"):
         assert path in wheel, path
     assert not [n for n in wheel if n.startswith("bench/") or n.endswith((".c", ".h"))]
 

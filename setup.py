@@ -1,12 +1,13 @@
-"""Native pieces. cxlrpc._atomic (the atomic u64 operations every layer uses) is required: there is
-no correct pure-Python atomic read-modify-write on shared memory, so without a C compiler (gcc or
-clang) the install fails there, clearly. The others are optional: cache-line write-back/invalidate for non-coherent memory, the rings'
-hot path over coherent memory, frame decoding, the common call's dispatch on both sides, and
-kvservice's leased Block. Without a compiler the package installs: the rings, frames, calls and
-blocks run their Python reference, and only coherence="flush" is unavailable."""
+"""Native pieces, all optional: without a C compiler (gcc or clang) the package still installs,
+and importing it warns once that it runs on its reference paths. cxlrpc._atomic, the atomic u64
+operations every layer uses, is then stood in for by libatomic through ctypes
+(cxlrpc/_atomic_ref.py: the same instructions, ~40 times the cost per operation); the rings' hot
+path over coherent memory, frame decoding, the common call's dispatch on both sides and
+kvservice's leased Block run their Python reference; and coherence="flush" is unavailable, as it
+needs cxlrpc._flush's cache-line write-back and invalidate."""
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("cxlrpc._atomic", ["cxlrpc/_atomic.c"]),
+setup(ext_modules=[Extension("cxlrpc._atomic", ["cxlrpc/_atomic.c"], optional=True),
                    Extension("cxlrpc._flush", ["cxlrpc/_flush.c"], depends=["cxlrpc/_follow.h", "cxlrpc/_copy.h"],
                              optional=True),
                    Extension("cxlrpc._ring", ["cxlrpc/_ring.c"], depends=["cxlrpc/_ring_api.h", "cxlrpc/_copy.h"],

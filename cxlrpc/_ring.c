@@ -52,7 +52,8 @@ typedef struct {
 
 static PyObject *s_poll_py, *s_within_py, *s_push_py, *s_bad_tail, *s_open, *s_revoke, *s_lost_commit,
     *s_address, *s_cas;
-static PyObject *acq_rel_order; /* cxlrpc._atomic.ACQ_REL, for the claim counter's CAS */
+static PyObject *acq_rel_order; /* cxlrpc.memory.ACQ_REL, for the claim counter's CAS (the native
+                                   atomics' or, where they were not built, their stand-in's) */
 
 static inline uint64_t *word_at(RingCore *r, Py_ssize_t off) { return (uint64_t *)(r->base + off); }
 static inline uint64_t load_acq(RingCore *r, Py_ssize_t off) { return __atomic_load_n(word_at(r, off), __ATOMIC_ACQUIRE); }
@@ -803,11 +804,11 @@ PyMODINIT_FUNC PyInit__ring(void) {
     INTERN(s_address, "address");
     INTERN(s_cas, "cas");
 #undef INTERN
-    PyObject *atomic = PyImport_ImportModule("cxlrpc._atomic");
-    if (atomic == NULL)
+    PyObject *memory = PyImport_ImportModule("cxlrpc.memory");
+    if (memory == NULL)
         return NULL;
-    acq_rel_order = PyObject_GetAttrString(atomic, "ACQ_REL");
-    Py_DECREF(atomic);
+    acq_rel_order = PyObject_GetAttrString(memory, "ACQ_REL");
+    Py_DECREF(memory);
     if (acq_rel_order == NULL)
         return NULL;
     PyObject *m = PyModule_Create(&module);

@@ -19,7 +19,10 @@ import ctypes
 import time
 from typing import Callable
 
-from . import _atomic
+try:
+    from . import _atomic
+except ImportError:  # built where a C compiler exists; else libatomic through ctypes (it warns once)
+    from . import _atomic_ref as _atomic  # type: ignore[no-redef, unused-ignore]
 
 try:
     from . import _flush as _native

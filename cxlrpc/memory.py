@@ -19,11 +19,11 @@ import ctypes
 import time
 from typing import TYPE_CHECKING, Callable, Literal, Protocol
 
-from typing_extensions import Buffer
-
 from . import _atomic
 
 if TYPE_CHECKING:
+    from typing_extensions import Buffer  # (collections.abc.Buffer from Python 3.12)
+
     from ._flush import Follower
 
 

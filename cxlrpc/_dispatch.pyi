@@ -48,7 +48,7 @@ class Caller:
                  push_args: tuple[object, ...], ring_bell: Callable[[], object], ring: SpscRing,
                  encode_body: Callable[..., object], decode: Callable[..., object], slot: int, gen: int,
                  max_payload: int, buf: memoryview, bell_at: int, me: int, idle_when: tuple[Sized, ...],
-                 turn_when: tuple[Sized, ...], in_place: set[str], heap_start: int, heap_size: int,
+                 turn_when: tuple[Sized, ...], in_place: set[bytes], heap_start: int, heap_size: int,
                  follow_chunk: int, follow_stall: float, follow_rate: float, pack: Callable[..., object],
                  /) -> None: ...
     def __call__(self, view: memoryview, /) -> None: ...

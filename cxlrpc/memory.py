@@ -156,8 +156,8 @@ class AtomicMemory:
 
 
 def _coherent(offset: int, length: int) -> None:
-    """The write-back and invalidate hooks before use_flushes (never called: flushing is off)."""
-    raise RuntimeError("write-back or invalidation of memory not switched to flushes")
+    """Write-back and invalidation on coherent memory: nothing to do (the hooks until
+    use_flushes; writeback/invalidate skip them while ``flushing`` is False anyway)."""
 
 
 def _closed(offset: int, length: int) -> None:

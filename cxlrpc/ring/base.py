@@ -256,12 +256,9 @@ class RingBase(_Core):
             if n or time.perf_counter() >= end:
                 return n
 
-    if _native is None:
-        poll_within = _poll_within_py
-    else:
-        #: ``poll_within(handler, limit, seconds)``: the native twin of the method above where
-        #: it is built (it watches the tail in C between polls).
-        poll_within = _native.RingCore.poll_within
+    #: ``poll_within(handler, limit, seconds)``: the native twin of the method above where it is
+    #: built (it watches the tail in C between polls).
+    poll_within = _native.RingCore.poll_within if _native is not None else _poll_within_py
 
     def pop(self) -> bytes | None:
         """Copy out and free the next committed payload, or None when there is none."""

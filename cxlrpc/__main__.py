@@ -25,12 +25,13 @@ def _segments() -> list[str]:
         return []
 
 
-def _describe(region: Region) -> dict:
+def _describe(region: Region) -> dict[str, object]:
     info = region.info()
-    row = {"url": region.url, "kind": _KINDS.get(info.kind, str(info.kind)), "size": info.size,
-           "owner": f"{info.owner_pid}@{info.owner_host}", "age_s": round(time.time() - info.created, 1),
-           "epoch": f"{info.epoch:016x}", "identity": f"{info.owner_identity:016x}",
-           "closed": info.closed, "coherence": info.coherence}
+    row: dict[str, object] = {
+        "url": region.url, "kind": _KINDS.get(info.kind, str(info.kind)), "size": info.size,
+        "owner": f"{info.owner_pid}@{info.owner_host}", "age_s": round(time.time() - info.created, 1),
+        "epoch": f"{info.epoch:016x}", "identity": f"{info.owner_identity:016x}",
+        "closed": info.closed, "coherence": info.coherence}
     if info.kind == KIND_RPC:
         try:
             geo = read_geometry(region)

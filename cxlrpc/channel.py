@@ -32,7 +32,7 @@ import secrets
 import struct
 import time
 from dataclasses import dataclass
-from typing import Collection, NamedTuple, Sequence
+from typing import Callable, Collection, NamedTuple, Sequence
 
 from .doorbell import Doorbell, DoorbellReceiver, wake_address
 from .identity import host_identity
@@ -493,6 +493,11 @@ class _ServerWatch:
     _owner_pid: int = 0
     #: Since when the words say the server closed or died while its heartbeat moves on.
     _suspect_since: float | None = None
+    # What each client channel provides (declared only: no value here to shadow theirs).
+    region: Region
+    server_liveness: Liveness
+    _server_state: Callable[[], int]
+    holds_slot: Callable[[], bool]
 
     def _note_server(self, region: Region) -> bool:
         """Note whether the server runs in this process; whether it shares our identity."""
@@ -572,7 +577,7 @@ class ClientChannel(_ServerWatch):
             raise BlockingIOError(f"all {geo.slots} client slots of {region.url} are taken"
                                   + (f" ({busy} still held by departing clients)" if busy else ""))
 
-    def _take(self, slot: int, gen: int, state, poll_interval: float) -> None:
+    def _take(self, slot: int, gen: int, state: Counter, poll_interval: float) -> None:
         mem, geo = self.region.mem, self.geo
         base = geo.slot(slot)
         # the wake-up socket first: binding is the step that can fail
@@ -602,7 +607,7 @@ class ClientChannel(_ServerWatch):
         ClaimRevoked when the server already reclaimed this slot (it judged us dead)."""
         return self.requests.try_push_parts(parts, self.slot, self.tag, self.claim, self._revoked)
 
-    def push_args(self) -> tuple:
+    def push_args(self) -> tuple[int, int, Counter, Callable[[], bool]]:
         """What :meth:`push` passes the request ring's ``try_push_parts`` after the parts (for
         native callers that push without this method's frame)."""
         return (self.slot, self.tag, self.claim, self._revoked)
@@ -684,7 +689,7 @@ class _ClientRequestRings:
         self.active: list[SpscRing] = []
         self._next = 0
 
-    def poll(self, handler, limit: int = 1 << 30) -> int:
+    def poll(self, handler: Callable[[memoryview], object], limit: int = 1 << 30) -> int:
         rings = self.active
         n = len(rings)
         if not n:
@@ -960,7 +965,7 @@ class FlushClientChannel(_ServerWatch):
         server freed the slot (it judged us dead): another holder may own the ring now."""
         if self._grant(self.slot) != self._word:
             raise ClaimRevoked("the server freed this client's slot")
-        return self.requests.try_push_parts(parts)
+        return self.requests.try_push_parts(parts)  # type: ignore[union-attr]  # (set once granted: pushes come after)
 
     def holds_slot(self) -> bool:
         """False once the server freed our slot (True while the grant is still awaited)."""
@@ -990,7 +995,8 @@ class FlushClientChannel(_ServerWatch):
         self.release()
 
 
-def server_channel(region: Region, geo: Geometry, poll_interval: float = 1e-3):
+def server_channel(region: Region, geo: Geometry,
+                   poll_interval: float = 1e-3) -> ServerChannel | FlushServerChannel:
     """The server side of the layout the region's coherence asks for."""
     if geo.per_client_requests != (region.coherence == FLUSH):
         raise ValueError(f"geometry is for the other coherence mode than {region.url}'s "
@@ -999,7 +1005,7 @@ def server_channel(region: Region, geo: Geometry, poll_interval: float = 1e-3):
     return cls(region, geo, poll_interval)
 
 
-def client_channel(region: Region, poll_interval: float = 1e-3):
+def client_channel(region: Region, poll_interval: float = 1e-3) -> ClientChannel | FlushClientChannel:
     """A client side of the layout the region's coherence asks for."""
     cls = FlushClientChannel if region.coherence == FLUSH else ClientChannel
     return cls(region, poll_interval)

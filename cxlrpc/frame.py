@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import struct
 from types import MappingProxyType
-from typing import AbstractSet, Any, Callable, Mapping
+from typing import AbstractSet, Any, Callable, Mapping, Protocol
 
 import msgspec
 
@@ -97,7 +97,7 @@ class Frame(msgspec.Struct, gc=False):
     metadata: Mapping[str, str] = NO_METADATA
 
 
-def encode_body(value: Any) -> tuple[int, bytes | memoryview]:
+def encode_body(value: Any) -> tuple[int, bytes | bytearray | memoryview]:
     """(flags, body) for a value: bytes-likes pass through raw (a memoryview as one flat run
     of its bytes, whatever its shape, format or strides), the rest is MessagePack."""
     if type(value) is bytes or isinstance(value, (bytes, bytearray)):
@@ -197,9 +197,8 @@ def _decode_py(view: memoryview, lend: AbstractSet[str] | None = None) -> Frame:
     method = ""
     if mlen:
         raw = bytes(view[HEADER_SIZE:end])
-        method = _method_names.get(raw)
-        if method is None:
-            method = _method_name(raw)
+        cached = _method_names.get(raw)
+        method = cached if cached is not None else _method_name(raw)
     if flags & META:
         try:
             metadata, end = _metadata(view, end, n)
@@ -243,6 +242,26 @@ def _method_name(raw: bytes) -> str:
     return method
 
 
+class _Decode(Protocol):
+    """``decode(view, lend=None)``: the reference's signature, which the native one shares."""
+
+    def __call__(self, view: memoryview, lend: AbstractSet[str] | None = None, /) -> Frame: ...
+
+
+class _FrameNative(Protocol):
+    """``cxlrpc._frame`` as used here (typed by its stub, cxlrpc/_frame.pyi, that mypy checks
+    the module against): a protocol, so ``_native`` may be None."""
+
+    def configure(self, frame_type: Callable[..., object], frame_error: type[Exception],
+                  method_cache: dict[bytes, str], method_name: Callable[[bytes], str],
+                  reference_decode: Callable[..., object], /) -> None: ...
+
+    #: the frame_type instance configure() named (typed Frame by ``decode`` below)
+    def decode(self, view: memoryview, lend: AbstractSet[str] | None = None, /) -> Any: ...
+
+
+decode: _Decode
+_native: _FrameNative | None
 try:  # the same decode in C (frames without metadata), where the package was built with one
     from . import _frame as _native
 except ImportError:

@@ -2,10 +2,18 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Coroutine, TypeVar
+from typing import Any, Coroutine, Protocol, TypeVar
 
 T = TypeVar("T")
 
+
+class _Uvloop(Protocol):
+    """The part of uvloop used here: a protocol, so ``uvloop`` may be None."""
+
+    def run(self, main: Coroutine[Any, Any, T], /) -> T: ...
+
+
+uvloop: _Uvloop | None
 try:
     import uvloop
 except ImportError:  # pragma: no cover - uvloop is a dependency on Linux

@@ -17,13 +17,38 @@ from __future__ import annotations
 
 import ctypes
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Literal, Protocol
 
 try:
     from . import _atomic
 except ImportError:  # built where a C compiler exists; else libatomic through ctypes (it warns once)
     from . import _atomic_ref as _atomic  # type: ignore[no-redef, unused-ignore]
 
+if TYPE_CHECKING:
+    from typing_extensions import Buffer  # (collections.abc.Buffer from Python 3.12)
+
+    from ._flush import Follower
+
+
+class _Flush(Protocol):
+    """What this module takes from ``cxlrpc._flush`` (typed by its stub, cxlrpc/_flush.pyi,
+    which mypy checks the module against): a protocol, so ``_native`` may be None."""
+
+    def writeback(self, address: int, length: int, /) -> None: ...
+    def invalidate(self, address: int, length: int, /) -> None: ...
+    def stream_copy(self, dst: Buffer, src: Buffer, /) -> None: ...
+    def stream_bytes(self, src: Buffer, /) -> bytes: ...
+    def copy(self, dst: Buffer, src: Buffer, /) -> None: ...
+    def copied(self, src: Buffer, /) -> bytes: ...
+    def publish_copy(self, dst: Buffer, src: Buffer, progress: Buffer, chunk: int, seal: Buffer = ...,
+                     expected: int = ..., /) -> bool: ...
+    def follow_copy(self, src: Buffer, progress: Buffer, stall: float, limit: float, seal: Buffer = ...,
+                    expected: int = ..., /) -> bytes | Literal[False] | None: ...
+    @property
+    def Follower(self) -> type[Follower]: ...
+
+
+_native: _Flush | None
 try:
     from . import _flush as _native
 except ImportError:  # built by the package where a C compiler exists
@@ -55,7 +80,7 @@ class AtomicMemory:
     __slots__ = ("_view", "size", "load", "store", "cas", "fetch_add", "exchange", "flushing",
                  "_writeback", "_invalidate")
 
-    def __init__(self, buffer) -> None:
+    def __init__(self, buffer: Buffer) -> None:
         view = _atomic.AtomicView(buffer)
         self._view = view
         self.size: int = view.nbytes
@@ -66,8 +91,8 @@ class AtomicMemory:
         self.exchange = view.exchange_u64
         #: True when lines must be written back / invalidated explicitly (no coherence).
         self.flushing = False
-        self._writeback: Callable[[int, int], None] | None = None
-        self._invalidate: Callable[[int, int], None] | None = None
+        self._writeback: Callable[[int, int], None] = _coherent
+        self._invalidate: Callable[[int, int], None] = _coherent
 
     @property
     def address(self) -> int:
@@ -133,10 +158,18 @@ class AtomicMemory:
         self.close()
 
 
+def _coherent(offset: int, length: int) -> None:
+    """Write-back and invalidation on coherent memory: nothing to do (the hooks until
+    use_flushes; writeback/invalidate skip them while ``flushing`` is False anyway)."""
+
+
 def _closed(offset: int, length: int) -> None:
     """A closed AtomicMemory's write-back and invalidate hooks (and zero's check)."""
     raise ValueError("operation on a closed AtomicMemory (its region was closed)")
 
+
+#: What the copies below take as their source: anything with a length and a buffer.
+BytesLike = bytes | bytearray | memoryview
 
 #: From these sizes up, a copy into shared memory is made with streaming (non-temporal) stores:
 #: they skip the read-for-ownership of each cold destination line and leave the bytes in memory,
@@ -147,7 +180,7 @@ STREAM_COLD_MIN = 256 << 10
 STREAM_WARM_MIN = 4 << 20
 
 
-def stream_copy(dst: memoryview, src) -> None:
+def stream_copy(dst: memoryview, src: BytesLike) -> None:
     """Copy the bytes-like ``src`` into the start of ``dst`` with streaming stores and a store
     fence (a plain copy where the native module was not built)."""
     if _native is not None:
@@ -156,7 +189,7 @@ def stream_copy(dst: memoryview, src) -> None:
         dst[:len(src)] = src
 
 
-def stream_bytes(src) -> bytes:
+def stream_bytes(src: BytesLike) -> bytes:
     """A copy of the bytes-like ``src`` as bytes, written with streaming stores."""
     return _native.stream_bytes(src) if _native is not None else bytes(src)
 
@@ -167,7 +200,7 @@ def stream_bytes(src) -> bytes:
 NATIVE_COPY_MIN = 4096
 
 
-def plain_copy(dst: memoryview, src) -> None:
+def plain_copy(dst: memoryview, src: BytesLike) -> None:
     """Copy the bytes-like ``src`` into the start of ``dst`` with plain (cached) stores."""
     if _native is not None and len(src) >= NATIVE_COPY_MIN:
         _native.copy(dst, src)
@@ -175,12 +208,12 @@ def plain_copy(dst: memoryview, src) -> None:
         dst[:len(src)] = src
 
 
-def plain_bytes(src) -> bytes:
+def plain_bytes(src: BytesLike) -> bytes:
     """A copy of the bytes-like ``src`` as bytes, with plain stores."""
     return _native.copied(src) if _native is not None and len(src) >= NATIVE_COPY_MIN else bytes(src)
 
 
-def copy_bytes(dst: memoryview, src, cold: bool = False) -> None:
+def copy_bytes(dst: memoryview, src: BytesLike, cold: bool = False) -> None:
     """Copy ``src`` into the start of ``dst``, with streaming stores where they win: from
     STREAM_COLD_MIN into a destination just handed out (``cold``), else from STREAM_WARM_MIN."""
     if len(src) >= (STREAM_COLD_MIN if cold else STREAM_WARM_MIN):
@@ -189,7 +222,7 @@ def copy_bytes(dst: memoryview, src, cold: bool = False) -> None:
         plain_copy(dst, src)
 
 
-def to_bytes(src) -> bytes:
+def to_bytes(src: BytesLike) -> bytes:
     """A copy of ``src`` as bytes (with streaming stores from STREAM_WARM_MIN)."""
     return stream_bytes(src) if len(src) >= STREAM_WARM_MIN else plain_bytes(src)
 
@@ -205,7 +238,7 @@ class SealBroken(ValueError):
     back (its user was judged gone) or handed to another (cxlrpc.heap's seals)."""
 
 
-def publish_copy(mem: AtomicMemory, buf: memoryview, progress_at: int, at: int, src,
+def publish_copy(mem: AtomicMemory, buf: memoryview, progress_at: int, at: int, src: BytesLike,
                  seal_at: int = -1, seal: int = 0) -> None:
     """Copy ``src`` to ``buf[at:]`` a chunk at a time, storing the count of bytes copied so far
     into the u64 at ``progress_at`` (release) after each, for :func:`follow_copy` on another
@@ -244,15 +277,15 @@ def follow_copy(mem: AtomicMemory, buf: memoryview, progress_at: int, at: int, l
     read ``seal`` (re-read after a fence, seqlock-style: the copy may hold another's bytes)."""
     if _native is not None:
         if seal_at < 0:
-            out = _native.follow_copy(buf[at:at + length], buf[progress_at:progress_at + 8], stall, limit)
+            got = _native.follow_copy(buf[at:at + length], buf[progress_at:progress_at + 8], stall, limit)
         else:
-            out = _native.follow_copy(buf[at:at + length], buf[progress_at:progress_at + 8], stall, limit,
+            got = _native.follow_copy(buf[at:at + length], buf[progress_at:progress_at + 8], stall, limit,
                                       buf[seal_at:seal_at + 8], seal)
-        if out is None:
+        if got is None:
             raise TimeoutError(f"the writer stopped for {stall} s or took over {limit:.3g} s")
-        if out is False:
+        if got is False:
             raise SealBroken("the extent's seal changed while its body was read")
-        return out
+        return got
     out, done = bytearray(length), 0
     since = start = time.monotonic()
     while done < length:
@@ -318,7 +351,7 @@ class FollowedBody:
         return None if body is None else bytes(body)
 
 
-def require_native_flush():
+def require_native_flush() -> _Flush:
     """The native write-back/invalidate module, or a clear error when it was not built."""
     if _native is None:
         raise RuntimeError("coherence='flush' needs the native module cxlrpc._flush, which was not "
@@ -336,5 +369,5 @@ def check_coherence(mode: str) -> str:
 
 #: ``fence(order=SEQ_CST)``: a full (by default) memory fence, ordering this thread's loads and
 #: stores (the extension's function itself: no Python frame on hot paths).
-fence: Callable[..., None] = _atomic.fence
+fence = _atomic.fence
 

@@ -177,7 +177,7 @@ class Region:
         self.backend = backend
         self.path = path
         self._sim = mapping if isinstance(mapping, CacheSim) else None
-        self._mmap = mapping.cache if self._sim is not None else mapping
+        self._mmap = mapping.cache if isinstance(mapping, CacheSim) else mapping
         self.size = size
         self.buf = memoryview(self._mmap)
         self.mem = AtomicMemory(self._mmap)
@@ -213,6 +213,7 @@ class Region:
         backend, path = parse_url(url)
         size = _check_size(size)
         coherence = FLUSH if backend == "sim" else check_coherence(coherence)
+        mapping: mmap.mmap | CacheSim
         if backend in ("shm", "sim"):
             try:
                 shm = posix_ipc.SharedMemory(path, posix_ipc.O_CREX, mode=mode, size=size)
@@ -386,6 +387,7 @@ class Region:
     def open(cls, url: str, kind: int | None = None) -> "Region":
         """Map an existing region and validate its header; :class:`RegionError` if unusable."""
         backend, path = parse_url(url)
+        mapping: mmap.mmap | CacheSim
         mapping, actual, fd = _map_existing(url, backend, path)
         try:
             if backend == "sim":

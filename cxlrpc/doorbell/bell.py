@@ -22,7 +22,7 @@ import atexit
 import select
 import socket
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 from ..identity import host_identity
 from ..memory import RELAXED, SEQ_CST, Counter, fence
@@ -111,7 +111,7 @@ class DoorbellReceiver:
             raise
         self._parked.store(0, SEQ_CST)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._waiter: asyncio.Future | None = None
+        self._waiter: asyncio.Future[None] | None = None
         #: the yields of the waits (and of the owner's own polling): a thread that finds its
         #: CPU shared moves off it
         self.shared_cpu = SharedCpu()
@@ -150,7 +150,7 @@ class DoorbellReceiver:
             return True
         return False
 
-    def _steps(self, remaining: float, idle: bool):
+    def _steps(self, remaining: float, idle: bool) -> Iterator[float]:
         """How long each sleep of a park lasts: one sleep for the whole timeout, or (with
         peers on other hosts) a backoff from 50 us up to ``poll_interval``."""
         if not self.remote_peers:
@@ -256,6 +256,6 @@ class DoorbellReceiver:
         return ready()
 
 
-def _settle(fut: asyncio.Future) -> None:
+def _settle(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import os
 import time
+from typing import Callable
 
 #: A yield that took this long ran another task of this CPU (alone: ~0.7 us here).
 SHARED_YIELD_S = 2.5e-6
@@ -23,12 +24,19 @@ EVIDENCE = 16
 #: At most one move per this long, per thread (three pollers on two CPUs share one anyway).
 MOVE_EVERY_S = 0.1
 
-try:
-    _getcpu = ctypes.CDLL(None, use_errno=True).sched_getcpu
-    _getcpu.restype = ctypes.c_int
-    _getcpu.argtypes = ()
-except (OSError, AttributeError):  # not glibc/musl with sched_getcpu: never move
-    _getcpu = None
+
+def _sched_getcpu() -> Callable[[], int] | None:
+    """libc's sched_getcpu, or None where it is missing."""
+    try:
+        getcpu = ctypes.CDLL(None, use_errno=True).sched_getcpu
+        getcpu.restype = ctypes.c_int
+        getcpu.argtypes = ()
+    except (OSError, AttributeError):  # not glibc/musl with sched_getcpu: never move
+        return None
+    return getcpu  # (its restype: an int)
+
+
+_getcpu = _sched_getcpu()
 
 
 def this_cpu() -> int:

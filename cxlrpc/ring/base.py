@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Callable, Collection
+from typing import TYPE_CHECKING, Callable, Collection, Protocol
 
 from ..memory import ACQ_REL, ACQUIRE, RELAXED, RELEASE, AtomicMemory
 from .record import (
@@ -21,6 +21,19 @@ from .record import (
     max_payload,
 )
 
+if TYPE_CHECKING:
+    from .._ring import RingCore
+
+
+class _Ring(Protocol):
+    """``cxlrpc._ring`` as the rings use it (its stub, cxlrpc/_ring.pyi, types RingCore): a
+    protocol, so ``_native`` may be None."""
+
+    @property
+    def RingCore(self) -> type[RingCore]: ...
+
+
+_native: _Ring | None
 try:
     # CXLRPC_NO_NATIVE=1 runs the Python reference instead (tests, and to rule it out)
     from .. import _ring as _native
@@ -63,7 +76,10 @@ class _PyCore:
 #: count, and runs poll and the pushes over coherent memory; the ``_py`` methods here are the
 #: reference it follows, and run where it is not built and for memory without coherence.
 NATIVE = _native is not None
-_Core = _native.RingCore if _native is not None else _PyCore
+if TYPE_CHECKING:  # the state and methods RingBase has either way (the reference's in Python)
+    _Core = RingCore
+else:
+    _Core = _native.RingCore if _native is not None else _PyCore
 
 
 class RingBase(_Core):

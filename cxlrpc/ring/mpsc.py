@@ -213,7 +213,7 @@ class MpscRing(RingBase):
         return header_producer(word) if word else -1
 
     #: (head, header word, claims at the head) the head was last found blocked at, and since when
-    _stall: tuple[tuple, float] | None = None
+    _stall: tuple[tuple[int, int, tuple[int, ...]], float] | None = None
 
     def _passable(self, head: int, word: int, at: list[int], stall: float | None) -> bool:
         """May the consumer pass the live claims ``at`` the head?  One it reached by skipping

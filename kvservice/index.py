@@ -28,7 +28,7 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from typing import Any
+from typing import Any, Literal, overload
 
 from cxlrpc.allocator import PoolAllocator
 from kvservice.keymap import ABSENT, LEASED, REMOVED, KeyMap, PoolFull, QuotaExceeded, positive
@@ -92,6 +92,12 @@ class KVIndex:
 
     # ---- puts -------------------------------------------------------------------------------
 
+    @overload
+    def begin_put(self, ns: str, key: str | bytes, size: int, ttl: float | None = None,
+                  owner: Hashable | None = None, if_absent: Literal[False] = False) -> PutTicket: ...
+    @overload
+    def begin_put(self, ns: str, key: str | bytes, size: int, ttl: float | None = None,
+                  owner: Hashable | None = None, if_absent: bool = False) -> PutTicket | None: ...
     def begin_put(self, ns: str, key: str | bytes, size: int, ttl: float | None = None,
                   owner: Hashable | None = None, if_absent: bool = False) -> PutTicket | None:
         """Reserve ``size`` bytes for a value of ``key``, evicting as the fairness rule allows.

@@ -28,6 +28,8 @@ from kvservice.keys import chunk_keys, normalize_key
 from kvservice.pool import Block, PendingPut, Pool, as_bytes
 
 Key = str | bytes
+#: what a batch put takes (a dict[str, ...] is a Mapping[Key, ...] to no type checker)
+Items = Mapping[str, Any] | Mapping[bytes, Any] | Mapping[Key, Any]
 R = TypeVar("R")
 Tokens = Iterable[int] | npt.NDArray[np.integer[Any]]
 
@@ -123,7 +125,7 @@ class _Ops:
         return cxlrpc.Unavailable("the KV server restarted during this operation, which did not "
                                   "complete; nothing of it was kept: retry it")
 
-    def _put(self, items: Mapping[Key, Any], ns: str, ttl: float | None,
+    def _put(self, items: Items, ns: str, ttl: float | None,
              if_absent: bool = False) -> _Steps[list[bool]]:
         """Store the items; whether each was stored (False: ``if_absent`` and the key had a value)."""
         keys = [normalize_key(k) for k in items]
@@ -309,7 +311,7 @@ class KVClient(_Ops):
         ``if_absent``: keep an existing value instead (then False), decided by the server."""
         return (await self._drive(self._put({key: value}, namespace, ttl, if_absent)))[0]
 
-    async def batch_put(self, items: Mapping[Key, Any], namespace: str = "",
+    async def batch_put(self, items: Items, namespace: str = "",
                         ttl: float | None = None, if_absent: bool = False) -> list[bool]:
         """Store several values with one RPC to reserve and one to commit (all or none reserved);
         whether each was stored."""
@@ -678,7 +680,7 @@ class SyncKVClient(_Ops):
         """Store ``value``; returns once every reader can see it (see KVClient.put)."""
         return self._drive(self._put({key: value}, namespace, ttl, if_absent))[0]
 
-    def batch_put(self, items: Mapping[Key, Any], namespace: str = "",
+    def batch_put(self, items: Items, namespace: str = "",
                   ttl: float | None = None, if_absent: bool = False) -> list[bool]:
         """Store several values (one RPC to reserve, one to commit); whether each was stored."""
         return self._drive(self._put(items, namespace, ttl, if_absent))

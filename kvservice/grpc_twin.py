@@ -19,7 +19,7 @@ import numpy.typing as npt
 from cxlrpc.errors import StatusCode, error_for
 from kvservice import wire as w
 from cxlrpc.allocator import PoolAllocator
-from kvservice.client import KeyNotFound
+from kvservice.client import Items, KeyNotFound
 from kvservice.index import KVIndex, PoolFull, PutTicket
 from kvservice.keys import chunk_keys, normalize_key
 from kvservice.pool import Block, as_bytes
@@ -169,7 +169,7 @@ class GrpcKVClient:
         """Store ``value`` (bytes-like or numpy array); the bytes travel in the request."""
         await self.batch_put({key: value}, namespace, ttl)
 
-    async def batch_put(self, items: Mapping[Key, Any], namespace: str = "",
+    async def batch_put(self, items: Items, namespace: str = "",
                         ttl: float | None = None) -> None:
         """Store several values in one request."""
         # memoryviews (Inline declares bytes, what the server decodes them as)

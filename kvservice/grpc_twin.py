@@ -8,7 +8,7 @@ grpcio-tools. ``get`` returns a copy of the value (zero-copy cannot cross a netw
 from __future__ import annotations
 
 import functools
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import grpc

@@ -17,9 +17,10 @@ import math
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Generator, Iterable, Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 
 import cxlrpc
 from kvservice import wire as w
@@ -27,6 +28,10 @@ from kvservice.keys import chunk_keys, normalize_key
 from kvservice.pool import Block, PendingPut, Pool, as_bytes
 
 Key = str | bytes
+#: what a batch put takes (a dict[str, ...] is a Mapping[Key, ...] to no type checker)
+Items = Mapping[str, Any] | Mapping[bytes, Any] | Mapping[Key, Any]
+R = TypeVar("R")
+Tokens = Iterable[int] | npt.NDArray[np.integer[Any]]
 
 #: Queued releases that go out at once, in a message of their own, rather than wait for the
 #: next request (and the most one request carries): a bound on the request's size.
@@ -53,11 +58,12 @@ class _Call(NamedTuple):
     undo: Callable[[Any], "_Call"] | None = None
 
 
-_Steps = Generator[_Call, Any, Any]
+#: an operation: yields the RPCs it needs, is sent their results, returns an R
+_Steps = Generator[_Call, Any, R]
 _LEASES = list[w.Lease | None]  # what a get returns
 
 
-def _single(call: _Call) -> _Steps:
+def _single(call: _Call) -> _Steps[Any]:
     return (yield call)
 
 
@@ -119,11 +125,12 @@ class _Ops:
         return cxlrpc.Unavailable("the KV server restarted during this operation, which did not "
                                   "complete; nothing of it was kept: retry it")
 
-    def _put(self, items: Mapping[Key, Any], ns: str, ttl: float | None,
-             if_absent: bool = False) -> _Steps:
+    def _put(self, items: Items, ns: str, ttl: float | None,
+             if_absent: bool = False) -> _Steps[list[bool]]:
         """Store the items; whether each was stored (False: ``if_absent`` and the key had a value)."""
         keys = [normalize_key(k) for k in items]
-        datas = [as_bytes(v) for v in items.values()]
+        # memoryviews (Inline declares bytes, what the server decodes them as)
+        datas: list[Any] = [as_bytes(v) for v in items.values()]
         if not all(datas):
             raise ValueError("empty values are not stored")
         if sum(map(len, datas)) <= self.inline_limit:
@@ -148,17 +155,24 @@ class _Ops:
         stored = dict(zip(written, versions))
         return [bool(stored.get(key)) for key in keys]
 
-    def _remove_keys(self, keys: Iterable[Key], ns: str, force: bool) -> _Steps:
-        return (yield _Call("remove_keys", w.RemoveKeys(ns, [normalize_key(k) for k in keys], force)))
+    def _remove_keys(self, keys: Iterable[Key], ns: str, force: bool) -> _Steps[list[int]]:
+        removed: list[int] = yield _Call("remove_keys", w.RemoveKeys(ns, [normalize_key(k) for k in keys], force))
+        return removed
 
-    def _remove_matching(self, pattern: str | None, ns: str, force: bool) -> _Steps:
-        return (yield _Call("remove_matching", w.RemoveMatching(ns, pattern, force)))
+    def _remove_matching(self, pattern: str | None, ns: str, force: bool) -> _Steps[int]:
+        removed: int = yield _Call("remove_matching", w.RemoveMatching(ns, pattern, force))
+        return removed
 
-    def _keys_call(self, method: str, keys: Iterable[Key], ns: str) -> _Steps:
-        return (yield _Call(method, w.Keys(ns, [normalize_key(k) for k in keys])))
+    def _exists_keys(self, keys: Iterable[Key], ns: str) -> _Steps[list[bool]]:
+        present: list[bool] = yield _Call("exists_keys", w.Keys(ns, [normalize_key(k) for k in keys]))
+        return present
+
+    def _lookup_keys(self, keys: Iterable[Key], ns: str) -> _Steps[int]:
+        present: int = yield _Call("lookup_prefix", w.Keys(ns, [normalize_key(k) for k in keys]))
+        return present
 
     def _begin_put(self, key: Key, size: int, ns: str, ttl: float | None,
-                   driver: Any) -> _Steps:
+                   driver: Any) -> _Steps[PendingPut]:
         (ticket,) = yield _Call("begin", w.Begin(ns, [normalize_key(key)], [size], ttl,
                                                  release=self._carry()), list[w.PutTicket], _abort)
         ticket_id = ticket.ticket_id
@@ -170,7 +184,8 @@ class _Ops:
                           lambda: pool.written(offset, size),
                           lambda: pool.claimed(offset, ticket_id))
 
-    def _get(self, keys: Iterable[Key], ns: str, lease_s: float | None, hold_s: float = 0.0) -> _Steps:
+    def _get(self, keys: Iterable[Key], ns: str, lease_s: float | None,
+             hold_s: float = 0.0) -> _Steps[list[Block | None]]:
         leases = yield _Call("get", w.Get(ns, [normalize_key(k) for k in keys], lease_s, hold_s,
                                           self._carry()), _LEASES)
         return self._blocks(leases)
@@ -241,18 +256,20 @@ class _Ops:
         with block:
             return block.copy_into(out)
 
-    def _key_call(self, method: str, key: Key, ns: str) -> _Steps:
-        return (yield _Call(method, w.Key(ns, normalize_key(key))))
+    def _key_call(self, method: str, key: Key, ns: str) -> _Steps[bool]:
+        answer: bool = yield _Call(method, w.Key(ns, normalize_key(key)))
+        return answer
 
-    def _lookup_prefix(self, token_ids: Iterable[int] | np.ndarray, chunk_size: int,
-                       ns: str) -> _Steps:
+    def _lookup_prefix(self, token_ids: Tokens, chunk_size: int, ns: str) -> _Steps[int]:
         keys = chunk_keys(token_ids, chunk_size, ns)
         if not keys:
             return 0
-        return (yield _Call("lookup_prefix", w.Keys(ns, keys)))
+        present: int = yield _Call("lookup_prefix", w.Keys(ns, keys))
+        return present
 
-    def _stats(self, namespace: str | None) -> _Steps:
-        return (yield _Call("stats", namespace))
+    def _stats(self, namespace: str | None) -> _Steps[dict[str, Any]]:
+        stats: dict[str, Any] = yield _Call("stats", namespace)
+        return stats
 
 
 class KVClient(_Ops):
@@ -271,8 +288,8 @@ class KVClient(_Ops):
         self._loop = asyncio.get_running_loop()
         self._thread = threading.get_ident()  # the loop's: the only one that sends
         self._flush_armed = False  # a flush is scheduled (_RELEASE_DELAY_S from the first release)
-        self._tasks: set[asyncio.Task] = set()
-        self._greeting: asyncio.Task | None = None  # the hello callers refused meanwhile share
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._greeting: asyncio.Task[w.Hello] | None = None  # the hello callers refused meanwhile share
         #: Leases of blocks held, by id: (when to renew, the lease). One timer renews those due.
         self._held: dict[int, tuple[float, w.Lease]] = {}
         self._renewer: asyncio.TimerHandle | None = None
@@ -294,7 +311,7 @@ class KVClient(_Ops):
         ``if_absent``: keep an existing value instead (then False), decided by the server."""
         return (await self._drive(self._put({key: value}, namespace, ttl, if_absent)))[0]
 
-    async def batch_put(self, items: Mapping[Key, Any], namespace: str = "",
+    async def batch_put(self, items: Items, namespace: str = "",
                         ttl: float | None = None, if_absent: bool = False) -> list[bool]:
         """Store several values with one RPC to reserve and one to commit (all or none reserved);
         whether each was stored."""
@@ -352,9 +369,9 @@ class KVClient(_Ops):
         """Lease values as the server finds them, ``chunk`` keys per message of a server
         stream: the first blocks are read while the rest are looked up. A Block or None per key,
         in order; leases of chunks not read when the loop is left lapse after ``lease_s``."""
-        keys = [normalize_key(k) for k in keys]
+        wanted = [normalize_key(k) for k in keys]
         for attempt in range(2):
-            req = w.GetStream(namespace, keys, lease_s, chunk, self._carry())
+            req = w.GetStream(namespace, wanted, lease_s, chunk, self._carry())
             started = False
             try:
                 async for leases in self.rpc.stream("get_stream", req, response_type=list[w.Lease | None]):
@@ -399,13 +416,13 @@ class KVClient(_Ops):
 
     async def batch_exists(self, keys: Iterable[Key], namespace: str = "") -> list[bool]:
         """``exists`` for several keys in one RPC."""
-        return await self._drive(self._keys_call("exists_keys", keys, namespace))
+        return await self._drive(self._exists_keys(keys, namespace))
 
     async def lookup_keys(self, keys: Iterable[Key], namespace: str = "") -> int:
         """How many leading ``keys`` are present (one RPC), e.g. chunk keys of a prefix."""
-        return await self._drive(self._keys_call("lookup_prefix", keys, namespace))
+        return await self._drive(self._lookup_keys(keys, namespace))
 
-    async def lookup_prefix(self, token_ids: Iterable[int] | np.ndarray, chunk_size: int = 256,
+    async def lookup_prefix(self, token_ids: Tokens, chunk_size: int = 256,
                             namespace: str = "") -> int:
         """Number of leading full chunks of ``token_ids`` whose chunk_keys are present."""
         return await self._drive(self._lookup_prefix(token_ids, chunk_size, namespace))
@@ -433,7 +450,7 @@ class KVClient(_Ops):
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def _drive(self, steps: _Steps) -> Any:
+    async def _drive(self, steps: _Steps[R]) -> R:
         """Run an operation's RPCs. Cancellation (``asyncio.wait_for``, task.cancel) leaves
         nothing behind: a reservation is aborted, a put that committed anyway is undone."""
         call = self.rpc.call
@@ -465,7 +482,8 @@ class KVClient(_Ops):
                     step = steps.send(result)
                 first = False
         except StopIteration as done:
-            return done.value
+            value: R = done.value
+            return value
 
     async def _greet(self) -> None:
         """Say hello to the server anew (one hello for every caller refused meanwhile) and
@@ -488,6 +506,7 @@ class KVClient(_Ops):
         if isinstance(outcome, BaseException):
             self._unsent(step.arg, None if isinstance(outcome, asyncio.CancelledError) else outcome)
             return  # it created nothing (or the server is gone, and reclaims it all)
+        assert step.undo is not None  # (what makes a call undoable)
         undo = step.undo(outcome)
         try:
             self.rpc.send_nowait(undo.method, undo.arg)
@@ -526,7 +545,8 @@ class KVClient(_Ops):
         self._renewer, self._renew_at = None, math.inf
         if self._closed:
             return
-        now, due, soonest = self._loop.time(), {}, math.inf
+        now, soonest = self._loop.time(), math.inf
+        due: dict[float, list[int]] = {}
         for lease_id, (at, lease) in self._held.items():
             if at <= now:
                 due.setdefault(lease.duration, []).append(lease_id)
@@ -620,14 +640,15 @@ class _Connecting:
         self._client = KVClient(rpc, hello, pool)
         return self._client
 
-    def __await__(self):
+    def __await__(self) -> Generator[Any, None, KVClient]:
         return self._open().__await__()
 
     async def __aenter__(self) -> KVClient:
         return await self._open()
 
     async def __aexit__(self, *exc: object) -> None:
-        await self._client.close()
+        if self._client is not None:  # (made by __aenter__)
+            await self._client.close()
 
 
 class SyncKVClient(_Ops):
@@ -659,7 +680,7 @@ class SyncKVClient(_Ops):
         """Store ``value``; returns once every reader can see it (see KVClient.put)."""
         return self._drive(self._put({key: value}, namespace, ttl, if_absent))[0]
 
-    def batch_put(self, items: Mapping[Key, Any], namespace: str = "",
+    def batch_put(self, items: Items, namespace: str = "",
                   ttl: float | None = None, if_absent: bool = False) -> list[bool]:
         """Store several values (one RPC to reserve, one to commit); whether each was stored."""
         return self._drive(self._put(items, namespace, ttl, if_absent))
@@ -706,13 +727,13 @@ class SyncKVClient(_Ops):
 
     def batch_exists(self, keys: Iterable[Key], namespace: str = "") -> list[bool]:
         """``exists`` for several keys in one RPC."""
-        return self._drive(self._keys_call("exists_keys", keys, namespace))
+        return self._drive(self._exists_keys(keys, namespace))
 
     def lookup_keys(self, keys: Iterable[Key], namespace: str = "") -> int:
         """How many leading ``keys`` are present (one RPC)."""
-        return self._drive(self._keys_call("lookup_prefix", keys, namespace))
+        return self._drive(self._lookup_keys(keys, namespace))
 
-    def lookup_prefix(self, token_ids: Iterable[int] | np.ndarray, chunk_size: int = 256,
+    def lookup_prefix(self, token_ids: Tokens, chunk_size: int = 256,
                       namespace: str = "") -> int:
         """Number of leading full chunks of ``token_ids`` present."""
         return self._drive(self._lookup_prefix(token_ids, chunk_size, namespace))
@@ -735,7 +756,7 @@ class SyncKVClient(_Ops):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _drive(self, steps: _Steps) -> Any:
+    def _drive(self, steps: _Steps[R]) -> R:
         call = self.rpc.call
         first = True  # the operation's first RPC: refused, it is retried after a hello
         try:
@@ -761,7 +782,8 @@ class SyncKVClient(_Ops):
                     step = steps.send(result)
                 first = False
         except StopIteration as done:
-            return done.value
+            value: R = done.value
+            return value
 
     def _release(self, lease_id: int, collected: bool = False) -> None:
         if self._closed:

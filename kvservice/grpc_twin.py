@@ -8,18 +8,19 @@ grpcio-tools. ``get`` returns a copy of the value (zero-copy cannot cross a netw
 from __future__ import annotations
 
 import functools
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import grpc
 import msgspec
 import numpy as np
+import numpy.typing as npt
 
 from cxlrpc.errors import StatusCode, error_for
 from kvservice import wire as w
 from cxlrpc.allocator import PoolAllocator
-from kvservice.client import KeyNotFound
-from kvservice.index import KVIndex, PoolFull
+from kvservice.client import Items, KeyNotFound
+from kvservice.index import KVIndex, PoolFull, PutTicket
 from kvservice.keys import chunk_keys, normalize_key
 from kvservice.pool import Block, as_bytes
 
@@ -32,7 +33,8 @@ _Handler = Callable[[bytes, grpc.aio.ServicerContext], Awaitable[bytes]]
 def _handler(fn: Callable[[bytes], bytes]) -> _Handler:
     """Wrap a bytes -> bytes function as a gRPC handler that maps errors to status codes."""
     @functools.wraps(fn)
-    async def handle(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    # (ignore: each except ends in context.abort, which raises; grpc ships no py.typed saying so)
+    async def handle(request: bytes, context: grpc.aio.ServicerContext) -> bytes:  # type: ignore[return]
         try:
             return fn(request)
         except KeyNotFound as exc:
@@ -54,7 +56,7 @@ class GrpcKVServer:
         pool_size = -(-pool_size // alignment) * alignment
         self.index = KVIndex(PoolAllocator(pool_size, alignment), default_lease_s=default_lease_s,
                              high_watermark=high_watermark, low_watermark=low_watermark)
-        self._pool = memoryview(np.zeros(pool_size, np.uint8))  # calloc: pages on first touch
+        self._pool = np.zeros(pool_size, np.uint8).data  # calloc: pages on first touch
         self._server: grpc.aio.Server | None = None
 
     async def start(self) -> None:
@@ -94,7 +96,7 @@ class GrpcKVServer:
         req = w.decode(request, w.Inline)
         if len(req.keys) != len(req.values):
             raise ValueError("keys and values differ in length")
-        tickets = []
+        tickets: list[PutTicket] = []
         try:
             for key, value in zip(req.keys, req.values):
                 tickets.append(self.index.begin_put(req.ns, key, len(value), req.ttl))
@@ -155,7 +157,8 @@ class GrpcKVClient:
 
     async def _call(self, method: str, request: bytes) -> bytes:
         try:
-            return await self._calls[method](request)
+            reply: bytes = await self._calls[method](request)
+            return reply
         except grpc.aio.AioRpcError as exc:
             code = exc.code().value[0]
             if code == StatusCode.NOT_FOUND:
@@ -166,10 +169,11 @@ class GrpcKVClient:
         """Store ``value`` (bytes-like or numpy array); the bytes travel in the request."""
         await self.batch_put({key: value}, namespace, ttl)
 
-    async def batch_put(self, items: Mapping[Key, Any], namespace: str = "",
+    async def batch_put(self, items: Items, namespace: str = "",
                         ttl: float | None = None) -> None:
         """Store several values in one request."""
-        values = [as_bytes(v) for v in items.values()]
+        # memoryviews (Inline declares bytes, what the server decodes them as)
+        values: list[Any] = [as_bytes(v) for v in items.values()]
         if not all(values):
             raise ValueError("empty values are not stored")
         keys = [normalize_key(k) for k in items]
@@ -210,7 +214,7 @@ class GrpcKVClient:
         """Remove ``key``; False if it was absent."""
         return w.decode(await self._call("Remove", w.encode(w.Key(namespace, normalize_key(key)))), bool)
 
-    async def lookup_prefix(self, token_ids: Iterable[int] | np.ndarray, chunk_size: int = 256,
+    async def lookup_prefix(self, token_ids: Iterable[int] | npt.NDArray[np.integer[Any]], chunk_size: int = 256,
                             namespace: str = "") -> int:
         """Number of leading full chunks of ``token_ids`` present."""
         keys = chunk_keys(token_ids, chunk_size, namespace)

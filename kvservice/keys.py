@@ -5,8 +5,10 @@ import hashlib
 import sys
 from array import array
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 KEY_DIGEST_SIZE = 16
 MAX_KEY_BYTES = 1024
@@ -14,7 +16,7 @@ _PERSON = b"kvservice-chunk1"  # blake2b personalisation: separates these hashes
 _INT64_MAX = np.iinfo(np.int64).max
 
 
-def _tokens_le_int64(token_ids: Iterable[int] | np.ndarray) -> np.ndarray:
+def _tokens_le_int64(token_ids: Iterable[int] | npt.NDArray[np.integer[Any]]) -> npt.NDArray[np.int64]:
     """Token ids as a 1-D little-endian int64 array (the canonical encoding); validates them."""
     if isinstance(token_ids, (str, bytes, bytearray, memoryview)):
         raise TypeError(f"token_ids must be a sequence of ints, not {type(token_ids).__name__}")
@@ -37,7 +39,7 @@ def _tokens_le_int64(token_ids: Iterable[int] | np.ndarray) -> np.ndarray:
     return np.frombuffer(packed, dtype="<i8")
 
 
-def chunk_keys(token_ids: Iterable[int] | np.ndarray, chunk_size: int = 256,
+def chunk_keys(token_ids: Iterable[int] | npt.NDArray[np.integer[Any]], chunk_size: int = 256,
                namespace: str = "") -> list[bytes]:
     """16-byte keys of the full ``chunk_size``-token chunks: key i = H(namespace, key i-1, chunk i).
 
@@ -50,7 +52,7 @@ def chunk_keys(token_ids: Iterable[int] | np.ndarray, chunk_size: int = 256,
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if not isinstance(namespace, str):
         raise TypeError("namespace must be a str")
-    tokens = memoryview(_tokens_le_int64(token_ids)).cast("B")
+    tokens = _tokens_le_int64(token_ids).data.cast("B")
     ns = namespace.encode("utf-8")
     base = hashlib.blake2b(digest_size=KEY_DIGEST_SIZE, person=_PERSON)
     base.update(len(ns).to_bytes(4, "little") + ns)  # length prefix keeps the encoding unambiguous

@@ -30,14 +30,17 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Protocol
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
+import numpy.typing as npt
 
 from cxlrpc.errors import Aborted
 from cxlrpc.memory import ACQUIRE, HARDWARE, RELEASE, copy_bytes, fence, to_bytes
 from cxlrpc.region import HEADER_SIZE, Region, RegionError, parse_url, prefault
 
+_native: ModuleType | None
 try:  # the leased Block in C (CXLRPC_NO_NATIVE=1: the reference only)
     from kvservice import _block as _native
 except ImportError:  # built by the package where a C compiler exists
@@ -64,12 +67,17 @@ def _prefault(region: Region, offset: int, length: int, chunk: int = 256 << 20) 
     start = time.monotonic()
     said = False
     for at in range(offset, offset + length, chunk):
-        prefault(region._mmap, at & ~(mmap.PAGESIZE - 1), min(chunk, offset + length - at))
+        prefault(_mapping(region), at & ~(mmap.PAGESIZE - 1), min(chunk, offset + length - at))
         if time.monotonic() - start > 1.0 and (not said or at + chunk >= offset + length):
             logger.info("kvservice: pool %s pre-faulted %d of %d MiB (%.1f s)", region.url,
                         (min(at + chunk, offset + length) - offset) >> 20, length >> 20,
                         time.monotonic() - start)
             said = True
+
+
+def _mapping(region: Region) -> mmap.mmap:
+    """The region's mapping (an mmap, sim:// too: its cache)."""
+    return region._mmap
 
 
 _madvise = ctypes.CDLL(None, use_errno=True).madvise  # through ctypes: releases the GIL
@@ -304,7 +312,7 @@ class Pool:
         """Ask for transparent huge pages over the data (used where the system enables them for
         shared memory: far fewer faults and TLB misses); nothing happens elsewhere."""
         try:
-            self.region._mmap.madvise(mmap.MADV_HUGEPAGE, self._data_offset, self.capacity)
+            _mapping(self.region).madvise(mmap.MADV_HUGEPAGE, self._data_offset, self.capacity)
         except (AttributeError, OSError, ValueError):
             pass
 
@@ -356,7 +364,8 @@ class Pool:
         try:
             if mem.flushing:
                 mem.invalidate(entry, 8)
-            return mem.load(entry, ACQUIRE) == version
+            held: bool = mem.load(entry, ACQUIRE) == version
+            return held
         except ValueError:
             if self.region.closed:  # (a block that outlived its pool: kvservice._block's too)
                 raise ValueError(f"the pool {self.region.url} was closed: its blocks can no "
@@ -425,7 +434,14 @@ class _Copies:
 
     __slots__ = ()
 
-    def array(self, dtype: Any = np.uint8, shape: Any = None) -> np.ndarray:
+    if TYPE_CHECKING:  # what both kinds of block have
+        size: int
+
+        def view(self) -> memoryview: ...
+        def check(self) -> None: ...
+        def _tracked_view(self) -> memoryview: ...
+
+    def array(self, dtype: Any = np.uint8, shape: Any = None) -> npt.NDArray[Any]:
         """The value as a read-only numpy array (no copy), optionally reshaped."""
         arr = np.frombuffer(self._tracked_view(), dtype=dtype)
         return arr if shape is None else arr.reshape(shape)
@@ -529,7 +545,13 @@ class ReferenceBlock(_Copies):
         return self.size
 
 
-class Block(_native.Block if _native is not None else ReferenceBlock, _Copies):  # type: ignore[misc]
+if TYPE_CHECKING:  # kvservice._block's Block has ReferenceBlock's interface
+    _BlockBase = ReferenceBlock
+else:
+    _BlockBase = _native.Block if _native is not None else ReferenceBlock
+
+
+class Block(_BlockBase, _Copies):
     """A leased value read in place: ``view()`` / ``array()``; use ``with`` to end the lease.
 
     ``Block(view, version=0, owner=None, lease_id=0, pool=None, entry=0)``: see
@@ -567,7 +589,7 @@ class PendingPut:
             raise PutFenced()
         return self._view
 
-    def array(self, dtype: Any = np.uint8, shape: Any = None) -> np.ndarray:
+    def array(self, dtype: Any = np.uint8, shape: Any = None) -> npt.NDArray[Any]:
         """The block as a writable numpy array, optionally reshaped (checked as ``view``)."""
         arr = np.frombuffer(self.view(), dtype=dtype)
         return arr if shape is None else arr.reshape(shape)

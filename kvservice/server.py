@@ -13,7 +13,7 @@ import functools
 import logging
 import re
 import secrets
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import cxlrpc
@@ -92,21 +92,19 @@ class KVServer:
                              high_watermark=high_watermark, low_watermark=low_watermark,
                              default_lease_s=default_lease_s, max_lease_s=max_lease_s,
                              put_timeout_s=put_timeout_s,
-                             on_publish=lambda offset, version: self._pool.publish(offset, version),
-                             on_free=lambda offset: self._pool.clear(offset),
-                             on_claim=lambda offset, ticket_id: self._pool.claim(offset, ticket_id),
+                             on_publish=self._publish, on_free=self._clear, on_claim=self._claim,
                              first_id=_first_id(), first_version=_first_id())
         rpc_options.setdefault("slots", 64)  # two TP-8 pods and their helpers
         rpc_options.setdefault("response_capacity", 256 << 10)
         self.rpc = cxlrpc.Server(url, **rpc_options)
         #: Connections that said hello (so they map this server's pool): only they are served.
         self._greeted: set[cxlrpc.Peer] = set()
-        self.rpc.on_disconnect(self.index.release_owner)
-        self.rpc.on_fenced(self.index.fence_owner)
+        self.rpc.on_disconnect(self._release_owner)
+        self.rpc.on_fenced(self._fence_owner)
         self.rpc.on_disconnect(self._greeted.discard)
         self._pool: Pool | None = None
         self._release_messages = 0
-        self._expirer: asyncio.Task | None = None
+        self._expirer: asyncio.Task[None] | None = None
         for name in ("hello", "begin", "inline", "commit", "abort", "undo", "release",
                      "renew", "exists", "exists_keys", "remove", "remove_keys", "remove_matching",
                      "lookup_prefix", "stats"):
@@ -165,6 +163,25 @@ class KVServer:
         return {"pool_url": self.pool_url, **self.index.stats(),
                 "release_messages": self._release_messages}
 
+    # ---- the index's hooks: the pool (made at start) marks what the index decides ----------
+    def _publish(self, offset: int, version: int) -> None:
+        assert self._pool is not None  # the index changes only while requests are served
+        self._pool.publish(offset, version)
+
+    def _clear(self, offset: int) -> None:
+        assert self._pool is not None
+        self._pool.clear(offset)
+
+    def _claim(self, offset: int, ticket_id: int) -> None:
+        assert self._pool is not None
+        self._pool.claim(offset, ticket_id)
+
+    def _release_owner(self, peer: cxlrpc.Peer) -> None:
+        self.index.release_owner(peer)
+
+    def _fence_owner(self, peer: cxlrpc.Peer) -> None:
+        self.index.fence_owner(peer)
+
     async def _expire_loop(self) -> None:
         while True:
             await asyncio.sleep(self.expire_interval)
@@ -176,6 +193,7 @@ class KVServer:
     # ---- handlers (plain functions: they run inline in cxlrpc's reader) -------------------
     def _hello(self) -> w.Hello:
         self._greeted.add(cxlrpc.current_peer())
+        assert self._pool is not None  # served only between start and close
         return w.Hello(self.pool_url, self.pool_size, self._pool.region.epoch, self.inline_limit,
                        self.alignment)
 
@@ -196,9 +214,11 @@ class KVServer:
             raise ValueError("keys and values differ in length")
         tickets = self._begin_all(req.ns, req.keys, [len(v) for v in req.values], req.ttl, owner,
                                   req.if_absent)
+        pool = self._pool
+        assert pool is not None  # served only between start and close
         for ticket, value in zip(tickets, req.values):
             if ticket is not None:
-                self._pool.write(ticket.offset, memoryview(value))
+                pool.write(ticket.offset, memoryview(value))
         return [0 if t is None else self.index.commit_put(t.ticket_id, owner) for t in tickets]
 
     def _begin_all(self, ns: str, keys: list[bytes], sizes: list[int], ttl: float | None,
@@ -251,7 +271,7 @@ class KVServer:
         except (ValueError, TypeError) as exc:  # what batch_get raises for bad input
             raise cxlrpc.InvalidArgument(str(exc)) from None
 
-    async def _get_stream(self, req: w.GetStream):
+    async def _get_stream(self, req: w.GetStream) -> AsyncIterator[list[Lease | None]]:
         """Lease the keys a chunk at a time, each chunk one item of a server stream: the caller
         reads the first values while the rest are looked up."""
         owner = cxlrpc.current_peer()

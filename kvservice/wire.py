@@ -5,7 +5,7 @@ gRPC twin encodes them itself with :func:`encode`/:func:`decode`. Keys travel as
 """
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 import msgspec
 
@@ -137,7 +137,7 @@ class Keys(msgspec.Struct, array_like=True, frozen=True):
 
 
 _encoder = msgspec.msgpack.Encoder()
-_decoders: dict[Any, msgspec.msgpack.Decoder] = {}
+_decoders: dict[Any, msgspec.msgpack.Decoder[Any]] = {}
 
 
 def encode(obj: Any) -> bytes:
@@ -145,7 +145,11 @@ def encode(obj: Any) -> bytes:
     return _encoder.encode(obj)
 
 
-def decode(data: bytes, type_: type[T] | Any) -> T:
+@overload
+def decode(data: bytes, type_: type[T]) -> T: ...
+@overload
+def decode(data: bytes, type_: Any) -> Any: ...
+def decode(data: bytes, type_: Any) -> Any:
     """Decode and validate MessagePack ``data`` as ``type_`` (msgspec.ValidationError if bad)."""
     dec = _decoders.get(type_)
     if dec is None:

@@ -589,8 +589,8 @@ def test_timer_heaps_stay_bounded_under_lease_churn():
     put(idx, "m", "k")
     for _ in range(5000):
         idx.release(idx.get("m", "k").lease_id)
-    assert len(idx._lease_timers._heap) <= 2 * len(idx._leases) + 65
-    assert len(idx._young) < 64  # leases whose timer entry is not armed yet
+    assert len(idx._leases.timers._heap) <= 2 * len(idx._leases) + 65
+    assert len(idx._leases.young) < 64  # leases whose timer entry is not armed yet
 
 
 def test_lease_timer_heap_stays_bounded_under_renewals():
@@ -604,7 +604,7 @@ def test_lease_timer_heap_stays_bounded_under_renewals():
     lease = idx.get("m", "k")
     for _ in range(2000):
         idx.renew(lease.lease_id, lease_s=10)
-    assert len(idx._lease_timers._heap) <= 2 * len(idx._leases) + 65, len(idx._lease_timers._heap)
+    assert len(idx._leases.timers._heap) <= 2 * len(idx._leases) + 65, len(idx._leases.timers._heap)
 
 
 OPS = ["put"] * 4 + ["commit"] * 3 + ["get"] * 3 + ["release"] * 2 + ["abort", "remove", "tick",

@@ -71,7 +71,8 @@ def _config_error(message: str) -> Exception:
     """LMCache's ``IrrecoverableException``: its RemoteBackend re-raises it from
     init_connection (other errors it logs and retries), so no backend is built on a bad
     configuration."""
-    return IrrecoverableException(message)
+    error: Exception = IrrecoverableException(message)
+    return error
 
 
 def _plugin_key(plugin: str, field: str) -> str:
@@ -121,7 +122,7 @@ def resolve_service_url(url: str | None, config: Any, plugin_name: str | None = 
                 f"kvservice: remote_url {url!r} and remote_storage_plugin.{doubled[0]}.url both "
                 f"name a kvservice: LMCache would write every chunk twice; drop remote_url")
         return url
-    service = extra.get(_plugin_key(plugin_name, "url"))
+    service: str | None = extra.get(_plugin_key(plugin_name, "url"))
     if service:
         return service
     if _is_service_url(remote_url):
@@ -173,7 +174,7 @@ class KVServiceConnector(RemoteConnector):
         self.loop = loop
         self.local_cpu_backend = local_cpu_backend
         self._kv: KVClient | None = None
-        self._connecting: asyncio.Future | None = None
+        self._connecting: asyncio.Future[KVClient] | None = None
         self._closed = False
         if loop.is_running() and not self._on_loop():
             # connect now, so a bad URL or an absent server fails LMCache's init_connection
@@ -213,7 +214,8 @@ class KVServiceConnector(RemoteConnector):
             raise
 
     def _key(self, key: Any) -> str:
-        return key.to_string()
+        text: str = key.to_string()
+        return text
 
     # ---- reads ---------------------------------------------------------------------------
     def _allocate_for(self, view: memoryview) -> tuple[Any, memoryview] | None:

@@ -80,7 +80,8 @@ def storage_metrics_class() -> type:
                             "sglang.srt.observability.metrics_collector"):
             raise
         from sglang.srt.metrics.collector import StorageMetrics
-    return StorageMetrics
+    metrics: type = StorageMetrics
+    return metrics
 
 
 def _tensors(obj: Any) -> list[Any]:
@@ -178,7 +179,7 @@ class _KVServiceStorage(HiCacheStorage):
     zero-copy (v1) interfaces (see the module docstring)."""
 
     def __init__(self, storage_config: HiCacheStorageConfig | None = None,
-                 kwargs: dict | None = None) -> None:
+                 kwargs: dict[str, Any] | None = None) -> None:
         extra = dict(getattr(storage_config, "extra_config", None) or {})
         parsed = parse_service_url(str(extra.get("url", DEFAULT_URL)))
         self.storage_config = storage_config

@@ -9,14 +9,22 @@ import mmap
 import os
 import threading
 import weakref
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
+import numpy.typing as npt
 
 from kvservice.compat.mooncake.config import ErrorCode
 from kvservice.pool import Block
 
-class BufferHandle:
+if TYPE_CHECKING:  # each concrete handle class is a ctypes array too (see _handle_type)
+    _HandleBase = ctypes.Array[ctypes.c_ubyte]
+else:
+    _HandleBase = object
+
+
+class BufferHandle(_HandleBase):
     """What ``get_buffer`` returns: the value in place in the pool (zero-copy), with Mooncake's
     ``ptr()``, ``size()``, ``len()`` and the buffer protocol (``memoryview(h)``,
     ``np.array(h, copy=False)``, ``torch.frombuffer(h, ...)``). It holds a kvservice lease until
@@ -25,6 +33,10 @@ class BufferHandle:
     """
 
     __slots__ = ()  # the concrete classes are ctypes arrays mixing this in; see _handle_type
+    if TYPE_CHECKING:  # set by _make_handle
+        _keep: npt.NDArray[Any]
+        _block: Block
+        _done: weakref.finalize[[Block, Callable[[], None]], BufferHandle]
 
     def ptr(self) -> int:
         return ctypes.addressof(self)
@@ -57,12 +69,12 @@ class BufferHandle:
 
 
 @functools.lru_cache(maxsize=512)
-def _handle_type(size: int) -> type:
+def _handle_type(size: int) -> type[BufferHandle]:
     """A BufferHandle class over ``size`` bytes (ctypes arrays carry their length in the type)."""
-    return type("BufferHandle", (BufferHandle, ctypes.c_ubyte * size), {})
+    return cast("type[BufferHandle]", type("BufferHandle", (BufferHandle, ctypes.c_ubyte * size), {}))
 
 
-def _make_handle(block: Block, on_close: Any) -> BufferHandle:
+def _make_handle(block: Block, on_close: Callable[[], None]) -> BufferHandle:
     keep = block.array()  # a numpy view of the pool: keeps the mapping alive while we exist
     handle = _handle_type(block.size).from_address(keep.ctypes.data)
     handle._keep = keep
@@ -71,7 +83,7 @@ def _make_handle(block: Block, on_close: Any) -> BufferHandle:
     return handle
 
 
-def _close_block(block: Block, on_close: Any) -> None:
+def _close_block(block: Block, on_close: Callable[[], None]) -> None:
     block.release()
     on_close()
 
@@ -145,7 +157,7 @@ class MooncakeHostMemAllocator:
     def alloc(self, size: int) -> int:
         if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
             raise RuntimeError("Failed to map shared memory: Invalid argument")  # as Mooncake
-        ptr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE,
+        ptr: int = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE,
                          mmap.MAP_SHARED | mmap.MAP_ANONYMOUS, -1, 0)
         if ptr in (None, _MAP_FAILED):
             raise RuntimeError(f"Failed to map shared memory: {os.strerror(ctypes.get_errno())}")
@@ -187,6 +199,12 @@ class _Registered:
         best = max((s + self._sizes[s] - addr for s in self._starts[:i]), default=-1)
         return best if best > 0 else -1
 
+    def views(self, addrs: list[int], sizes: list[int]) -> list[memoryview] | int:
+        """``view`` of each range (pairs of ``addrs`` and ``sizes``), or the first error code."""
+        views = [self.view(p, s) for p, s in zip(addrs, sizes)]
+        bad = next((v for v in views if isinstance(v, int)), None)
+        return bad if bad is not None else cast("list[memoryview]", views)
+
     def view(self, addr: int, size: int) -> memoryview | int:
         """A writable byte view of ``[addr, addr+size)``, or an error code."""
         if not isinstance(addr, int) or not isinstance(size, int) or addr <= 0 or size < 0:
@@ -199,7 +217,7 @@ class _Registered:
         if size == 0:
             return memoryview(bytearray(0))
         raw = (ctypes.c_char * size).from_address(addr)
-        return memoryview(np.frombuffer(raw, dtype=np.uint8))
+        return np.frombuffer(memoryview(raw), dtype=np.uint8).data
 
 
 def _bytes(value: Any) -> Any:
@@ -212,7 +230,7 @@ def _bytes(value: Any) -> Any:
     try:
         return view.cast("B")
     except TypeError:  # a format with a byte-order prefix ('<B' of ctypes): go through numpy
-        return memoryview(np.frombuffer(view, dtype=np.uint8))
+        return np.frombuffer(view, dtype=np.uint8).data
 
 
 def _part(value: Any) -> memoryview:

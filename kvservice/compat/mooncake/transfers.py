@@ -1,5 +1,5 @@
-"""The puts and reads of Mooncake's store API (a mixin of MooncakeDistributedStore, which
-provides the client, the lock, the registered ranges and the error guard)."""
+"""The puts and reads of Mooncake's store API (MooncakeDistributedStore's base: on a _Session,
+which holds the client, the lock, the registered ranges and the error guard)."""
 from __future__ import annotations
 
 import functools
@@ -8,10 +8,11 @@ from typing import Any
 import cxlrpc
 from kvservice.compat.mooncake.config import ErrorCode, ReplicateConfig, _config_code
 from kvservice.compat.mooncake.memory import BufferHandle, _bytes, _make_handle, _part
+from kvservice.compat.mooncake.session import _Session
 from kvservice.pool import Block, LeaseExpired
 
 
-class _Transfers:
+class _Transfers(_Session):
     """put*/upsert*/get*/batch_* of MooncakeDistributedStore (copies and registered ranges)."""
 
 
@@ -51,7 +52,7 @@ class _Transfers:
         return self._guard(ErrorCode.INVALID_PARAMS, self._parts, key, [_part(p) for p in parts],
                            True, config)
 
-    def _parts(self, key: str, views: list, overwrite: bool, config: Any) -> int:
+    def _parts(self, key: str, views: list[memoryview], overwrite: bool, config: Any) -> int:
         if sum(len(v) for v in views) == 0:
             return ErrorCode.OK  # as Mooncake: a warning, nothing stored
         return self._put_copy([key], [b"".join(views)], overwrite, config)
@@ -76,7 +77,8 @@ class _Transfers:
         return self._guard(lambda c: [c] * len(keys), self._put_from_many, keys, buffer_ptrs, sizes, True,
                            config)
 
-    def _put_from_many(self, keys, buffer_ptrs, sizes, overwrite: bool, config: Any) -> list[int]:
+    def _put_from_many(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int],
+                       overwrite: bool, config: Any) -> list[int]:
         if not len(keys) == len(buffer_ptrs) == len(sizes) or _config_code(config, len(keys)):
             return [ErrorCode.INVALID_PARAMS] * len(keys)
         views = [self._registered.view(p, s) for p, s in zip(buffer_ptrs, sizes)]
@@ -91,10 +93,13 @@ class _Transfers:
                 return [ErrorCode.INVALID_PARAMS] * len(keys)
             values: list[Any] = []
             for ptrs, sizes in zip(all_buffer_ptrs, all_sizes):
-                views = [self._registered.view(p, s) for p, s in zip(ptrs, sizes)]
-                bad = next((v for v in views if isinstance(v, int)), None)
-                values.append(bad if bad is not None or len(ptrs) != len(sizes)
-                              else b"".join(views))
+                views = self._registered.views(ptrs, sizes)
+                if isinstance(views, int):
+                    values.append(views)
+                elif len(ptrs) != len(sizes):
+                    values.append(None)  # refused by _store (INVALID_PARAMS for the call)
+                else:
+                    values.append(b"".join(views))
             return self._store(list(keys), values, False)
         return self._guard(lambda c: [c] * len(keys), run)
 
@@ -176,18 +181,18 @@ class _Transfers:
             return [ErrorCode.INVALID_PARAMS] * len(keys)
         dsts = [self._registered.view(p, s) for p, s in zip(ptrs, sizes)]
         results: list[int] = [d if isinstance(d, int) else 0 for d in dsts]
-        wanted = [i for i, d in enumerate(dsts) if not isinstance(d, int)]
-        blocks = self._leases([keys[i] for i in wanted]) if wanted else []
-        for i, block in zip(wanted, blocks):
+        wanted = [(i, d) for i, d in enumerate(dsts) if not isinstance(d, int)]
+        blocks = self._leases([keys[i] for i, _ in wanted]) if wanted else []
+        for (i, dst), block in zip(wanted, blocks):
             if block is None:
                 results[i] = ErrorCode.OBJECT_NOT_FOUND
                 continue
             with block:
-                if block.size > len(dsts[i]):
+                if block.size > len(dst):
                     results[i] = ErrorCode.INVALID_PARAMS  # as Mooncake: the size is wrong
                     continue
                 try:
-                    results[i] = block.copy_into(dsts[i])
+                    results[i] = block.copy_into(dst)
                 except LeaseExpired:
                     results[i] = ErrorCode.LEASE_EXPIRED
         return results
@@ -212,10 +217,9 @@ class _Transfers:
     def _scatter(self, block: Block, ptrs: list[int], sizes: list[int]) -> int:
         if len(ptrs) != len(sizes):
             return ErrorCode.INVALID_PARAMS
-        dsts = [self._registered.view(p, s) for p, s in zip(ptrs, sizes)]
-        bad = next((d for d in dsts if isinstance(d, int)), None)
-        if bad is not None:
-            return bad
+        dsts = self._registered.views(ptrs, sizes)
+        if isinstance(dsts, int):
+            return dsts
         if sum(len(d) for d in dsts) < block.size:
             return ErrorCode.INVALID_PARAMS  # as Mooncake
         try:
@@ -244,7 +248,8 @@ class _Transfers:
         return self._guard(shaped, self._ranges, buffer_ptrs, all_keys, all_dst_offsets,
                            all_src_offsets, all_sizes)
 
-    def _ranges(self, buffer_ptrs, all_keys, all_dst, all_src, all_sizes) -> list[list[list[int]]]:
+    def _ranges(self, buffer_ptrs: list[int], all_keys: list[list[str]], all_dst: list[list[list[int]]],
+                all_src: list[list[list[int]]], all_sizes: list[list[list[int]]]) -> list[list[list[int]]]:
         unique = list(dict.fromkeys(k for keys in all_keys for k in keys))
         blocks = dict(zip(unique, self._leases(unique))) if unique else {}
         try:
@@ -279,6 +284,7 @@ class _Transfers:
         if n == 0:
             return 0
         dst = self._registered.view(ptr + d, n)
+        assert not isinstance(dst, int)  # room() above vouched for the range
         try:
             dst[:] = block.view()[s:s + n]
             block.check()

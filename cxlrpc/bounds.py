@@ -18,7 +18,7 @@ from .errors import StatusCode
 
 #: The most bytes a refusal in the backlog (a RESOURCE_EXHAUSTED error frame) takes.
 REFUSAL_MAX = 512
-#: What :meth:`HeldReplies.hold` did with a reply: held it, held a refusal in its place, or
+#: What ``HeldReplies.hold`` did with a reply: held it, held a refusal in its place, or
 #: dropped it (past twice the limit of entries).
 HELD, REFUSED, SHED = 0, 1, 2
 

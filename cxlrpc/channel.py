@@ -2,7 +2,7 @@
 
 Two layouts, chosen by the region's coherence (server and client code never see which):
 coherent memory (``"hardware"``) uses the layout below; memory without cross-host coherence
-(``"flush"``) uses the single-writer layout of :class:`FlushServerChannel`.
+(``"flush"``) uses the single-writer layout of ``FlushServerChannel``.
 
 Layout on coherent memory (after the region header)::
 
@@ -12,7 +12,7 @@ Layout on coherent memory (after the region header)::
                     client doorbell word, pid hint + host identity + claim word (client's),
                     acknowledged generation (server's)
     response rings  SPSC per slot: server -> the client holding the slot
-    heap            bodies too big for a ring (see :mod:`cxlrpc.heap`); in the single-writer
+    heap            bodies too big for a ring (see ``cxlrpc.heap``); in the single-writer
                     layout, after the per-client request rings
 
 A client claims a free slot with a CAS that bumps its generation, adopts the response
@@ -168,7 +168,7 @@ def geometry_sum(words: Sequence[int], coherence: str) -> int:
 
 def _write_geometry(region: Region, geo: Geometry) -> OwnedWords:
     """Store the geometry words of the control block and their checksum (what
-    :func:`read_geometry` reads); they and the state word are the server's to keep true."""
+    ``read_geometry`` reads); they and the state word are the server's to keep true."""
     mem = region.mem
     words = (geo.slots, geo.request_capacity, geo.response_capacity, geo.heap_size, geo.max_message_size)
     owned = OwnedWords(mem)
@@ -229,7 +229,7 @@ class Liveness:
         return now - self._since if self._last is not None else 0.0
 
 
-#: How a slot's holder left (:class:`Departure`): it released its slot itself; it died on this
+#: How a slot's holder left (``Departure``): it released its slot itself; it died on this
 #: host (its PID is gone); or it was reaped, its heartbeat stopped (frozen, or on another host)
 DETACHED, DEAD, REAPED = "detached", "dead", "reaped"
 
@@ -257,7 +257,7 @@ def _reaped(slot: int, gen: int, pid: int, local: bool, watches: list[PidWatch])
 
 class _ServerWords:
     """What both server channels share: the words of the region header and control block
-    they alone write, kept true by the server's housekeeping (see :mod:`cxlrpc.owned`)."""
+    they alone write, kept true by the server's housekeeping (see ``cxlrpc.owned``)."""
 
     region: Region
     state: Counter
@@ -451,7 +451,7 @@ class ServerChannel(_ServerWords):
 
     def client_bell_words(self) -> tuple[list[int], int]:
         """Where each slot's doorbell word lies in the region, and what a holder parked on this
-        host writes there: a native ringer looks first and calls :meth:`ring_client` only then."""
+        host writes there: a native ringer looks first and calls ``ring_client`` only then."""
         return [bell.parked_at for bell in self.client_bells], host_identity()
 
     def ring_client(self, slot: int, gen: int) -> None:
@@ -608,14 +608,14 @@ class ClientChannel(_ServerWatch):
         return self.requests.try_push_parts(parts, self.slot, self.tag, self.claim, self._revoked)
 
     def push_args(self) -> tuple[int, int, Counter, Callable[[], bool]]:
-        """What :meth:`push` passes the request ring's ``try_push_parts`` after the parts (for
+        """What ``push`` passes the request ring's ``try_push_parts`` after the parts (for
         native callers that push without this method's frame)."""
         return (self.slot, self.tag, self.claim, self._revoked)
 
     def _revoked(self) -> bool:
         """Asked by a push in its slow paths: the server reclaimed our slot, or took back the
         claim being pushed (it made no progress for the server's client_timeout, see
-        :meth:`ServerChannel.revoke_claims`): nothing of ours may be committed then."""
+        ``ServerChannel.revoke_claims``): nothing of ours may be committed then."""
         return not self.holds_slot() or self.claim.load(ACQUIRE) == NO_CLAIM
 
     def acknowledged(self) -> bool:

@@ -14,7 +14,7 @@ cannot happen, so a departed connection is *quarantined* until it is *fenced*:
 - a holder on another host, or whose PID cannot be pinned by a pidfd: ``fence_timeout``
   seconds after it was reaped (a bound, not a proof: see docs/peers.md).
 
-:class:`Fences` keeps the quarantined holders; the server checks them from its housekeeping
+``Fences`` keeps the quarantined holders; the server checks them from its housekeeping
 (O(quarantined) a look, nothing on the hot path).
 """
 from __future__ import annotations

@@ -6,7 +6,7 @@ A frame is a fixed little-endian header, the method name, then the body::
 
 ``bytes``-like bodies travel raw (flag ``RAW``: one copy into the ring, one out); anything
 else is msgspec MessagePack. A body too big for a ring travels through the region's heap
-(flag ``HEAP``: the frame's body is the extent, see :mod:`cxlrpc.heap`). A request with call
+(flag ``HEAP``: the frame's body is the extent, see ``cxlrpc.heap``). A request with call
 metadata (flag ``META``) carries it between the method name and the body, in the frame even
 when the body is out of line: ``length u16 | MessagePack map of str to str``. A request flagged
 ``STREAM`` opens a call whose requests follow as ITEM frames, ended by END. Every field is
@@ -129,7 +129,7 @@ def decoder(type_: Any = None) -> Callable[[bytes | memoryview], Any]:
 
 
 def decode_body(flags: int, body: bytes | memoryview, type_: Any = None) -> Any:
-    """Inverse of :func:`encode_body`, validating into ``type_`` when given."""
+    """Inverse of ``encode_body``, validating into ``type_`` when given."""
     if flags & RAW:
         if type_ is None or type_ is bytes or type_ is Any:
             return body

@@ -23,7 +23,7 @@ reply (no allocator work on either side of a big call: 5.5 us a pair here), and 
 bigger one is needed, when the heap has no room for another extent, or when the client leaves.
 
 A followed extent is *sealed*: the word after its progress word (SEAL_AT) holds its owner's
-:func:`seal_word` from when the server hands it out (a followed reply's, an ALLOC asked for a
+``seal_word`` from when the server hands it out (a followed reply's, an ALLOC asked for a
 followed request) and 0 from when its owner departs. Its client checks the seal before each
 chunk it writes (and each progress store) and after each body it reads (seqlock-style), so a
 client frozen past its reaping writes at most the chunk it was in, and never returns bytes of
@@ -262,7 +262,7 @@ class ServerHeap:
 
     def free(self, offset: int, slot: int, gen: int) -> bool:
         """Free the connection's extent at ``offset``; False if it is not one of its own, or
-        a handler still reads it (it is freed by :meth:`give_back`, never under the handler;
+        a handler still reads it (it is freed by ``give_back``, never under the handler;
         a spare is freed then too: True). A followed reply's extent is parked instead, if the
         connection has none parked yet."""
         owner = self._owners.get(offset)
@@ -285,7 +285,7 @@ class ServerHeap:
 
     def lend(self, offset: int) -> None:
         """A handler reads the extent in place past this call: keep it, even if its owner
-        departs, until :meth:`give_back`."""
+        departs, until ``give_back``."""
         self._lent.add(offset)
 
     def give_back(self, offset: int) -> bool:
@@ -302,7 +302,7 @@ class ServerHeap:
         """The server stopped reading a followed request (its writer stalled, its deadline
         passed, its caller cancelled or left) whose writer may still be writing: end the lending
         and, unless it is a spare (its client's again) or its owner is quarantined (freed when
-        fenced), free it once its progress word reaches ``length`` (:meth:`free_abandoned`; at
+        fenced), free it once its progress word reaches ``length`` (``free_abandoned``; at
         once if it has). Whether any abandoned extent was freed now."""
         self._lent.discard(offset)
         owner = self._owners.get(offset)
@@ -325,7 +325,7 @@ class ServerHeap:
 
     def quarantine(self, slot: int, gen: int) -> None:
         """The connection departed but may still write (frozen): keep all it holds, parked
-        extent included, from every other connection until :meth:`release_owner`."""
+        extent included, from every other connection until ``release_owner``."""
         self._quarantined.add((slot, gen))
         parked = self._parked.get((slot, gen))
         if parked is not None:

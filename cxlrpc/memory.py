@@ -2,13 +2,13 @@
 
 Shared counters are 8-byte aligned u64 words updated with real atomic instructions
 (the native module ``cxlrpc._atomic``, ~30 ns per op) with explicit memory orderings.  Code in higher layers
-binds a :class:`Counter` once per field and calls ``load``/``store``/``cas``/``fetch_add``
+binds a ``Counter`` once per field and calls ``load``/``store``/``cas``/``fetch_add``
 on it; it never packs a published field with ``struct``.
 
 Memory without cross-host cache coherence (most multi-host CXL pools today) needs more:
 a writer writes back the lines it published before the store that publishes them, and a
-reader invalidates the lines it is about to read.  :meth:`AtomicMemory.writeback` and
-:meth:`AtomicMemory.invalidate` do that; on coherent memory they are no-ops and
+reader invalidates the lines it is about to read.  ``AtomicMemory.writeback`` and
+``AtomicMemory.invalidate`` do that; on coherent memory they are no-ops and
 ``AtomicMemory.flushing`` is False, so callers skip them on the hot path.  The instructions
 (clwb/clflushopt + fences) come from the small native module ``cxlrpc._flush``; a simulator
 region (``sim://``) supplies its own implementation instead.
@@ -241,7 +241,7 @@ class SealBroken(ValueError):
 def publish_copy(mem: AtomicMemory, buf: memoryview, progress_at: int, at: int, src: BytesLike,
                  seal_at: int = -1, seal: int = 0) -> None:
     """Copy ``src`` to ``buf[at:]`` a chunk at a time, storing the count of bytes copied so far
-    into the u64 at ``progress_at`` (release) after each, for :func:`follow_copy` on another
+    into the u64 at ``progress_at`` (release) after each, for ``follow_copy`` on another
     core to copy them out meanwhile. Coherent memory only: no write-back between chunks. Both
     copies, and the heap's others on coherent memory, use plain stores: the reader takes the
     lines from the writer's cache. Streaming stores lost at every size (16 MiB echo, p50 in
@@ -270,7 +270,7 @@ def publish_copy(mem: AtomicMemory, buf: memoryview, progress_at: int, at: int, 
 
 def follow_copy(mem: AtomicMemory, buf: memoryview, progress_at: int, at: int, length: int,
                 stall: float, limit: float, seal_at: int = -1, seal: int = 0) -> bytes:
-    """A copy of ``buf[at:at + length]`` taken while :func:`publish_copy` writes it, as the
+    """A copy of ``buf[at:at + length]`` taken while ``publish_copy`` writes it, as the
     progress word says its bytes are there. TimeoutError if the writer makes no progress for
     ``stall`` seconds (it died or froze) or is not done within ``limit``; ValueError if the
     word is garbage; with ``seal_at`` (>= 0), SealBroken if once copied the u64 there does not
@@ -306,7 +306,7 @@ def follow_copy(mem: AtomicMemory, buf: memoryview, progress_at: int, at: int, l
 
 
 class FollowedBody:
-    """A body :func:`publish_copy` writes at ``buf[at:at + length]``, taken a step at a time
+    """A body ``publish_copy`` writes at ``buf[at:at + length]``, taken a step at a time
     (with ``copy``, into bytes; without, only waited for), so a reader serving others (the
     server's loop) never waits long for one writer."""
 

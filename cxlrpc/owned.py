@@ -3,8 +3,8 @@
 A server writes its region's header (owner state, PID, identity, layout words) and its
 control block (state, geometry and their checksum) once; every client trusts them.  A stray
 8-byte write over one of them (a buggy or hostile peer, a bad DMA) would otherwise stay there
-for the server's lifetime: :class:`OwnedWords` remembers what the owner wrote and
-:meth:`OwnedWords.restore` puts back any word that differs.  The owner calls it from its
+for the server's lifetime: ``OwnedWords`` remembers what the owner wrote and
+``OwnedWords.restore`` puts back any word that differs.  The owner calls it from its
 housekeeping (about ten times a second), never on the hot path.
 
 On memory without coherence the lines are invalidated first (a stray write from another host

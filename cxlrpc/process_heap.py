@@ -5,7 +5,7 @@ back to the kernel once the free top of the heap passes its trim threshold, whic
 follows the largest freed chunk (twice it, up to 64 MiB); a client whose live big replies come
 and go (a 1 MiB echo, a 1 MiB request to a sink, a 1 MiB reply in turn) then touches every fresh
 reply in anew, one 4 KiB page fault at a time: 480 faults per three such calls here, the three
-taking 1.13 ms instead of 0.57. :func:`keep_freed_heap` fixes both thresholds once per process
+taking 1.13 ms instead of 0.57. ``keep_freed_heap`` fixes both thresholds once per process
 (glibc only), unless the user chose malloc settings of their own or ``CXLRPC_KEEP_HEAP=0``.
 """
 from __future__ import annotations

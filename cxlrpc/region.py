@@ -1,7 +1,7 @@
 """Named shared regions: ``shm://NAME`` (POSIX shared memory), ``file:///PATH`` (any
 mmap-able file, e.g. a DAX device, a PCI BAR's sysfs resource, a file on a DAX mount) and
 ``sim://NAME`` (shared memory seen through a per-process cache simulator: memory without
-coherence, for tests; see :mod:`cxlrpc.simulator`).  ``file:///PATH?offset=N&size=M`` is
+coherence, for tests; see ``cxlrpc.simulator``).  ``file:///PATH?offset=N&size=M`` is
 a sub-region: one range of an existing file or device, so one device holds several regions.
 
 Every region starts with a fixed header (magic, layout version, size, creation epoch, kind,
@@ -100,7 +100,7 @@ def parse_url(url: str) -> tuple[str, str]:
     """Split a region URL into ("shm", segment name) or ("file", path), validating it.
 
     ``file:///PATH?offset=N&size=M`` is a sub-region: bytes ``[N, N+M)`` of an existing file
-    or device (see :func:`_subrange`); its path is returned without the query.
+    or device (see ``_subrange``); its path is returned without the query.
     """
     if url.startswith(("shm://", "sim://")) and "?" in url:
         raise RegionError(f"{url!r}: only file:// URLs take ?offset=&size= (a sub-region of a "
@@ -192,7 +192,7 @@ class Region:
             self.mem.invalidate(0, size)  # lines cached from an earlier mapping are stale
         self._owner = PidWatch()
         self.closed = False
-        #: Owner only: the header words it wrote, which :meth:`republish` keeps true.
+        #: Owner only: the header words it wrote, which ``republish`` keeps true.
         self._owned: OwnedWords | None = None
 
     # ------------------------------------------------------------------ creation
@@ -204,11 +204,11 @@ class Region:
         ``coherence`` is stored in the header so every opener treats the memory alike:
         ``"hardware"`` (one host, or coherent CXL) or ``"flush"`` (no cross-host coherence:
         published lines are written back and read lines invalidated). ``sim://`` regions are
-        always ``"flush"``. The caller fills its layout, then calls :meth:`publish`.
+        always ``"flush"``. The caller fills its layout, then calls ``publish``.
 
         A sub-region (``file:///PATH?offset=&size=``) always exists and keeps its size (at
         least ``size``; ``mode`` is unused): it is created only if it was never claimed (its
-        epoch word is zero, as on a zeroed device); :meth:`acquire` takes over a used one.
+        epoch word is zero, as on a zeroed device); ``acquire`` takes over a used one.
         """
         backend, path = parse_url(url)
         size = _check_size(size)
@@ -385,7 +385,7 @@ class Region:
     # ------------------------------------------------------------------ opening
     @classmethod
     def open(cls, url: str, kind: int | None = None) -> "Region":
-        """Map an existing region and validate its header; :class:`RegionError` if unusable."""
+        """Map an existing region and validate its header; ``RegionError`` if unusable."""
         backend, path = parse_url(url)
         mapping: mmap.mmap | CacheSim
         mapping, actual, fd = _map_existing(url, backend, path)
@@ -562,7 +562,7 @@ class PidWatch:
 
     def pinned(self, pid: int) -> bool:
         """Does a pidfd hold ``pid`` (opened by an earlier check): is its exit, never a reuse of
-        its number by another process, what :meth:`alive` reports?"""
+        its number by another process, what ``alive`` reports?"""
         return pid == self._pid and self._fd >= 0
 
     def close(self) -> None:

@@ -4,8 +4,8 @@ Whoever may open a region's file for writing may also truncate it, and then ever
 mapping it dies of SIGBUS on its next touch of a page past the new end. No mapping can be
 shielded from that (a tmpfs file or POSIX shm segment takes no seals; only a DAX device cannot
 be truncated at all), so a region opened by anyone who may truncate it is a trust boundary.
-What a process can do is look before it touches: :meth:`SizeGuard.short` costs one ``fstat``,
-and the owner's :meth:`SizeGuard.restore` grows the file back (the cut pages read as zeros,
+What a process can do is look before it touches: ``SizeGuard.short`` costs one ``fstat``,
+and the owner's ``SizeGuard.restore`` grows the file back (the cut pages read as zeros,
 garbage the layers above survive), after which nobody faults on it. A truncation between a
 look and a touch still raises SIGBUS.
 """

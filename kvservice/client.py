@@ -297,12 +297,12 @@ class KVClient(_Ops):
 
     @staticmethod
     def connect(url: str, **options: Any) -> "_Connecting":
-        """Connect (``await`` it or use ``async with``); options go to :func:`cxlrpc.connect`."""
+        """Connect (``await`` it or use ``async with``); options go to ``cxlrpc.connect``."""
         return _Connecting(url, options)
 
     @staticmethod
     def connect_sync(url: str, **options: Any) -> "SyncKVClient":
-        """A blocking client (use ``with``); options go to :func:`cxlrpc.connect_sync`."""
+        """A blocking client (use ``with``); options go to ``cxlrpc.connect_sync``."""
         return SyncKVClient.connect(url, **options)
 
     async def put(self, key: Key, value: Any, namespace: str = "", ttl: float | None = None,
@@ -622,7 +622,7 @@ class KVClient(_Ops):
 
 
 class _Connecting:
-    """What :meth:`KVClient.connect` returns: ``await`` it, or use it with ``async with``."""
+    """What ``KVClient.connect`` returns: ``await`` it, or use it with ``async with``."""
 
     def __init__(self, url: str, options: dict[str, Any]) -> None:
         self._url = url
@@ -665,7 +665,7 @@ class SyncKVClient(_Ops):
 
     @classmethod
     def connect(cls, url: str, **options: Any) -> "SyncKVClient":
-        """Connect to the service at ``url``; options go to :func:`cxlrpc.connect_sync`."""
+        """Connect to the service at ``url``; options go to ``cxlrpc.connect_sync``."""
         rpc = cxlrpc.connect_sync(url, **options)
         try:
             hello = rpc.call("hello", response_type=w.Hello)

@@ -147,7 +147,7 @@ class GrpcKVServer:
 
 
 class GrpcKVClient:
-    """asyncio client of :class:`GrpcKVServer` with KVClient's methods (``async with`` it)."""
+    """asyncio client of ``GrpcKVServer`` with KVClient's methods (``async with`` it)."""
 
     def __init__(self, address: str) -> None:
         self.channel = grpc.aio.insecure_channel(address, options=OPTIONS)

@@ -27,7 +27,7 @@ from cxlrpc.allocator import PoolAllocator
 from kvservice.keys import normalize_key
 from kvservice.timers import Soonest, Timers
 
-#: What :meth:`KeyMap.remove_keys` says of each key.
+#: What ``KeyMap.remove_keys`` says of each key.
 REMOVED, ABSENT, LEASED = 0, 1, 2
 PENDING, LIVE, RETIRED, FREED = range(4)
 

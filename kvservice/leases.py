@@ -94,7 +94,7 @@ class Leases:
         """``get`` of each key, with None for a miss instead of KeyError. ``hold_s``: each lease
         outlives its release until that long after the get (Mooncake's read lease: removal and
         eviction stay blocked for a while after a read). ``release``: leases of ``owner`` to
-        end first (see :meth:`KVIndex.release`)."""
+        end first (see ``KVIndex.release``)."""
         now = self._clock()
         if now >= self._soonest.at:  # the expiry pass's own first test, inline: the hot path
             self._expire(now)

@@ -4,14 +4,14 @@ The pool is a cxlrpc region (kind 2): the region header, a version table (one u6
 ``alignment`` bytes of pool), then ``capacity`` bytes of blocks at offsets the metadata server
 hands out. The server writes a live block's version into the table entry of its first unit
 when it commits it and zero before the block can be reused, so a reader holding a lease that
-lapsed learns it (:class:`LeaseExpired`) instead of reading another key's bytes: it checks the
+lapsed learns it (``LeaseExpired``) instead of reading another key's bytes: it checks the
 entry after copying (as a seqlock reader does) and whenever it hands out a view. Every offset
 a client is given is range-checked here.
 
 While a put is open its block's entry holds a *claim*, ``CLAIMED | ticket_id`` (no version has
 that bit set), written by the server at begin: the writer re-reads it before each stretch of its
-copy (:meth:`Pool.write`) and when it hands out a view of the block, and stops with
-:class:`PutFenced` once the block is no longer its own (the server judged its connection gone,
+copy (``Pool.write``) and when it hands out a view of the block, and stops with
+``PutFenced`` once the block is no longer its own (the server judged its connection gone,
 fenced it, and freed the block: see docs on fencing). A check before a copy is not a lock: a
 writer frozen between the two still writes one stretch late.
 
@@ -106,11 +106,11 @@ class _Prefaulter:
     """Maps in, in this process, the pool pages a client writes, and only those (each mapping
     faults its own pages: one fault per 4 KiB, ~400 us per fresh MiB, on first touch).
 
-    Before a put writes a block, :meth:`writing` populates (MADV_POPULATE_WRITE, ~70 us a MiB)
+    Before a put writes a block, ``writing`` populates (MADV_POPULATE_WRITE, ~70 us a MiB)
     the block's pages whose windows this process has not populated yet, and queues those
     windows and the next ``_AHEAD`` to a background thread: a fresh pool hands out offsets in
     ascending order, so the next puts find their pages mapped. A process's first connection
-    also queues the pool's first ``CONNECT_PREFAULT`` bytes (:meth:`ahead`). A
+    also queues the pool's first ``CONNECT_PREFAULT`` bytes (``ahead``). A
     client that only reads populates nothing: a read fault maps 64 KiB of pages at once
     (fault-around), ~17 faults a MiB, about what a populate of that MiB costs. So what a
     connection costs is bounded, and grows with what it writes, not with the pool. Where the kernel lacks
@@ -471,7 +471,7 @@ class ReferenceBlock(_Copies):
     def __init__(self, view: memoryview, version: int = 0, owner: LeaseOwner | None = None,
                  lease_id: int = 0, pool: Pool | None = None, entry: int = 0) -> None:
         """``view``: the value (made read-only here); ``owner._release(lease_id, collected)``
-        ends the lease on :meth:`release` (collected False) or when a block nobody released is
+        ends the lease on ``release`` (collected False) or when a block nobody released is
         garbage-collected (True: it may run inside any allocation); ``pool.holds(entry,
         version)`` tells whether the pool still holds this value (a block without a pool
         always does)."""
@@ -555,14 +555,14 @@ class Block(_BlockBase, _Copies):
     """A leased value read in place: ``view()`` / ``array()``; use ``with`` to end the lease.
 
     ``Block(view, version=0, owner=None, lease_id=0, pool=None, entry=0)``: see
-    :class:`ReferenceBlock`, whose behaviour kvservice._block's base has (in C: a get makes and
+    ``ReferenceBlock``, whose behaviour kvservice._block's base has (in C: a get makes and
     ends one per call).
 
     ``view()``, ``array()`` and the copies (``tobytes``, ``copy_into``) raise
-    :class:`LeaseExpired` once the lease lapsed and the pool reused the block; the copies check
+    ``LeaseExpired`` once the lease lapsed and the pool reused the block; the copies check
     after copying, so a copy they return is never torn. A view already handed out cannot be
-    revoked: call :meth:`check` after reading through it. After :meth:`release` every view
-    handed out is released (using one raises ValueError); an array from :meth:`array` cannot
+    revoked: call ``check`` after reading through it. After ``release`` every view
+    handed out is released (using one raises ValueError); an array from ``array`` cannot
     be revoked and must not be read after the block ends.
     """
 

@@ -59,7 +59,7 @@ class KVServer:
     """A KV-cache store at ``url`` whose values live in a pool region of ``pool_size`` bytes.
 
     ``async with KVServer("shm://kv", pool_size=8 << 30): ...``; extra keyword arguments go
-    to :class:`cxlrpc.Server` (its defaults here: 64 client slots, 256 KiB reply rings, as
+    to ``cxlrpc.Server`` (its defaults here: 64 client slots, 256 KiB reply rings, as
     replies are small metadata). Values up to ``inline_limit`` bytes may travel in the put
     request. Blocks are whole units of ``alignment`` bytes (a 100-byte value takes 4 KiB with
     the default; KV-cache chunks are 64 KiB and up): lower it for small values. One device
@@ -143,7 +143,7 @@ class KVServer:
             self._pool = None
 
     async def serve_forever(self) -> None:
-        """Serve until :meth:`close` is called."""
+        """Serve until ``close`` is called."""
         await self.rpc.serve_forever()
 
     async def __aenter__(self) -> "KVServer":

@@ -1,7 +1,7 @@
 """The kvservice RPC schema: every request and reply as a msgspec Struct, and their one codec.
 
 The shared-memory service hands these Structs to cxlrpc (which MessagePack-encodes them); the
-gRPC twin encodes them itself with :func:`encode`/:func:`decode`. Keys travel as bytes.
+gRPC twin encodes them itself with ``encode``/``decode``. Keys travel as bytes.
 """
 from __future__ import annotations
 

@@ -222,7 +222,7 @@ class DoorbellReceiver:
 
     def wait_sync(self, ready: Callable[[], bool], strategy: WaitStrategy, timeout: float,
                   idle: bool = False) -> bool:
-        """Blocking twin of :meth:`wait_async` for threads without an event loop."""
+        """Blocking twin of ``wait_async`` for threads without an event loop."""
         if ready():
             return True
         now = time.perf_counter

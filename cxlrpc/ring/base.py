@@ -90,7 +90,7 @@ class RingBase(_Core):
     shared counter is repaired by the owner's next store.  Every counter and header read
     from the buffer is validated: a corrupt record is skipped together with everything up
     to the tail (MPSC: up to the first claim a live producer is still writing), and counted
-    in :attr:`dropped`.
+    in ``dropped``.
     """
 
     #: MPSC consumers zero what they consume (producers' headers start out as zero) and wait
@@ -164,7 +164,7 @@ class RingBase(_Core):
     def _early_wrap(self, tail: int, idx: int, size: int) -> bool:
         """Producer: should a record of ``size`` at ``tail`` (``idx`` in the buffer) go to the
         ring's start although it fits before the end? Yes when ``idx`` is the hot span or more
-        and the consumer has taken everything (see :mod:`cxlrpc.ring.record`); the head is read
+        and the consumer has taken everything (see ``cxlrpc.ring.record``); the head is read
         at most once per hot span of tail."""
         wrap_from = self._wrap_from
         if (self._flushing or idx < self._hot_span or size > idx
@@ -248,7 +248,7 @@ class RingBase(_Core):
         poll = _poll_py
 
     def _poll_within_py(self, handler: Callable[[memoryview], object], limit: int, seconds: float) -> int:
-        """:meth:`poll` again and again, without yielding, until it hands payloads over or
+        """``poll`` again and again, without yielding, until it hands payloads over or
         ``seconds`` pass: the count handed over (a consumer's hot look for the next record)."""
         end = time.perf_counter() + seconds
         while True:

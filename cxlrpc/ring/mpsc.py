@@ -4,7 +4,7 @@ A producer claims space with a CAS on the tail, writes an uncommitted header car
 producer id, copies the payload, then release-stores the committed header.  The consumer
 stops at an uncommitted record and zeroes what it consumes, so every header a producer
 has not yet written reads as zero.  A record whose producer died between claim and commit
-is turned into padding by :meth:`MpscRing.unblock` once the caller proves the producer dead,
+is turned into padding by ``MpscRing.unblock`` once the caller proves the producer dead,
 so one crash never stalls the ring and a slow producer never loses a record it goes on to
 commit.  A claim of a live producer that makes no progress for a bound the caller gives (garbage
 over its claim word, most likely) is taken back and padded too, so one word never stalls it.
@@ -49,10 +49,10 @@ class MpscRing(RingBase):
     can tell a live claimant whose header is not written yet, and never frees space a live
     producer is still writing when it skips garbage (``live_claims``).  Headers
     are written and committed by CAS from the value the producer expects, so a producer
-    whose claim the consumer already padded learns it (:class:`ClaimRevoked`) and never
+    whose claim the consumer already padded learns it (``ClaimRevoked``) and never
     commits into space that was reclaimed.
 
-    A consumer that pads a live producer's claim (:meth:`unblock` with ``stall``) first takes
+    A consumer that pads a live producer's claim (``unblock`` with ``stall``) first takes
     it back (the claim word is set to NO_CLAIM), and ``revoked()`` must say True once it is:
     a producer that resumes then either finds its header CAS or its commit CAS failing (its
     exact header word is nowhere else: the producer id is its own), or finds the head past
@@ -76,7 +76,7 @@ class MpscRing(RingBase):
 
         False when the ring is full.  ``revoked()`` (asked only when a header CAS fails or the
         head passed the claim) tells whether the consumer may have judged this producer dead;
-        then :class:`ClaimRevoked` is raised and nothing is committed.  Otherwise the failure
+        then ``ClaimRevoked`` is raised and nothing is committed.  Otherwise the failure
         is garbage over the ring, and the record is written like any other.
         """
         if not 0 <= producer <= MAX_PRODUCER_ID or not 0 <= tag <= TAG_MASK:
@@ -160,7 +160,7 @@ class MpscRing(RingBase):
     def _open(self, written: list[tuple[int, int, int]], revoked: Callable[[], bool] | None) -> None:
         """Slow path of a header CAS that found something other than zero: garbage over free
         space (overwritten), or the consumer's padding because it judged us dead (then, if
-        ``revoked()`` agrees, :class:`ClaimRevoked`)."""
+        ``revoked()`` agrees, ``ClaimRevoked``)."""
         addr, _, value = written[-1]
         load, cas = self.mem.load, self.mem.cas
         for _ in range(4):
@@ -173,7 +173,7 @@ class MpscRing(RingBase):
 
     def _revoke(self, written: list[tuple[int, int, int]], why: str) -> None:
         """Undo the headers we wrote where the consumer already passed (free space must read
-        zero), then raise :class:`ClaimRevoked`."""
+        zero), then raise ``ClaimRevoked``."""
         head = self._head.load(ACQUIRE)
         for addr, pos, value in written:
             if pos < head:
@@ -237,7 +237,7 @@ class MpscRing(RingBase):
         Without ``live_claims``, ``producer_dead(id, tag)`` tells whether the producer that
         wrote the header is gone.  With it (the claim words of the producers still alive,
         read after the tail; every producer must publish one), the record is padded when no
-        live producer may be writing at the head (see :meth:`writing_at`): the header is then
+        live producer may be writing at the head (see ``writing_at``): the header is then
         a dead producer's or garbage, and a header still zero (claimed, nothing written yet)
         is cleared too.  A claim the consumer reached by skipping garbage (it may be garbage
         over the claim word, naming the middle of a record) is waited for HOLD_S at most,

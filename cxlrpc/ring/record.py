@@ -14,12 +14,12 @@ A record is an 8-byte header word followed by the payload, padded to 8 bytes::
                  wrote; an MPSC consumer clears only its header (free space reads zero already)
 
 A producer wraps early, padding to the end of the buffer although its record would fit, when
-its tail is :func:`hot_span` or more into the buffer and the consumer has taken everything
+its tail is ``hot_span`` or more into the buffer and the consumer has taken everything
 (not over memory without coherence, where a padding's span would be flushed whole): request
 and response traffic then keeps to the first pages of the ring, which stay in the caches, the
 TLB and, under a hypervisor, its page tables, instead of walking all of them.
 
-Header words are stored atomically (release on commit) through :mod:`cxlrpc.memory`.
+Header words are stored atomically (release on commit) through ``cxlrpc.memory``.
 """
 from __future__ import annotations
 

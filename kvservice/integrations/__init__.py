@@ -1,9 +1,9 @@
 """Adapters that plug kvservice into LLM serving frameworks as their KV-cache store.
 
-- :mod:`kvservice.integrations.lmcache`: an LMCache remote connector, loaded through
+- ``kvservice.integrations.lmcache``: an LMCache remote connector, loaded through
   ``remote_storage_plugins`` (the service URL in ``remote_storage_plugin.NAME.url``, or a
   legacy ``remote_url: kvservice://NAME``).
-- :mod:`kvservice.integrations.sglang`: an SGLang HiCache storage backend
+- ``kvservice.integrations.sglang``: an SGLang HiCache storage backend
   (``--hicache-storage-backend dynamic``).
 
 Each module imports its framework (and, with it, torch), so importing this package imports
@@ -95,7 +95,7 @@ def writable_bytes(obj: Any, size: int | None = None) -> memoryview:
 
 
 def readable_bytes(obj: Any, size: int | None = None) -> memoryview:
-    """A flat read-only byte view of ``obj`` (see :func:`writable_bytes`)."""
+    """A flat read-only byte view of ``obj`` (see ``writable_bytes``)."""
     return _bytes_view(obj, size, writable=False)
 
 

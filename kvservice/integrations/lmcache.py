@@ -27,7 +27,7 @@ fails the engine's creation: every write would be doubled.
 It implements LMCache's ``RemoteConnector`` (``.../connector/base_connector.py``): the async
 methods run on LMCache's storage event loop (``ConnectorContext.loop``, which LMCache drives
 with ``asyncio.run_coroutine_threadsafe`` from its worker threads), over one asyncio
-:class:`~kvservice.KVClient` living on that loop; the synchronous ones (``exists_sync``,
+``kvservice.KVClient`` living on that loop; the synchronous ones (``exists_sync``,
 ``batched_contains``, ``remove_sync``) submit to the same loop and wait, as LMCache's redis
 connector does.
 
@@ -152,7 +152,7 @@ class KVServiceConnector(RemoteConnector):
                  config: Any = None, url: str | None = None, metadata: Any = None,
                  plugin_name: str | None = None) -> None:
         """``url``: a kvservice URL, ``plugin://<name>``, or None (built by LMCache's
-        ``DynamicConnectorAdapter``): see :func:`resolve_service_url`."""
+        ``DynamicConnectorAdapter``): see ``resolve_service_url``."""
         if metadata is None:
             metadata = getattr(local_cpu_backend, "metadata", None)
         if config is None:

@@ -10,11 +10,11 @@ calls ``KVServiceHiCacheStorage(storage_config, kwargs)``)::
             "class_name": "KVServiceHiCacheStorage",
             "url": "kvservice://kv", "namespace": "sglang", "interface_v1": 1}'
 
-``url`` takes the forms of :func:`kvservice.integrations.parse_service_url` (default
+``url`` takes the forms of ``kvservice.integrations.parse_service_url`` (default
 ``kvservice://kv``); ``namespace`` defaults to ``sglang``. It implements SGLang's
 ``HiCacheStorage`` (``python/sglang/srt/mem_cache/hicache_storage.py``), which SGLang calls
 synchronously from its prefetch and backup threads, over one blocking
-:class:`~kvservice.SyncKVClient` (its RPCs are serialised per client; copies run unlocked).
+``kvservice.SyncKVClient`` (its RPCs are serialised per client; copies run unlocked).
 
 A page is stored under its SGLang page hash plus a rank suffix (as SGLang's file backend names
 its files: ``_{model}``, then ``_{tp_rank}_{tp_size}`` unless the model is MLA, ``_{pp_size}_

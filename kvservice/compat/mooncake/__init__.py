@@ -2,13 +2,13 @@
 
 Method names, keyword names, return values and error codes follow Mooncake's binding
 (``mooncake-integration/store/store_py.cpp``) and its docs: ``0`` is success, failures are
-Mooncake's negative ``ErrorCode`` values (:class:`ErrorCode`), getters return ``b""`` / ``None``
+Mooncake's negative ``ErrorCode`` values (``ErrorCode``), getters return ``b""`` / ``None``
 when a key is missing. The one configuration change: ``setup``'s ``master_server_addr`` (or the
 dict form's ``master_server_addr`` / ``master_server_address``) is the kvservice URL
 (``shm://NAME`` or ``file:///PATH``); the other arguments are accepted and validated as Mooncake
 does, then ignored (one shared pool: no segments to mount, no transport to pick).
 
-Mooncake's API is synchronous, so this is built on :class:`kvservice.SyncKVClient`; calls on one
+Mooncake's API is synchronous, so this is built on ``kvservice.SyncKVClient``; calls on one
 store are serialized by a lock (engines call it from worker threads). Differences from Mooncake
 are listed in ``SEMANTIC_DIFFERENCES`` (and the README).
 """

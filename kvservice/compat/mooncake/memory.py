@@ -28,7 +28,7 @@ class BufferHandle(_HandleBase):
     """What ``get_buffer`` returns: the value in place in the pool (zero-copy), with Mooncake's
     ``ptr()``, ``size()``, ``len()`` and the buffer protocol (``memoryview(h)``,
     ``np.array(h, copy=False)``, ``torch.frombuffer(h, ...)``). It holds a kvservice lease until
-    :meth:`close` (or ``with``, or garbage collection); :meth:`check` raises LeaseExpired if the
+    ``close`` (or ``with``, or garbage collection); ``check`` raises LeaseExpired if the
     lease lapsed and the pool reused the bytes. Views taken from it must not be read after close.
     """
 

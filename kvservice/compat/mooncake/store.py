@@ -141,7 +141,7 @@ class MooncakeDistributedStore(_Transfers):
     def alloc_from_mem_pool(self, size: int) -> int:
         """Mooncake: memory from a dummy client's shared pool, 0 (null) on other clients. The
         facade has no such pool (the engine's memory stays its own): always 0; allocate with
-        :class:`MooncakeHostMemAllocator` and register_buffer instead."""
+        ``MooncakeHostMemAllocator`` and register_buffer instead."""
         return 0
 
     def init_all(self, protocol: str, device_name: str, mount_segment_size: int = _DEFAULT_SEGMENT) -> int:

@@ -138,7 +138,7 @@ class _Transfers(_Session):
         return self._guard(ErrorCode.INVALID_PARAMS, run)
 
     def get_buffer(self, key: str) -> BufferHandle | None:
-        """The value in place (zero-copy :class:`BufferHandle`); None if missing."""
+        """The value in place (zero-copy ``BufferHandle``); None if missing."""
         return self._guard(lambda c: None, lambda: self._buffers([key])[0])
 
     def batch_get_buffer(self, keys: list[str]) -> list[BufferHandle | None]:

@@ -1,5 +1,5 @@
 """``mooncake.store`` backed by kvservice: ``setup()``'s ``master_server_addr`` is the kvservice
-URL (``shm://NAME`` or ``file:///PATH``). See :mod:`kvservice.compat.mooncake`."""
+URL (``shm://NAME`` or ``file:///PATH``). See ``kvservice.compat.mooncake``."""
 from kvservice.compat.mooncake import (  # noqa: F401
     DEFAULT_KV_LEASE_TTL,
     BufferHandle,

@@ -141,15 +141,17 @@ class Server:
         self._tasks: dict[CallKey, asyncio.Task[Any]] = {}  # calls carried on by tasks
         cancelled_with: dict[CallKey, RpcError] = {}
         heap_waiting: list[tuple[Any, ...]] = []
-        self._replies = Replies(self.limits, max_message_size, heap_waiting)
+        self._replies = Replies(self.limits, max_message_size, heap_waiting, error_details)
         self._bodies = Bodies(self.limits, self._replies, heap_waiting)
         self._streams = StreamEngine(self.limits, interceptors, self._replies, self._bodies, self._tasks,
                                      cancelled_with)
         self._departures = Departures(fences, self._tasks, self._replies, self._bodies)
-        self._calls = Dispatch(self.limits, interceptors, error_details, self._replies, self._bodies,
+        self._calls = Dispatch(self.limits, interceptors, self._replies, self._bodies,
                                self._streams, self._departures, self._tasks, cancelled_with,
                                self._note_drained, {fr.HEALTH: self._health,
                                                     fr.LIST_METHODS: self._list_methods})
+        #: the method table the dispatch room serves (cxlrpc.service reads and prunes it too)
+        self._methods = self._calls._methods
         self._region: Region | None = None
         self._chan: ServerTransport
         self._reader: asyncio.Task[None] | None = None
@@ -167,11 +169,11 @@ class Server:
     def error_details(self) -> bool:
         """Whether clients see a failing handler's exception text (False: a generic message;
         the server logs the traceback either way)."""
-        return self._calls.error_details
+        return self._replies.error_details
 
     @error_details.setter
     def error_details(self, value: bool) -> None:
-        self._calls.error_details = value
+        self._replies.error_details = value
 
     @property
     def dropped_frames(self) -> int:
@@ -401,4 +403,4 @@ class Server:
 
     def _list_methods(self) -> list[str]:
         """``cxlrpc.methods``: the user's method names, sorted (not the reserved ones)."""
-        return sorted(name for name in self._calls._methods if not name.startswith(fr.RESERVED_PREFIX))
+        return sorted(name for name in self._methods if not name.startswith(fr.RESERVED_PREFIX))

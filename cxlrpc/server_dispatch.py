@@ -53,14 +53,12 @@ class Dispatch:
     ``_send``, ``_broken``, ``_bad_request``, ``_eager_reply``, ``_suspended_at``,
     ``_lent_reply`` and ``_free_extent`` on it, and sets ``_polled_at``."""
 
-    def __init__(self, limits: Limits, interceptors: Sequence[ServerInterceptor], error_details: bool,
-                 replies: Replies, bodies: Bodies, streams: StreamEngine, departures: Departures,
+    def __init__(self, limits: Limits, interceptors: Sequence[ServerInterceptor], replies: Replies,
+                 bodies: Bodies, streams: StreamEngine, departures: Departures,
                  tasks: dict[CallKey, asyncio.Task[Any]], cancelled_with: dict[CallKey, RpcError],
                  note_drained: Callable[[], None], reserved: Mapping[str, Handler]) -> None:
         self.limits = limits
         self._interceptors = tuple(interceptors)
-        #: Whether clients see a failing handler's exception text (see Server.error_details).
-        self.error_details = error_details
         self._replies, self._bodies, self._streams, self._departures = replies, bodies, streams, departures
         bodies.calls = streams.calls = self  # (the rooms below call back up through Calls)
         self._tasks = tasks
@@ -86,6 +84,7 @@ class Dispatch:
         # the other rooms' methods the native dispatcher (and the slow paths here) call by name
         self._send = replies.send
         self._error = replies.error
+        self._fail = replies.fail
         self._free_extent = bodies.free_extent
         self._chan: ServerTransport
         self._event_loop: asyncio.AbstractEventLoop
@@ -415,17 +414,7 @@ class Dispatch:
             if self._draining:
                 self._note_drained()
 
-    # ------------------------------------------------------------------ outcomes
-    def _fail(self, f: fr.Frame, exc: BaseException) -> None:
-        if isinstance(exc, asyncio.CancelledError):
-            self._error(f, StatusCode.CANCELLED, "cancelled")
-        elif isinstance(exc, RpcError):
-            self._error(f, exc.code, exc.message)
-        else:  # a bug in the handler: the server's log gets the traceback
-            logger.error("handler of %r raised", f.method, exc_info=exc)
-            detail = f"{type(exc).__name__}: {exc}" if self.error_details else "the handler failed"
-            self._error(f, StatusCode.INTERNAL, detail)
-
+    # ------------------------------------------------------------------ the reply
     def _reply(self, f: fr.Frame, result: Any, held: bool = False, hint: int = 0) -> None:
         """Answer ``f`` with ``result``: straight into the ring when it fits and nothing waits
         ahead of it, else through the replies room's send. ``held``: the caller knows the slot

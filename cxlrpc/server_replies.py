@@ -3,13 +3,14 @@
 :class:`cxlrpc.bounds.Limits`; past them, refused or shed)."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 from typing import Any
 
 from . import frame as fr
 from .bounds import HELD, SHED, HeldReplies, Limits
-from .errors import StatusCode
+from .errors import RpcError, StatusCode
 from .heap import EXTENT, FOLLOW_HEADER, ServerHeap
 from .transport import ReplySink, ServerTransport
 
@@ -19,8 +20,11 @@ logger = logging.getLogger("cxlrpc.server")
 class Replies:
     """Sends frames to clients and holds back what a full reply queue cannot take yet."""
 
-    def __init__(self, limits: Limits, max_message_size: int, heap_waiting: list[tuple[Any, ...]]) -> None:
+    def __init__(self, limits: Limits, max_message_size: int, heap_waiting: list[tuple[Any, ...]],
+                 error_details: bool) -> None:
         self.limits = limits
+        #: Whether clients see a failing handler's exception text (see Server.error_details).
+        self.error_details = error_details
         self.max_message_size = max_message_size
         #: replies held back per slot while its response ring is full (bounded: limits)
         self.backlog: dict[int, HeldReplies] = {}
@@ -60,6 +64,17 @@ class Replies:
             return
         head = fr.header(fr.ERROR, fr.RAW, int(code), f.slot, f.gen, f.call_id, 0.0, b"")
         self.send(f.slot, f.gen, head, message.encode()[:4096])
+
+    def fail(self, f: fr.Frame, exc: BaseException) -> None:
+        """Answer ``f`` with the status its handler's exception says (a bug: INTERNAL, logged)."""
+        if isinstance(exc, asyncio.CancelledError):
+            self.error(f, StatusCode.CANCELLED, "cancelled")
+        elif isinstance(exc, RpcError):
+            self.error(f, exc.code, exc.message)
+        else:  # a bug in the handler: the server's log gets the traceback
+            logger.error("handler of %r raised", f.method, exc_info=exc)
+            detail = f"{type(exc).__name__}: {exc}" if self.error_details else "the handler failed"
+            self.error(f, StatusCode.INTERNAL, detail)
 
     def send(self, slot: int, gen: int, head: bytes, body: bytes | memoryview) -> bool:
         """Send a frame to a client: into its ring, else held for it (False: refused instead,

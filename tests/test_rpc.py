@@ -616,7 +616,7 @@ def test_handlers_that_cannot_be_served_are_refused_at_registration(url):
         server.add_method("ablocking", handler, blocking=True)
     server.add_method("defaults", lambda req, extra=1: req)  # optional extras are fine
     server.add_method("partial", functools.partial(handler))  # served as a coroutine function
-    assert server._calls._methods["partial"].is_async
+    assert server._methods["partial"].is_async
 
 
 async def test_blocking_handlers_run_in_threads_and_stall_nobody(url):

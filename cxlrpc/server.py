@@ -115,6 +115,7 @@ class Server:
         for interceptor in interceptors:
             if not callable(interceptor):
                 raise TypeError(f"interceptor is not callable: {interceptor!r}")
+        interceptors = tuple(interceptors)
         self.url = url
         #: "hardware" (one host, or coherent CXL) or "flush" (hosts without cache coherence:
         #: a single-writer layout, every published line written back); sim:// is "flush".

@@ -20,7 +20,7 @@ import sys
 from asyncio import current_task as _current_task
 from asyncio.tasks import _enter_task, _leave_task
 from types import CoroutineType
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 from . import frame as fr
 from .bounds import Limits
@@ -53,12 +53,12 @@ class Dispatch:
     ``_send``, ``_broken``, ``_bad_request``, ``_eager_reply``, ``_suspended_at``,
     ``_lent_reply`` and ``_free_extent`` on it, and sets ``_polled_at``."""
 
-    def __init__(self, limits: Limits, interceptors: Sequence[ServerInterceptor], replies: Replies,
+    def __init__(self, limits: Limits, interceptors: tuple[ServerInterceptor, ...], replies: Replies,
                  bodies: Bodies, streams: StreamEngine, departures: Departures,
                  tasks: dict[CallKey, asyncio.Task[Any]], cancelled_with: dict[CallKey, RpcError],
                  note_drained: Callable[[], None], reserved: Mapping[str, Handler]) -> None:
         self.limits = limits
-        self._interceptors = tuple(interceptors)
+        self._interceptors = interceptors
         self._replies, self._bodies, self._streams, self._departures = replies, bodies, streams, departures
         bodies.calls = streams.calls = self  # (the rooms below call back up through Calls)
         self._tasks = tasks

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import collections.abc
 import functools
-from typing import Any, Awaitable, Sequence
+from typing import Any, Awaitable
 
 from . import frame as fr
 from .bounds import Limits
@@ -25,11 +25,11 @@ from .transport import ServerTransport
 class StreamEngine:
     """Streaming calls on the server: request streams fed, reply streams driven by credit."""
 
-    def __init__(self, limits: Limits, interceptors: Sequence[ServerInterceptor], replies: Replies,
+    def __init__(self, limits: Limits, interceptors: tuple[ServerInterceptor, ...], replies: Replies,
                  bodies: Bodies, tasks: dict[CallKey, asyncio.Task[Any]],
                  cancelled_with: dict[CallKey, RpcError]) -> None:
         self.limits = limits
-        self._interceptors = tuple(interceptors)
+        self._interceptors = interceptors
         self._replies, self._bodies = replies, bodies
         self._tasks, self._cancelled_with = tasks, cancelled_with
         self.calls: Calls  # (wired by the dispatch room, which sits above this one)

@@ -32,7 +32,7 @@ import secrets
 import struct
 import time
 from dataclasses import dataclass
-from typing import Callable, Collection, NamedTuple, Sequence
+from typing import Callable, Collection, Sequence
 
 from .doorbell import Doorbell, DoorbellReceiver, wake_address
 from .identity import host_identity
@@ -43,6 +43,7 @@ from .ring import MpscRing, SpscRing, ring_size
 from .ring.base import RingBase
 from .ring.mpsc import NO_CLAIM, ClaimRevoked
 from .ring.record import TAG_MASK
+from .transport import DEAD, DETACHED, REAPED, Departure, NativeRings
 
 KIND_RPC = 1
 PAGE = 4096
@@ -229,24 +230,6 @@ class Liveness:
         return now - self._since if self._last is not None else 0.0
 
 
-#: How a slot's holder left (``Departure``): it released its slot itself; it died on this
-#: host (its PID is gone); or it was reaped, its heartbeat stopped (frozen, or on another host)
-DETACHED, DEAD, REAPED = "detached", "dead", "reaped"
-
-
-class Departure(NamedTuple):
-    """A holder that left its slot, and how (DETACHED, DEAD or REAPED). A REAPED holder may
-    still run (frozen, then resumed): ``local`` says it shares our host identity and ``pid``
-    is its PID then, with ``watch`` the pidfd opened while it held the slot (handed over: the
-    slot's next holder gets a watch of its own), so its exit can be proven later."""
-    slot: int
-    gen: int
-    how: str
-    pid: int = 0
-    local: bool = False
-    watch: PidWatch | None = None
-
-
 def _reaped(slot: int, gen: int, pid: int, local: bool, watches: list[PidWatch]) -> Departure:
     """A holder freed for its stale heartbeat: its slot's PidWatch goes with it, when local."""
     if not local:
@@ -262,6 +245,11 @@ class _ServerWords:
     region: Region
     state: Counter
     _owned: OwnedWords
+
+    @property
+    def closed(self) -> bool:
+        """Whether the region was closed (its words cannot be read any more)."""
+        return self.region.closed
 
     def republish(self) -> int:
         """Put back the owner's and control words a stray write changed (housekeeping calls
@@ -448,6 +436,19 @@ class ServerChannel(_ServerWords):
                 word = self.slot_claim[i].load(ACQUIRE)
                 if word in positions:
                     self.slot_claim[i].cas(word, NO_CLAIM, ACQ_REL)
+
+    def unblock_requests(self, timeout: float) -> int | None:
+        """Unblock a request record its producer never committed (dead, or a live one stalled
+        for ``timeout`` s: see MpscRing.unblock); the head position while it stays blocked."""
+        ring = self.requests
+        if ring.blocked_producer() is None or ring.unblock(self.producer_dead, self.live_claims,
+                                                          timeout, self.revoke_claims):
+            return None
+        return ring.head_position
+
+    def native_rings(self) -> NativeRings:
+        """The words the native dispatcher reads and rings (see cxlrpc.transport)."""
+        return NativeRings(self.region.buf, self.slot_state_at, *self.client_bell_words())
 
     def client_bell_words(self) -> tuple[list[int], int]:
         """Where each slot's doorbell word lies in the region, and what a holder parked on this
@@ -712,10 +713,6 @@ class _ClientRequestRings:
                 return True
         return False
 
-    @staticmethod
-    def blocked_producer() -> None:
-        return None
-
 
 class FlushServerChannel(_ServerWords):
     """The server's side of the single-writer layout (memory without cross-host coherence).
@@ -847,6 +844,12 @@ class FlushServerChannel(_ServerWords):
 
     def ring_client(self, slot: int, gen: int) -> None:
         """Clients poll their reply rings here: there is nobody to wake."""
+
+    def unblock_requests(self, timeout: float) -> None:
+        """Nothing to unblock: an SPSC ring below its tail is always complete."""
+
+    def native_rings(self) -> None:
+        """No native path: every line read or written needs a flush the C code does not do."""
 
     def close(self) -> None:
         """Mark the server closed (clients see it at their next look)."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .channel import DEAD, DETACHED, Departure
+from .transport import DEAD, DETACHED, Departure
 from .region import PidWatch
 
 

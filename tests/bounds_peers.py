@@ -15,12 +15,12 @@ from procs import CTX, _serve_until_sigterm, stop
 
 def _stats(server: Any) -> dict:
     """What the server holds for its clients (works on any version of Server's structures)."""
-    backlog = [entry for queue in server._backlog.values() for entry in queue]
-    heap = server._heap
+    backlog = [entry for queue in server._replies.backlog.values() for entry in queue]
+    heap = server._bodies.heap
     return {"backlog_replies": len(backlog),
             "backlog_bytes": sum(len(head) + len(body) for _, head, body in backlog),
-            "alloc_waiters": len(server._heap_waiting),
-            "following": len(server._following),
+            "alloc_waiters": len(server._bodies.heap_waiting),
+            "following": len(server._bodies.following),
             "heap_used": heap.used if heap is not None else 0}
 
 

@@ -109,14 +109,14 @@ def _followed_server_main(url: str, ready) -> None:
 
         @server.method("heap_used")
         def heap_used() -> int:  # beyond the spares its clients keep
-            heap = server._heap
+            heap = server._bodies.heap
             return heap.used - sum(heap._alloc.rounded(n) for n in heap._kept.values())
 
         @server.method("publish")
         def publish(how: str) -> None:  # how the server writes followed bodies from now on
             HeapAccess.publish = {"whole": real, "half": half, "garbage": garbage, "reseal": reseal}[how]
-            if server._fast is not None:  # (the native dispatcher follows replies itself)
-                server._fast.enabled = int(how == "whole")
+            if server._calls._fast is not None:  # (the native dispatcher follows replies itself)
+                server._calls._fast.enabled = int(how == "whole")
 
         await _serve_until_sigterm(server, ready)
 

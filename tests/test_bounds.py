@@ -102,7 +102,7 @@ async def test_an_alloc_without_a_deadline_gets_one(name):
             with pytest.raises(cxlrpc.ResourceExhausted, match="alloc_timeout"):
                 await asyncio.wait_for(answers[1], 10)
             assert 0.2 < time.monotonic() - t0 < 5
-            assert not server._heap_waiting
+            assert not server._bodies.heap_waiting
         finally:
             client._pending.pop(7001, None)
             client._pending.pop(7002, None)

@@ -1,5 +1,5 @@
 """The server's native dispatch (cxlrpc/_dispatch.c) against its Python reference
-(``Server._on_request``): every call shape gives the same outcome on both, the common shapes
+(``Dispatch._on_request``): every call shape gives the same outcome on both, the common shapes
 never reach the reference, garbage frames are dropped by both, and the RPC suites run again
 with ``CXLRPC_NO_NATIVE=1`` so the reference stays tested on coherent memory too."""
 from __future__ import annotations
@@ -20,12 +20,12 @@ import pytest
 
 import cxlrpc
 from cxlrpc import frame as fr
-from cxlrpc import server as server_mod
+from cxlrpc import server_dispatch, server_loop
 from cxlrpc.ring import SpscRing
 from ring_env import Env
 
 pytestmark = pytest.mark.timeout(120)
-native = pytest.mark.skipif(server_mod._Dispatcher is None, reason="cxlrpc._dispatch is not built")
+native = pytest.mark.skipif(server_dispatch._Dispatcher is None, reason="cxlrpc._dispatch is not built")
 TESTS = Path(__file__).parent
 
 
@@ -233,10 +233,10 @@ async def test_every_call_shape_answers_as_the_reference_does(name: str) -> None
     switched off) get identical results and errors."""
     server = make_server(f"shm://{name}")
     async with server:
-        assert server._fast is not None and server._fast.enabled
+        assert server._calls._fast is not None and server._calls._fast.enabled
         async with cxlrpc.connect(f"shm://{name}") as client:
             native_run = await outcomes(client)
-            server._fast.enabled = 0
+            server._calls._fast.enabled = 0
             reference_run = await outcomes(client)
     assert native_run == reference_run
     by_method = {o[1]: o for o in native_run}
@@ -263,13 +263,13 @@ async def test_task_swaps_through_asyncios_dict_answer_as_the_calls_do(name: str
     """Where asyncio keeps each loop's current task in a dict its functions share, the native
     dispatcher swaps the stand-in in that dict; the outcomes equal those of the swap through
     asyncio's functions (forced here), and the serving task is current again afterwards."""
-    tasks = server_mod._current_tasks()
+    tasks = server_dispatch._current_tasks()
     if tasks is not None:  # the dict is the one current_task() reads
         assert tasks.get(asyncio.get_running_loop()) is asyncio.current_task()
     runs = []
     for mode in ("as built", "functions"):
         if mode == "functions":
-            monkeypatch.setattr(server_mod, "_current_tasks", lambda: None)
+            monkeypatch.setattr(server_dispatch, "_current_tasks", lambda: None)
         server = make_server(f"shm://{name}{len(runs)}")
         async with server:
             serving = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
@@ -283,8 +283,8 @@ async def test_task_swaps_through_asyncios_dict_answer_as_the_calls_do(name: str
 def watch_reference(server: cxlrpc.Server) -> list:
     """The methods of the requests the reference dispatches from now on (in order)."""
     seen: list = []
-    original = server._on_request
-    server._on_request = lambda view: (seen.append(fr.decode(view).method), original(view))
+    original = server._calls._on_request
+    server._calls._on_request = lambda view: (seen.append(fr.decode(view).method), original(view))
     return seen
 
 
@@ -384,7 +384,7 @@ async def test_unknown_methods_and_fresh_holders_go_to_the_reference(name: str) 
                 assert await b.call("echo", b"b") == b"b"
                 assert await b.call("echo", b"b") == b"b"
             assert reference == ["echo", "missing", "echo"]
-    assert server._fast.enabled == 0  # closed: draining switched it off
+    assert server._calls._fast.enabled == 0  # closed: draining switched it off
 
 
 @native
@@ -543,7 +543,7 @@ async def test_a_failing_handlers_log_record_sees_its_call_context(name: str, ca
             async with cxlrpc.connect(f"shm://{name}") as client:
                 await client.call("echo", b"")
                 for enabled in (1, 0):
-                    server._fast.enabled = enabled
+                    server._calls._fast.enabled = enabled
                     with pytest.raises(cxlrpc.Internal):
                         await client.call("boom", b"")
     finally:
@@ -578,7 +578,7 @@ async def test_serve_polls_batch_after_batch_until_the_loop_is_needed(name: str)
     the loop's turn is due; each poll reads the clock first."""
     server = make_server(f"shm://{name}")
     async with server:
-        fast = server._fast
+        fast = server._calls._fast
         polls: list = []
 
         class Ring:  # a ring without the rings' C API: its Python poll_within is called
@@ -628,7 +628,7 @@ async def test_batches_are_sized_to_the_handlers_pace_and_end_by_the_loops_turn(
     first request handled after the turn falls due (the rest stay in the ring for the next)."""
     server = make_server(f"shm://{name}")
     async with server:
-        fast = server._fast
+        fast = server._calls._fast
         limits: list[int] = []
 
         class Ring:  # a ring without the rings' C API; its records take 50 us each
@@ -666,11 +666,11 @@ async def test_batches_are_sized_to_the_handlers_pace_and_end_by_the_loops_turn(
 def test_the_reference_sizes_its_batches_to_the_handlers_pace() -> None:
     """The reference reader's batch: the requests that fit in a loop turn's span at the last
     batch's pace, 1 to 256 (the native dispatcher's sizing)."""
-    fitting = server_mod._batch_fitting
+    fitting = server_loop._batch_fitting
     assert fitting(256, 256 * 50e-6) == 20  # 50 us a request: 20 in 1 ms
-    assert fitting(10, 1e-6) == server_mod._BATCH_MAX  # fast handlers: the whole batch
+    assert fitting(10, 1e-6) == server_loop._BATCH_MAX  # fast handlers: the whole batch
     assert fitting(1, 0.5) == 1  # slower than the span: one at a time, never none
-    assert fitting(3, 0.0) == server_mod._BATCH_MAX  # no time measured: no bound from it
+    assert fitting(3, 0.0) == server_loop._BATCH_MAX  # no time measured: no bound from it
 
 
 @native
@@ -799,7 +799,7 @@ async def test_flush_mode_servers_use_the_reference(name: str) -> None:
         return payload
 
     async with server:
-        assert server._fast is None
+        assert server._calls._fast is None
         async with cxlrpc.connect(f"sim://{name}") as client:
             assert await client.call("echo", b"sim") == b"sim"
 
@@ -808,7 +808,7 @@ async def test_flush_mode_servers_use_the_reference(name: str) -> None:
 def test_native_dispatch_is_built_where_a_compiler_is() -> None:
     if shutil.which("gcc") is None and shutil.which("cc") is None:
         pytest.skip("no C compiler here")
-    assert server_mod._Dispatcher is not None, "cxlrpc._dispatch did not build: run pip install -e ."
+    assert server_dispatch._Dispatcher is not None, "cxlrpc._dispatch did not build: run pip install -e ."
 
 
 @native
@@ -819,7 +819,7 @@ def test_reference_dispatch_passes_the_rpc_suites() -> None:
     root = str(Path(package.__file__).resolve().parents[1])
     env = {**os.environ, "CXLRPC_NO_NATIVE": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    check = "import cxlrpc.server as s; assert s._Dispatcher is None"
+    check = "import cxlrpc.server_dispatch as s; assert s._Dispatcher is None"
     assert subprocess.run([sys.executable, "-c", check], env=env, timeout=60).returncode == 0
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                            "-k", "shm", "test_rpc.py", "test_context.py"],

@@ -68,9 +68,9 @@ def _server(url: str, **opts) -> cxlrpc.Server:
 async def _heap_empty(server: cxlrpc.Server, timeout: float = 5.0) -> bool:
     """Poll until the server's heap holds nothing (FREE frames are one-way: they lag)."""
     deadline = time.monotonic() + timeout
-    while server._heap.used and time.monotonic() < deadline:
+    while server._bodies.heap.used and time.monotonic() < deadline:
         await asyncio.sleep(0.01)
-    return server._heap.used == 0
+    return server._bodies.heap.used == 0
 
 
 async def test_followed_replies_are_exact_around_the_threshold(name, copies, published):
@@ -348,7 +348,7 @@ async def test_no_heap_room_or_no_coherence_sends_big_replies_the_plain_way(name
     sim = f"sim://{name}s"
     async with _server(sim, request_capacity=64 << 10, response_capacity=64 << 10,
                        max_message_size=2 * MiB) as server, cxlrpc.connect(sim) as client:
-        assert server._follow_min == sys.maxsize
+        assert server._replies.follow_min == sys.maxsize
         for size in (FOLLOW_MIN, MiB + 1):
             assert await client.call("make", [size, 4], timeout=30) == _made(size, 4)
         assert await _heap_empty(server)
@@ -368,13 +368,13 @@ async def test_replies_leave_the_heap_to_requests_that_wait_for_it(name, publish
             assert chan.push(holder._request(7, "make", [300 << 10, 9], 0.0))
             chan.server_bell.ring()
             deadline = time.monotonic() + 10
-            while not server._heap.used and time.monotonic() < deadline:
+            while not server._bodies.heap.used and time.monotonic() < deadline:
                 await asyncio.sleep(0.005)
             assert published == [300 << 10]
             big = asyncio.ensure_future(client.call("echo", b"w" * 800_000, timeout=30))
-            while not server._heap_waiting and time.monotonic() < deadline:
+            while not server._bodies.heap_waiting and time.monotonic() < deadline:
                 await asyncio.sleep(0.005)
-            assert server._heap_waiting, "the 800 KB request should wait for the heap"
+            assert server._bodies.heap_waiting, "the 800 KB request should wait for the heap"
             assert await client.call("make", [256 << 10, 5], timeout=10) == _made(256 << 10, 5)
             assert published == [300 << 10]  # the ring carried it
         finally:

@@ -18,11 +18,12 @@ import pytest
 
 import cxlrpc
 import cxlrpc.heap
-import cxlrpc.server
+import cxlrpc.server_bodies
 from cxlrpc import frame as fr
 from cxlrpc import memory
 from cxlrpc.heap import EXTENT, FOLLOW_HEADER, FOLLOW_MIN, GRANT, HeapAccess, ServerHeap
 from cxlrpc.memory import FOLLOW_CHUNK, AtomicMemory, FollowedBody, publish_copy
+from cxlrpc.server_bodies import Bodies
 
 pytestmark = pytest.mark.timeout(120)
 MiB = 1 << 20
@@ -32,16 +33,16 @@ FOLLOWED = [s for s in SIZES if s >= FOLLOW_MIN]
 
 @pytest.fixture
 def followed(monkeypatch) -> list[tuple[str, int]]:
-    """(method, body length) of each request the server followed (Server._follow_request
+    """(method, body length) of each request the server followed (Bodies.follow_request
     spied on)."""
     seen: list[tuple[str, int]] = []
-    real = cxlrpc.Server._follow_request
+    real = Bodies.follow_request
 
     def spy(self, f):
         seen.append((f.method, EXTENT.unpack(bytes(f.body))[1]))
         return real(self, f)
 
-    monkeypatch.setattr(cxlrpc.Server, "_follow_request", spy)
+    monkeypatch.setattr(Bodies, "follow_request", spy)
     return seen
 
 
@@ -77,8 +78,8 @@ async def _settled(server: cxlrpc.Server, *clients: Any, timeout: float = 5.0) -
     extents parked for them."""
     def settled() -> bool:
         spares = {c._spare[0] for c in clients if c._spare is not None}
-        heap = server._heap
-        return not server._following and not heap._lent and set(heap._owners) - heap._parked_at == spares
+        heap = server._bodies.heap
+        return not server._bodies.following and not heap._lent and set(heap._owners) - heap._parked_at == spares
 
     deadline = time.monotonic() + timeout
     while not settled() and time.monotonic() < deadline:
@@ -123,16 +124,16 @@ async def test_a_blocking_client_follows_requests(name, followed):
 
 @pytest.fixture
 def allocs(monkeypatch) -> list[tuple[int, bool]]:
-    """(size, spare asked) of each ALLOC the server read (Server._alloc spied on)."""
+    """(size, spare asked) of each ALLOC the server read (Bodies.alloc spied on)."""
     seen: list[tuple[int, bool]] = []
-    real = cxlrpc.Server._alloc
+    real = Bodies.alloc
 
     def spy(self, f):
         size, spare = GRANT.unpack(bytes(f.body))
         seen.append((size, bool(spare)))
         return real(self, f)
 
-    monkeypatch.setattr(cxlrpc.Server, "_alloc", spy)
+    monkeypatch.setattr(Bodies, "alloc", spy)
     return seen
 
 
@@ -147,7 +148,7 @@ async def test_a_spare_extent_saves_the_alloc_round_trip(name, allocs):
                 payload = os.urandom(MiB - i)  # the last body's bytes must not leak into this one
                 assert await client.call("digest", payload, timeout=30) == hashlib.sha256(payload).hexdigest()
             assert allocs == [(FOLLOW_HEADER + MiB, True)]
-            assert client._spare is not None and server._heap.is_spare(client._spare[0])
+            assert client._spare is not None and server._bodies.heap.is_spare(client._spare[0])
             bigger = os.urandom(2 * MiB)
             assert await client.call("echo", bigger, timeout=30) == bigger
             assert allocs[1:] == [(FOLLOW_HEADER + 2 * MiB, True)]
@@ -159,9 +160,9 @@ async def test_a_spare_extent_saves_the_alloc_round_trip(name, allocs):
                     return ok and sync._spare is not None
             assert await asyncio.to_thread(blocking)
             assert allocs[2:] == [(FOLLOW_HEADER + MiB, True)]  # one for the blocking client's three
-            assert server._heap.kept_bytes > 0
+            assert server._bodies.heap.kept_bytes > 0
         assert await _settled(server)  # both clients left: their spares are freed
-        assert server._heap.kept_bytes == 0
+        assert server._bodies.heap.kept_bytes == 0
 
 
 @pytest.fixture
@@ -228,7 +229,7 @@ async def test_no_spare_is_kept_from_a_body_read_in_place(name):
 async def test_a_call_given_up_keeps_no_spare_the_server_still_reads(name, monkeypatch):
     """A caller that gives up (here its CANCEL is lost) gives its extent back: the server may
     still be reading it, so its next call asks for another rather than write into that one."""
-    monkeypatch.setattr(cxlrpc.server, "FOLLOW_STALL_S", 60.0)
+    monkeypatch.setattr(cxlrpc.server_bodies, "FOLLOW_STALL_S", 60.0)
     url = f"shm://{name}"
     async with _server(url) as server, cxlrpc.connect(url) as client:
         with monkeypatch.context() as patched:
@@ -241,7 +242,7 @@ async def test_a_call_given_up_keeps_no_spare_the_server_still_reads(name, monke
                 await call
         assert client._spare is None
         assert await client.call("size", bytes(MiB), timeout=10) == MiB
-        assert len(server._following) == 1  # the first is still followed, in its own extent
+        assert len(server._bodies.following) == 1  # the first is still followed, in its own extent
 
 
 async def test_spares_leave_room_for_a_body_of_max_message_size(name, allocs):
@@ -257,7 +258,7 @@ async def test_spares_leave_room_for_a_body_of_max_message_size(name, allocs):
         assert await b.call("size", bytes(MiB), timeout=30) == MiB
         assert allocs == [(FOLLOW_HEADER + MiB, True)] * 2  # both asked
         assert a._spare is not None and b._spare is None  # the budget had room for one
-        assert 0 < server._heap.kept_bytes <= budget
+        assert 0 < server._bodies.heap.kept_bytes <= budget
         assert await b.call("echo", b"x" * (size - FOLLOW_HEADER), timeout=30) == b"x" * (size - FOLLOW_HEADER)
         assert await _settled(server, a, b)
 
@@ -294,7 +295,7 @@ def _half(self, offset, body):  # a client that freezes half way (and never writ
 
 
 async def test_a_client_that_stops_writing_is_unavailable_and_others_are_served(name, monkeypatch):
-    monkeypatch.setattr(cxlrpc.server, "FOLLOW_STALL_S", 2.0)
+    monkeypatch.setattr(cxlrpc.server_bodies, "FOLLOW_STALL_S", 2.0)
     url = f"shm://{name}"
     async with _server(url) as server, cxlrpc.connect(url) as client, \
             cxlrpc.connect(url) as other:
@@ -305,7 +306,7 @@ async def test_a_client_that_stops_writing_is_unavailable_and_others_are_served(
         # the server's loop is not held by the stalled body: other calls are answered meanwhile
         for i in range(20):
             assert await other.call("echo", b"%d" % i, timeout=10) == b"%d" % i
-        assert server._following and not stalled.done()
+        assert server._bodies.following and not stalled.done()
         with pytest.raises(cxlrpc.Unavailable, match="stopped writing"):
             await stalled
         assert await _settled(server, client, other)
@@ -318,7 +319,7 @@ async def test_a_client_whose_copy_fails_is_refused_at_once(name, monkeypatch):
         mem.store(progress_at, 100, memory.RELEASE)
         raise MemoryError("the copy failed half way")
 
-    monkeypatch.setattr(cxlrpc.server, "FOLLOW_STALL_S", 60.0)  # not what ends it
+    monkeypatch.setattr(cxlrpc.server_bodies, "FOLLOW_STALL_S", 60.0)  # not what ends it
     url = f"shm://{name}"
     async with _server(url) as server, cxlrpc.connect(url) as client:
         with monkeypatch.context() as patched:
@@ -331,16 +332,16 @@ async def test_a_client_whose_copy_fails_is_refused_at_once(name, monkeypatch):
 
 async def _following(server: cxlrpc.Server) -> bool:
     deadline = time.monotonic() + 10
-    while not server._following and time.monotonic() < deadline:
+    while not server._bodies.following and time.monotonic() < deadline:
         await asyncio.sleep(0.001)
-    return bool(server._following)
+    return bool(server._bodies.following)
 
 
 @pytest.mark.parametrize("cancels", [True, False], ids=["cancel", "deadline"])
 async def test_giving_up_on_a_followed_call_frees_its_extent(name, monkeypatch, cancels):
     """The caller's CANCEL ends the following (a call without a deadline); without it, the
     request's deadline does."""
-    monkeypatch.setattr(cxlrpc.server, "FOLLOW_STALL_S", 60.0)  # not what ends it
+    monkeypatch.setattr(cxlrpc.server_bodies, "FOLLOW_STALL_S", 60.0)  # not what ends it
     url = f"shm://{name}"
     async with _server(url) as server, cxlrpc.connect(url) as client:
         with monkeypatch.context() as patched:
@@ -360,7 +361,7 @@ async def test_giving_up_on_a_followed_call_frees_its_extent(name, monkeypatch, 
 
 
 async def test_a_client_that_leaves_mid_body_gets_its_extent_freed(name, monkeypatch):
-    monkeypatch.setattr(cxlrpc.server, "FOLLOW_STALL_S", 60.0)  # not what ends it
+    monkeypatch.setattr(cxlrpc.server_bodies, "FOLLOW_STALL_S", 60.0)  # not what ends it
     url = f"shm://{name}"
     async with _server(url) as server:
         client = await cxlrpc.connect(url)
@@ -373,7 +374,7 @@ async def test_a_client_that_leaves_mid_body_gets_its_extent_freed(name, monkeyp
                 call.cancel()
                 with pytest.raises(asyncio.CancelledError):
                     await call
-                assert server._following  # nobody told the server
+                assert server._bodies.following  # nobody told the server
             finally:
                 await client.close()
         assert await _settled(server, timeout=10)
@@ -468,7 +469,7 @@ def test_a_garbage_progress_word_is_refused(copies):
 
 
 class _DispatchSpy:
-    """Stands in for a server's native dispatcher where its ``_follow_step`` looks it up:
+    """Stands in for a server's native dispatcher where ``Bodies.follow_step`` looks it up:
     records whether each followed request was dispatched natively, and whether from a loop
     callback (no current task: its body was completed in a later step)."""
 
@@ -513,9 +514,9 @@ async def test_whole_followed_requests_are_dispatched_as_ring_records_are(name, 
         _half(self, offset, body)
 
     async with server, cxlrpc.connect(url) as client:
-        if server._fast is None:
+        if server._calls._fast is None:
             pytest.skip("cxlrpc._dispatch was not built")
-        spy = server._fast = _DispatchSpy(server._fast) if native else None
+        spy = server._calls._fast = _DispatchSpy(server._calls._fast) if native else None
         assert await client.call("echo", b"x", timeout=10) == b"x"  # (the server's peer entry)
         payload = os.urandom(MiB + 13)
         want = [hashlib.sha256(payload).hexdigest(), client._chan.slot, True, True]

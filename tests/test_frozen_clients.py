@@ -62,7 +62,7 @@ async def _frozen_then_resumed(url: str, how: str, traffic_after_resume: bool) -
     left: list[cxlrpc.Peer] = []
     server.on_disconnect(left.append)
     async with server:
-        baseline = server._heap.used
+        baseline = server._bodies.heap.used
         recv, send = CTX.Pipe(duplex=False)
         seed = 77
         proc = CTX.Process(target=frozen_client_main, args=(url, how, SIZE, seed, send), daemon=True)
@@ -88,9 +88,9 @@ async def _frozen_then_resumed(url: str, how: str, traffic_after_resume: bool) -
             # the resumed client never takes another's bytes as its own (nor its own: it was reaped)
             assert outcome[0] == "error", f"the resumed client got a body ({outcome[1] == made(SIZE, seed)}: its own)"
             assert outcome[1] == "Unavailable", outcome
-            assert server._heap.used >= EXTENT  # quarantined while the frozen process lives
+            assert server._bodies.heap.used >= EXTENT  # quarantined while the frozen process lives
             os.kill(proc.pid, signal.SIGKILL)
-            assert await until(lambda: server._heap.used == baseline, 10), (server._heap.used, baseline)
+            assert await until(lambda: server._bodies.heap.used == baseline, 10), (server._bodies.heap.used, baseline)
         finally:
             if proc.is_alive():
                 os.kill(proc.pid, signal.SIGKILL)

@@ -54,9 +54,9 @@ def _server(url: str, **opts) -> cxlrpc.Server:
 async def _heap_empty(server: cxlrpc.Server, timeout: float = 5.0) -> bool:
     """Poll until the server's heap holds nothing (FREE frames are one-way: they lag)."""
     deadline = asyncio.get_running_loop().time() + timeout
-    while server._heap.used and asyncio.get_running_loop().time() < deadline:
+    while server._bodies.heap.used and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(0.01)
-    return server._heap.used == 0
+    return server._bodies.heap.used == 0
 
 
 async def test_sixteen_mib_both_ways_with_the_defaults(url):
@@ -151,9 +151,9 @@ async def test_a_dead_clients_extents_are_freed(url):
         try:
             assert await asyncio.to_thread(ready.wait, 30)
             deadline = asyncio.get_running_loop().time() + 10
-            while not server._heap.used and asyncio.get_running_loop().time() < deadline:
+            while not server._bodies.heap.used and asyncio.get_running_loop().time() < deadline:
                 await asyncio.sleep(0.005)
-            assert server._heap.used >= 3 * MiB  # the unread reply
+            assert server._bodies.heap.used >= 3 * MiB  # the unread reply
             os.kill(proc.pid, signal.SIGKILL)
             await asyncio.to_thread(proc.join, 10)
         finally:

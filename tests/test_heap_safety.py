@@ -64,20 +64,20 @@ async def test_a_free_of_a_lent_extent_does_not_hand_it_to_another_connection(ur
     async with server, cxlrpc.connect(url) as a, cxlrpc.connect(url) as b:
         held = asyncio.ensure_future(a.call("hold", mine, timeout=30))
         await asyncio.wait_for(entered.wait(), 10)
-        (offset,) = server._heap._lent
-        dropped, used = server.dropped_frames, server._heap.used
+        (offset,) = server._bodies.heap._lent
+        dropped, used = server.dropped_frames, server._bodies.heap.used
         chan = a._chan
         free = fr.header(fr.FREE, fr.RAW, 0, chan.slot, chan.gen, fr.NO_REPLY, 0.0, b"")
         assert chan.push((free, OFFSET.pack(offset)))
         chan.server_bell.ring()
-        assert await until(lambda: server.dropped_frames != dropped or server._heap.used != used, 5)
+        assert await until(lambda: server.dropped_frames != dropped or server._bodies.heap.used != used, 5)
         other = asyncio.ensure_future(b.call("digest", theirs, timeout=30))
         await until(lambda: other.done(), 0.5)  # B must wait for room (or be done if the bug)
         go.set()
         assert await asyncio.wait_for(other, 30) == hashlib.sha256(theirs).digest()
         await asyncio.wait((held,), timeout=30)
         assert [s[:4] for s in seen] == [mine[:4]], "the lent handler read another connection's request bytes"
-        assert await until(lambda: server._heap.used == 0, 5), server._heap.used
+        assert await until(lambda: server._bodies.heap.used == 0, 5), server._bodies.heap.used
 
 
 async def test_an_extent_named_by_two_requests_is_not_freed_while_lent(url):
@@ -110,7 +110,7 @@ async def test_an_extent_named_by_two_requests_is_not_freed_while_lent(url):
         assert await asyncio.wait_for(other, 30) == hashlib.sha256(theirs).digest()
         await asyncio.wait((futs[9001],), timeout=10)
         assert [s[:4] for s in seen] == [mine[:4]], "the lent handler read another connection's request bytes"
-        assert await until(lambda: server._heap.used == 0, 5), server._heap.used
+        assert await until(lambda: server._bodies.heap.used == 0, 5), server._bodies.heap.used
 
 
 async def test_an_alloc_granted_after_its_caller_gave_up_is_freed(url):
@@ -124,14 +124,14 @@ async def test_an_alloc_granted_after_its_caller_gave_up_is_freed(url):
         held = asyncio.ensure_future(a.call("hold", b"A" * size, timeout=30))
         await asyncio.wait_for(entered.wait(), 10)
         waiting = asyncio.ensure_future(b.call("digest", b"B" * size))
-        assert await until(lambda: server._heap_waiting, 5)
+        assert await until(lambda: server._bodies.heap_waiting, 5)
         go.set()          # the holder finishes: its extent comes back, B's ALLOC is granted
         waiting.cancel()  # ... while B gives up (its CANCEL is read after the grant went out)
         with pytest.raises(asyncio.CancelledError):
             await waiting
         await asyncio.wait_for(held, 10)
-        assert await until(lambda: server._heap.used == 0, 3), \
-            f"{server._heap.used} bytes of heap leaked: {server._heap._owners}"
+        assert await until(lambda: server._bodies.heap.used == 0, 3), \
+            f"{server._bodies.heap.used} bytes of heap leaked: {server._bodies.heap._owners}"
         assert await b.call("digest", b"C" * size, timeout=5) == hashlib.sha256(b"C" * size).digest()
 
 
@@ -178,8 +178,8 @@ async def test_a_stream_item_sent_after_its_caller_left_does_not_leak_an_extent(
         await client.close()
         await asyncio.wait((reading,), timeout=10)
         assert await until(lambda: left, 5)
-        assert await until(lambda: server._heap.used == 0, 3), \
-            f"{server._heap.used} bytes of heap leaked: {server._heap._owners}"
+        assert await until(lambda: server._bodies.heap.used == 0, 3), \
+            f"{server._bodies.heap.used} bytes of heap leaked: {server._bodies.heap._owners}"
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "reference"])
@@ -192,9 +192,9 @@ async def test_frees_are_taken_by_the_native_dispatcher_and_bad_ones_dropped(nam
     server = cxlrpc.Server(url, max_message_size=4 * MiB, heap_size=8 * MiB)
     server.add_method("echo", lambda data: data)
     if not native:
-        monkeypatch.setattr(server, "_dispatcher", lambda: None)
+        monkeypatch.setattr(server._calls, "_dispatcher", lambda *args: None)
     by_reference, freed = [], []
-    on_request, free_extent = server._on_request, server._free_extent
+    on_request, free_extent = server._calls._on_request, server._calls._free_extent
 
     def spy_request(view):
         by_reference.append(view[0])
@@ -204,18 +204,18 @@ async def test_frees_are_taken_by_the_native_dispatcher_and_bad_ones_dropped(nam
         freed.append(offset)
         free_extent(offset, slot, gen)
 
-    monkeypatch.setattr(server, "_on_request", spy_request)
-    monkeypatch.setattr(server, "_free_extent", spy_free)
+    monkeypatch.setattr(server._calls, "_on_request", spy_request)
+    monkeypatch.setattr(server._calls, "_free_extent", spy_free)
     payload = bytes(range(256)) * (4 * KiB)  # 1 MiB: its reply is followed, then FREEd
     async with server, cxlrpc.connect(url) as client:
-        if native and server._fast is None:
+        if native and server._calls._fast is None:
             pytest.skip("the native dispatcher was not built")
         for _ in range(5):
             assert await client.call("echo", payload, timeout=30) == payload
         assert await until(lambda: len(freed) >= 5, 5), freed  # (an extent stays parked for the next reply)
         assert by_reference.count(fr.FREE) == (0 if native else len(freed))
         chan = client._chan
-        (dropped, used), n = (server.dropped_frames, server._heap.used), len(freed)
+        (dropped, used), n = (server.dropped_frames, server._bodies.heap.used), len(freed)
         held = asyncio.ensure_future(client.call("echo", payload, timeout=30))  # an extent in use
         for gen, offset in ((chan.gen + 1, 0), (chan.gen, 64 * KiB + 8)):  # not this holder's; no extent
             free = fr.header(fr.FREE, fr.RAW, 0, chan.slot, gen, fr.NO_REPLY, 0.0, b"")
@@ -223,7 +223,7 @@ async def test_frees_are_taken_by_the_native_dispatcher_and_bad_ones_dropped(nam
         chan.server_bell.ring()
         assert await until(lambda: server.dropped_frames >= dropped + 2, 5), server.dropped_frames - dropped
         assert await held == payload
-        assert await until(lambda: server._heap.used == used, 5), server._heap.used
+        assert await until(lambda: server._bodies.heap.used == used, 5), server._bodies.heap.used
         assert len(freed) - n in (1, 2)  # the echo's own FREE, and the never-granted extent's try
 
 
@@ -258,18 +258,18 @@ async def test_big_replies_are_followed_by_the_native_dispatcher_and_the_rest_by
         return data
 
     if not native:
-        monkeypatch.setattr(server, "_dispatcher", lambda: None)
+        monkeypatch.setattr(server._calls, "_dispatcher", lambda *args: None)
     followed = []  # what each call of the reference's _push_followed returned
 
     def spy(*args):
         followed.append(push_followed(*args))
         return followed[-1]
 
-    push_followed = server._push_followed
-    monkeypatch.setattr(server, "_push_followed", spy)
+    push_followed = server._replies.push_followed
+    monkeypatch.setattr(server._replies, "push_followed", spy)
     payload = bytes(range(256)) * (4 * KiB)  # 1 MiB: past FOLLOW_MIN
     async with server, cxlrpc.connect(url) as client:
-        if native and server._fast is None:
+        if native and server._calls._fast is None:
             pytest.skip("the native dispatcher was not built")
         # (the first big request goes through an ALLOC, not a spare extent, and the reference
         # dispatches it)
@@ -285,17 +285,17 @@ async def test_big_replies_are_followed_by_the_native_dispatcher_and_the_rest_by
         followed.clear()
 
         # ALLOCs waiting for the heap: a reply takes the ring, not the heap
-        heap_freed = server._heap_freed
-        monkeypatch.setattr(server, "_heap_freed", lambda: None)  # (so the waiter stays)
-        server._heap_waiting.append((None, client._chan.slot, client._chan.gen + 1, 1, MiB, 0))
+        heap_freed = server._bodies.heap_freed
+        monkeypatch.setattr(server._bodies, "heap_freed", lambda: None)  # (so the waiter stays)
+        server._bodies.heap_waiting.append((None, client._chan.slot, client._chan.gen + 1, 1, MiB, 0))
         assert await client.call("echo", payload, timeout=30) == payload
         assert followed == [None], followed
-        server._heap_waiting.clear()
-        monkeypatch.setattr(server, "_heap_freed", heap_freed)
+        server._bodies.heap_waiting.clear()
+        monkeypatch.setattr(server._bodies, "heap_freed", heap_freed)
         followed.clear()
 
         # a full response ring: the reply is held back until the client has read what fills it
-        used = server._heap.used  # (the client's spare extent)
+        used = server._bodies.heap.used  # (the client's spare extent)
         assert await client.call("fill_then_echo", payload, timeout=30) == payload
         assert followed[0] is False and followed[-1] is True, followed
-        assert await until(lambda: server._heap.used == used, 5), (server._heap.used, used)
+        assert await until(lambda: server._bodies.heap.used == used, 5), (server._bodies.heap.used, used)

@@ -93,7 +93,7 @@ async def test_plain_handler_reads_the_body_in_place(url: str) -> None:
         assert seen.owners == [mmap.mmap] * (2 * len(sizes)), seen.owners
         assert all(seen.readonly)
         # the lent extents were freed after each call (reply extents once the client's FREE is in)
-        assert await until(lambda: server._heap.used == 0, 5), server._heap.used
+        assert await until(lambda: server._bodies.heap.used == 0, 5), server._bodies.heap.used
 
 
 async def test_a_kept_view_is_ended_when_the_handler_returns(url: str) -> None:
@@ -115,7 +115,7 @@ async def test_a_failing_handler_ends_its_view_and_frees_the_extent(url: str) ->
                 await client.call("boom", payload(size))
             with pytest.raises(ValueError, match="released"):
                 bytes(seen.views[-1])
-        assert await until(lambda: server._heap.used == 0, 5), server._heap.used
+        assert await until(lambda: server._bodies.heap.used == 0, 5), server._bodies.heap.used
         assert await client.call("echo", b"still serving") == b"still serving"
 
 
@@ -143,7 +143,7 @@ async def test_async_handler_copies_a_ring_body_and_keeps_a_heap_one(url: str) -
         assert all(seen.readonly)
         owners = dict(zip(seen.sizes, seen.owners))
         assert owners == {64: bytes, 100_000: bytes, len(bodies[2]): mmap.mmap}, owners
-        assert await until(lambda: server._heap.used == 0, 5), server._heap.used
+        assert await until(lambda: server._bodies.heap.used == 0, 5), server._bodies.heap.used
         for view, size in zip(seen.views, seen.sizes):  # ended with their handlers
             if size == len(bodies[2]):
                 with pytest.raises(ValueError, match="released"):
@@ -180,7 +180,7 @@ async def test_a_lent_extent_outlives_its_departed_caller_until_the_handler_ends
         with pytest.raises(cxlrpc.Unavailable, match="client closed"):
             await call
         assert await until(lambda: server._chan.slot_generation(0) < 0, 5)
-        assert server._heap.used >= size  # still lent
+        assert server._bodies.heap.used >= size  # still lent
         async with cxlrpc.connect(url) as b:
             other = asyncio.ensure_future(b.call("digest", second, timeout=30))
             await asyncio.sleep(0.2)  # the condition under test is that nothing happens
@@ -188,7 +188,7 @@ async def test_a_lent_extent_outlives_its_departed_caller_until_the_handler_ends
             go.set()
             assert await other == hashlib.sha256(second).digest()
         assert digests == [hashlib.sha256(first).digest()]
-        assert await until(lambda: server._heap.used == 0, 5), server._heap.used
+        assert await until(lambda: server._bodies.heap.used == 0, 5), server._bodies.heap.used
 
 
 async def test_plain_handler_returning_a_coroutine_is_refused_clearly(url: str) -> None:

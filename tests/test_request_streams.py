@@ -103,7 +103,7 @@ def _server(url: str, **opts: Any) -> cxlrpc.Server:
 
 
 def _quiet(server: cxlrpc.Server) -> bool:
-    return not server._tasks and not server._inbound and not server._credits
+    return not server._tasks and not server._streams.inbound and not server._streams.credits
 
 
 async def test_a_client_stream_is_summed_and_answered_once(url):
@@ -163,7 +163,7 @@ async def test_items_bigger_than_the_ring_go_through_the_heap(url):
                 await call.send(bytes([i]) * size)
             await call.send(b"small")
             assert await call.response() == [(size, b"\0"), (size, b"\1"), (size, b"\2"), (5, b"s")]
-        assert await until(lambda: server._heap.used == 0, 5)
+        assert await until(lambda: server._bodies.heap.used == 0, 5)
 
 
 async def test_a_handler_that_returns_early_ends_the_call(url):
@@ -418,7 +418,7 @@ async def test_a_failing_request_iterator_cancels_a_bidirectional_stub_call(url)
             async for x in client.stub(Stats, timeout=10).squares(broken()):
                 got.append(x)
         assert got in ([], [1])
-        assert await until(lambda: not server._tasks and not server._inbound, 5)
+        assert await until(lambda: not server._tasks and not server._streams.inbound, 5)
 
 
 def test_contracts_and_implementations_must_agree_on_streams():
@@ -480,6 +480,6 @@ async def test_request_stream_bytes_of_one_connection_are_bounded(url):
                     await bystander.send(item)
                 await bystander.done_writing()
                 assert await bystander.response() == [[len(item), b"x"]] * 5
-        assert await until(lambda: not server._stream_bytes, 5), server._stream_bytes
+        assert await until(lambda: not server._streams.stream_bytes, 5), server._streams.stream_bytes
     with pytest.raises(ValueError, match="max_stream_bytes"):
         cxlrpc.Server(url, max_stream_bytes=0)

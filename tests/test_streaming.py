@@ -68,7 +68,7 @@ async def test_items_arrive_in_order_decoded_and_the_stream_ends(url):
         got = [t async for t in client.stream("ticks", 500, response_type=Tick, timeout=30)]
         assert got == [Tick(i, i * i) for i in range(500)]
         assert await client.call("cxlrpc.health", timeout=5)  # the connection goes on
-        assert await until(lambda: not server._tasks and not server._credits, 5)
+        assert await until(lambda: not server._tasks and not server._streams.credits, 5)
 
 
 async def test_a_slow_reader_slows_the_writer(url):
@@ -88,7 +88,7 @@ async def test_leaving_the_loop_cancels_the_handler(url):
             assert item == b"."
             break
         assert await until(server.closed.is_set, 5)  # the generator's finally ran
-        assert await until(lambda: not server._tasks and not server._credits, 5)
+        assert await until(lambda: not server._tasks and not server._streams.credits, 5)
 
 
 async def test_an_error_ends_the_stream_after_its_items(url):
@@ -113,7 +113,7 @@ async def test_items_bigger_than_a_ring_go_through_the_heap(url):
     async with _server(url) as server, cxlrpc.connect(url) as client:
         got = [item async for item in client.stream("blobs", [4, size], timeout=30)]
         assert got == [bytes([i]) * size for i in range(4)]
-        assert await until(lambda: server._heap.used == 0, 5)
+        assert await until(lambda: server._bodies.heap.used == 0, 5)
 
 
 async def test_closing_the_client_mid_stream_ends_the_handler(url):

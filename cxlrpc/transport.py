@@ -1,0 +1,181 @@
+"""The transport seam: what the RPC layer needs of the medium between a server and its clients.
+
+Server side (``ServerTransport``). The server's rooms (dispatch, streams, replies, bodies,
+the serve loop) see a transport only through this interface, never a region, a slot table or a
+control block. Today's implementations are ``cxlrpc.channel.ServerChannel`` (coherent
+shared memory) and ``cxlrpc.channel.FlushServerChannel`` (memory without coherence: the
+single-writer layout). A new transport (``tcp://``, a flush-mode native path) implements:
+
+- ``requests``: a ``RequestSource`` the serve loop polls (records in, each handed to the
+  server's handler as a ``memoryview`` that lives until the handler returns);
+- ``responses``: per peer slot, a ``ReplySink`` a reply frame is pushed into (a full one
+  is backpressure: the server holds the reply and retries), and ``ring_client`` to wake a
+  peer once something was pushed for it;
+- ``bell``: the server's own wait for requests (``ServerBell``);
+- liveness: ``slot_generation`` (who holds a slot now), ``seen`` (the holder the server last
+  saw per slot), ``reap`` and ``departure`` (who left, and how: ``Departure``),
+  ``peer_info``, ``identity``, ``peers_in_process``, ``unblock_requests``, ``republish``;
+- ``dropped`` (a counter of dropped frames peers can read), ``closed`` and ``close``;
+- ``native_rings``: the optional native hot path (``NativeRings``, what the C
+  dispatcher of ``cxlrpc._dispatch`` drives directly), or None when the transport has none:
+  the server then dispatches every request through its Python reference path.
+
+Out-of-line bodies (the heap) are the server's, not the transport's: a transport without a
+shared heap is served with ``heap_size=0`` (bodies then go in line, up to the reply limit).
+"""
+from __future__ import annotations
+
+from typing import Awaitable, Callable, NamedTuple, Protocol, Sequence
+
+from .doorbell import WaitStrategy
+from .region import PidWatch
+
+#: How a slot's holder left (``Departure``): it released its slot itself; it died on this
+#: host (its PID is gone); or it was reaped, its heartbeat stopped (frozen, or on another host)
+DETACHED, DEAD, REAPED = "detached", "dead", "reaped"
+
+
+class Departure(NamedTuple):
+    """A holder that left its slot, and how (DETACHED, DEAD or REAPED). A REAPED holder may
+    still run (frozen, then resumed): ``local`` says it shares our host identity and ``pid``
+    is its PID then, with ``watch`` the pidfd opened while it held the slot (handed over: the
+    slot's next holder gets a watch of its own), so its exit can be proven later."""
+    slot: int
+    gen: int
+    how: str
+    pid: int = 0
+    local: bool = False
+    watch: PidWatch | None = None
+
+
+class RequestSource(Protocol):
+    """Where requests come in (a ring, or the rings of every peer polled in turn)."""
+
+    @property
+    def head_position(self) -> int:
+        """Where the next record is read (a blocked head is retried gently while it stays)."""
+
+    def poll(self, handler: Callable[[memoryview], object], limit: int = ...) -> int:
+        """Hand up to ``limit`` records to ``handler``, each a view valid until it returns;
+        how many were handed."""
+
+    def poll_within(self, handler: Callable[[memoryview], object], limit: int,
+                    seconds: float) -> int:
+        """As ``poll``, looking for a first record for up to ``seconds``."""
+
+    def readable(self) -> bool:
+        """Whether a record (committed or being written) waits at the head."""
+
+
+class ReplySink(Protocol):
+    """One peer's reply queue (a response ring)."""
+
+    @property
+    def max_payload(self) -> int:
+        """The largest record it takes (header included)."""
+
+    def try_push_parts(self, parts: Sequence[bytes | memoryview]) -> bool:
+        """Push one record made of ``parts``; False while it is full (nothing was pushed)."""
+
+
+class _YieldCpu(Protocol):
+    def yield_cpu(self) -> None:
+        """Give the CPU away for a moment when another task shares it."""
+
+
+class ServerBell(Protocol):
+    """How the server waits for requests without burning a core."""
+
+    @property
+    def shared_cpu(self) -> _YieldCpu:
+        """The CPU-sharing evidence the serve loop's yield phase uses."""
+
+    def wait_async(self, ready: Callable[[], bool], strategy: WaitStrategy, timeout: float,
+                   idle: bool = False) -> Awaitable[bool]:
+        """Wait until ``ready()`` or ``timeout`` seconds (True: ready)."""
+
+
+class SharedCounter(Protocol):
+    """A counter peers can read (the frames the server dropped)."""
+
+    def fetch_add(self, value: int, order: int = ...) -> int:
+        """Add ``value``; the previous value."""
+
+    def load(self, order: int = ...) -> int:
+        """The current value."""
+
+
+class NativeRings(NamedTuple):
+    """What the native dispatcher drives directly: the mapping, where each slot's state word
+    and doorbell word lie in it, and what a holder parked on this host writes there."""
+    buf: memoryview
+    slot_state_at: list[int]
+    parked_at: list[int]
+    host: int
+
+
+class ServerTransport(Protocol):
+    """The server's side of a transport: requests in, replies out, peers' liveness."""
+
+    @property
+    def requests(self) -> RequestSource:
+        """The requests of every peer."""
+
+    @property
+    def responses(self) -> Sequence[ReplySink]:
+        """Per slot, the reply queue of its holder."""
+
+    @property
+    def seen(self) -> list[int | None]:
+        """Per slot, the generation the server last saw holding it (None: none); the server's
+        dispatch updates it when a new holder's first frame comes."""
+
+    @property
+    def bell(self) -> ServerBell:
+        """The server's wait for requests."""
+
+    @property
+    def dropped(self) -> SharedCounter:
+        """Frames dropped (garbage, or from a departed holder), as peers can read it."""
+
+    @property
+    def identity(self) -> int:
+        """This host's identity (a peer's PID names a process here only when its equals it)."""
+
+    @property
+    def peers_in_process(self) -> bool:
+        """A peer of this very process holds a slot (it needs the loop to run)."""
+
+    @property
+    def closed(self) -> bool:
+        """Whether the transport was closed (its peers' words cannot be read any more)."""
+
+    def slot_generation(self, slot: int) -> int:
+        """The generation of the slot's holder, or -1 when it is free (or no such slot)."""
+
+    def peer_info(self, slot: int) -> tuple[int, int, int] | None:
+        """(generation, PID, host identity) the slot's holder published (0: not written), or
+        None while the slot is free."""
+
+    def reap(self, timeout: float, now: float) -> list[Departure]:
+        """Free the slots of holders that stopped beating for ``timeout`` s (or died); every
+        holder that departed since the last call."""
+
+    def departure(self, slot: int, gen: int) -> Departure:
+        """How the holder ``gen`` of ``slot`` left, when a new holder's frame came first."""
+
+    def ring_client(self, slot: int, gen: int) -> None:
+        """Wake the holder ``gen`` of ``slot`` if it sleeps (something was pushed for it)."""
+
+    def unblock_requests(self, timeout: float) -> int | None:
+        """Recover a request record its producer never finished (dead, or stalled for
+        ``timeout`` s); the head position while a live producer still blocks it, else None."""
+
+    def republish(self) -> int:
+        """Put back the words only the server writes that a stray write changed; how many."""
+
+    def native_rings(self) -> NativeRings | None:
+        """What the native dispatcher drives, or None: this transport has no native path."""
+
+    def close(self) -> None:
+        """Tell every peer the server closed, and wake them."""

@@ -32,7 +32,7 @@ import secrets
 import struct
 import time
 from dataclasses import dataclass
-from typing import Collection, NamedTuple, Sequence
+from typing import Any, Callable, Collection, NamedTuple, Sequence
 
 from .doorbell import Doorbell, DoorbellReceiver, wake_address
 from .identity import host_identity
@@ -536,6 +536,20 @@ class _ServerWatch:
         return None
 
 
+class NativeCallPath(NamedTuple):
+    """What the native caller (``cxlrpc._dispatch.Caller``) pushes, rings and polls through:
+    the rings themselves (their C API), the push's arguments after the parts, the server's
+    bell, and where its parked word lies in the region."""
+
+    requests: Any
+    push_args: tuple[Any, ...]
+    ring_server: Callable[[], None]
+    responses: Any
+    buf: Any
+    parked_at: int
+    me: int
+
+
 class ClientChannel(_ServerWatch):
     """A client's side: one claimed slot, its response ring, and the shared request ring."""
 
@@ -642,6 +656,12 @@ class ClientChannel(_ServerWatch):
         """Close the wake-up socket, then release the slot (if still ours)."""
         self.bell.close()
         self.release()
+
+    def native_path(self) -> NativeCallPath:
+        """The rings and words the native caller uses (it pushes without :meth:`push`'s frame)."""
+        bell = self.server_bell
+        return NativeCallPath(self.requests, self.push_args(), bell.ring, self.responses,
+                              self.region.buf, bell.parked_at, bell.me)
 
 
 # ---------------------------------------------------------------------- single-writer layout
@@ -988,6 +1008,10 @@ class FlushClientChannel(_ServerWatch):
             return
         self.bell.close()
         self.release()
+
+    def native_path(self) -> None:
+        """None: the native caller does not write back what it publishes."""
+        return None
 
 
 def server_channel(region: Region, geo: Geometry, poll_interval: float = 1e-3):

@@ -46,7 +46,7 @@ def client(url: str) -> None:
 
     with cxlrpc.connect_sync(url) as c:
         assert c.call("echo", b"hello", timeout=10) == b"hello"
-        say(heap=c._chan.geo.heap, size=c._chan.region.size)
+        say(heap=c._conn.chan.geo.heap, size=c._conn.chan.region.size)
         sys.stdin.readline()  # the test truncated the region's file meanwhile
         deadline = time.monotonic() + 10
         while c._gone is None and time.monotonic() < deadline:

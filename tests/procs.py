@@ -366,7 +366,7 @@ def _claim_and_die_main(url: str, write_header: bool, claimed) -> None:
 
     client = cxlrpc.connect_sync(url)
     client.call("echo", b"attached", timeout=10)
-    chan = client._chan
+    chan = client._conn.chan
     ring = chan.requests
     length = 64
     size = 8 + length

@@ -147,7 +147,7 @@ async def test_a_spare_extent_saves_the_alloc_round_trip(name, allocs):
                 payload = os.urandom(MiB - i)  # the last body's bytes must not leak into this one
                 assert await client.call("digest", payload, timeout=30) == hashlib.sha256(payload).hexdigest()
             assert allocs == [(FOLLOW_HEADER + MiB, True)]
-            assert client._spare is not None and server._heap.is_spare(client._spare[0])
+            assert client._bodies.spare is not None and server._heap.is_spare(client._bodies.spare[0])
             bigger = os.urandom(2 * MiB)
             assert await client.call("echo", bigger, timeout=30) == bigger
             assert allocs[1:] == [(FOLLOW_HEADER + 2 * MiB, True)]
@@ -184,7 +184,7 @@ async def test_the_native_caller_writes_followed_bodies_into_the_spare(name, fol
     body the spare cannot hold goes the reference's way (which asks for a bigger spare)."""
     url = f"shm://{name}"
     async with _server(url) as server, cxlrpc.connect(url) as client:
-        assert client._caller is not None
+        assert client._conn.caller is not None
         bodies = [os.urandom(MiB - i * 4099) for i in range(6)]  # each shorter than the last
         for body in bodies:
             assert await client.call("echo", body, timeout=30) == body
@@ -221,7 +221,7 @@ async def test_no_spare_is_kept_from_a_body_read_in_place(name):
     async with _server(url) as server, cxlrpc.connect(url) as client:
         payload = os.urandom(MiB)
         assert await client.call("echo_view", payload, timeout=30) == payload
-        assert client._spare is None
+        assert client._bodies.spare is None
         assert await _settled(server, client)
 
 
@@ -239,7 +239,7 @@ async def test_a_call_given_up_keeps_no_spare_the_server_still_reads(name, monke
             call.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await call
-        assert client._spare is None
+        assert client._bodies.spare is None
         assert await client.call("size", bytes(MiB), timeout=10) == MiB
         assert len(server._following) == 1  # the first is still followed, in its own extent
 
@@ -382,29 +382,29 @@ async def test_a_client_that_leaves_mid_body_gets_its_extent_freed(name, monkeyp
 async def test_garbage_followed_requests_are_refused(name):
     url = f"shm://{name}"
     async with _server(url) as server, cxlrpc.connect(url) as client:
-        chan, loop = client._chan, asyncio.get_running_loop()
+        chan, loop = client._conn.chan, asyncio.get_running_loop()
 
         async def answer(call_id: int, extent: bytes) -> None:
             head = fr.HEADER.pack(fr.REQUEST, fr.RAW | fr.HEAP | fr.FOLLOW, 0, chan.slot, chan.gen,
                                   call_id, 5.0, 4)
             fut = loop.create_future()
-            client._pending[call_id] = (fut, None)
+            client._replies.pending[call_id] = (fut, None)
             try:
                 assert chan.push((head, b"size", extent))
                 chan.server_bell.ring()
                 await asyncio.wait_for(fut, 10)
             finally:
-                client._pending.pop(call_id, None)
+                client._replies.pending.pop(call_id, None)
 
         # an extent the client was never granted
         with pytest.raises(cxlrpc.InvalidArgument, match="not in a heap extent"):
             await answer(4242, EXTENT.pack(0, MiB))
         # a granted one, whose progress word says more than its length
-        alloc_id, alloc = client._alloc_request(FOLLOW_HEADER + MiB, 5.0)
-        offset, spare = GRANT.unpack(await client._granted(alloc_id, alloc, None))
+        alloc_id, alloc = client._bodies.alloc_request(FOLLOW_HEADER + MiB, 5.0)
+        offset, spare = GRANT.unpack(await client._replies.granted(alloc_id, alloc, None))
         assert not spare  # (not asked for: the server frees it once done with it)
-        client._heap.check(offset, FOLLOW_HEADER + MiB)
-        client._heap.mem.store(client._heap.start + offset, MiB + 1, memory.RELEASE)
+        client._bodies.heap.check(offset, FOLLOW_HEADER + MiB)
+        client._bodies.heap.mem.store(client._bodies.heap.start + offset, MiB + 1, memory.RELEASE)
         with pytest.raises(cxlrpc.InvalidArgument, match="not written whole"):
             await answer(4243, EXTENT.pack(offset, MiB))
         assert await _settled(server, client)
@@ -518,7 +518,7 @@ async def test_whole_followed_requests_are_dispatched_as_ring_records_are(name, 
         spy = server._fast = _DispatchSpy(server._fast) if native else None
         assert await client.call("echo", b"x", timeout=10) == b"x"  # (the server's peer entry)
         payload = os.urandom(MiB + 13)
-        want = [hashlib.sha256(payload).hexdigest(), client._chan.slot, True, True]
+        want = [hashlib.sha256(payload).hexdigest(), client._conn.chan.slot, True, True]
         assert await client.call("inspect", payload, timeout=30) == want
         with pytest.raises(cxlrpc.Internal, match=f"boom after {MiB + 13} bytes"):
             await client.call("boom", payload, timeout=30)

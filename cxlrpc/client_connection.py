@@ -184,10 +184,6 @@ class Connection:
     in-place reply wait of this connection. The call paths read ``gone``, ``caller`` and
     ``hot_s`` on every call; the monitor thread sets ``gone``."""
 
-    __slots__ = ("url", "strategy", "server_timeout", "poll_interval", "wait_for_ready", "chan",
-                 "link", "gone", "closed", "connected_once", "stopped_beat", "ids", "caller",
-                 "hot_s", "hot_spin_s", "on_gone", "__weakref__")
-
     def __init__(self, url: str, strategy: WaitStrategy, server_timeout: float,
                  poll_interval: float, wait_for_ready: float | bool) -> None:
         if not poll_interval > 0:

@@ -112,7 +112,7 @@ async def scenario(url: str, server_cls: type, client_cls: type) -> str:
         except RpcError as exc:
             await second.close()
             return f"fail peer: {type(exc).__name__} {exc}"
-        if info != [second._chan.slot, second._chan.gen, os.getpid()]:
+        if info != [second._conn.chan.slot, second._conn.chan.gen, os.getpid()]:
             await second.close()
             return f"fail peer: the server read {info}"
     closed_at = time.monotonic()

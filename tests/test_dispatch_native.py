@@ -339,8 +339,8 @@ async def test_unsound_raw_replies_are_not_taken_for_the_call(name: str) -> None
                 call_id = next(client._conn.ids) + 1  # the id the next call gets
                 assert await client.call("forge", call_id, timeout=10) == b"real"
         with cxlrpc.connect_sync(url) as sync:
-            sync._hot_s = 5.0
-            call_id = next(sync._ids) + 1
+            sync._conn.hot_s = 5.0
+            call_id = next(sync._conn.ids) + 1
             assert sync.call("forge", call_id, timeout=10) == b"real"
 
 
@@ -441,13 +441,13 @@ async def test_the_native_caller_answers_as_the_reference_across_processes(name:
             reference = await outcomes(client)
         with cxlrpc.connect_sync(url) as sync:  # the server is another process: blocking is fine
             sync_outcomes(sync)
-            counting = sync._caller = CountingCaller(sync._caller)
-            sync._hot_s = 5.0
+            counting = sync._conn.caller = CountingCaller(sync._conn.caller)
+            sync._conn.hot_s = 5.0
             sync_hot = sync_outcomes(sync)
             in_place_sync = counting.returned.count("Frame") + counting.returned.count("bytes")
-            sync._hot_s = 0.0
+            sync._conn.hot_s = 0.0
             sync_later = sync_outcomes(sync)
-            sync._caller = None
+            sync._conn.caller = None
             sync_reference = sync_outcomes(sync)
     assert hot == later == reference
     assert sync_hot == sync_later == sync_reference
@@ -479,11 +479,11 @@ async def test_typed_replies_decoded_natively_answer_as_the_reference(name: str)
             reference = await outcomes(client, TYPED)
         with cxlrpc.connect_sync(url) as sync:
             sync_outcomes(sync, TYPED)
-            counting = sync._caller = CountingCaller(sync._caller)
-            sync._hot_s = 5.0
+            counting = sync._conn.caller = CountingCaller(sync._conn.caller)
+            sync._conn.hot_s = 5.0
             sync_hot = sync_outcomes(sync, TYPED)
             sync_decoded = counting.returned.count("list")
-            sync._caller = None
+            sync._conn.caller = None
             sync_reference = sync_outcomes(sync, TYPED)
     assert hot == later == reference == sync_hot == sync_reference
     assert decoded == sync_decoded == TYPED_DECODED

@@ -135,7 +135,7 @@ async def test_garbage_in_live_region_server_survives_clients_never_hang(url, ta
         assert len(free) == slots - 3
         rng = random.Random(target)
         for _ in range(5):  # bursts while calls are in flight
-            scribble(region, geo, target, victim._chan.slot, free, rng)
+            scribble(region, geo, target, victim._conn.chan.slot, free, rng)
             await asyncio.sleep(0.02)
         t_garbage = time.monotonic()
         assert server.is_alive() and pid_alive(server.pid)
@@ -281,7 +281,7 @@ async def test_committed_garbage_frames_are_dropped_and_counted(url):
             geo = read_geometry(region)
             ring = MpscRing(region.buf, region.mem, geo.request_ring, geo.request_capacity)
             unused = slots - 1
-            slot, gen = live._chan.slot, live._chan.gen
+            slot, gen = live._conn.chan.slot, live._conn.chan.gen
             rng = random.Random(7)
 
             def hdr(kind=fr.REQUEST, flags=0, slot_=slot, gen_=gen, timeout=1.0, method=b"echo"):

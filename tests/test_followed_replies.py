@@ -363,9 +363,9 @@ async def test_replies_leave_the_heap_to_requests_that_wait_for_it(name, publish
             cxlrpc.connect(url) as client:
         holder = await cxlrpc.connect(url)
         try:
-            holder._reader.cancel()  # its reply is never read: its extent stays taken
-            chan = holder._chan
-            assert chan.push(holder._request(7, "make", [300 << 10, 9], 0.0))
+            holder._conn.link.reader.cancel()  # its reply is never read: its extent stays taken
+            chan = holder._conn.chan
+            assert chan.push(holder._codec.request(7, "make", [300 << 10, 9], 0.0))
             chan.server_bell.ring()
             deadline = time.monotonic() + 10
             while not server._heap.used and time.monotonic() < deadline:

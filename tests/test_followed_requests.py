@@ -21,6 +21,8 @@ import cxlrpc.heap
 import cxlrpc.server
 from cxlrpc import frame as fr
 from cxlrpc import memory
+from cxlrpc.client_connection import Connection
+from cxlrpc.client_replies import Replies
 from cxlrpc.heap import EXTENT, FOLLOW_HEADER, FOLLOW_MIN, GRANT, HeapAccess, ServerHeap
 from cxlrpc.memory import FOLLOW_CHUNK, AtomicMemory, FollowedBody, publish_copy
 
@@ -76,7 +78,7 @@ async def _settled(server: cxlrpc.Server, *clients: Any, timeout: float = 5.0) -
     spare extents (kept for their next followed request; FREE frames lag) and the reply
     extents parked for them."""
     def settled() -> bool:
-        spares = {c._spare[0] for c in clients if c._spare is not None}
+        spares = {c._bodies.spare[0] for c in clients if c._bodies.spare is not None}
         heap = server._heap
         return not server._following and not heap._lent and set(heap._owners) - heap._parked_at == spares
 
@@ -156,7 +158,7 @@ async def test_a_spare_extent_saves_the_alloc_round_trip(name, allocs):
             def blocking() -> bool:
                 with cxlrpc.connect_sync(url) as sync:
                     ok = all(sync.call("size", bytes(MiB), timeout=30) == MiB for _ in range(3))
-                    return ok and sync._spare is not None
+                    return ok and sync._bodies.spare is not None
             assert await asyncio.to_thread(blocking)
             assert allocs[2:] == [(FOLLOW_HEADER + MiB, True)]  # one for the blocking client's three
             assert server._heap.kept_bytes > 0
@@ -166,16 +168,16 @@ async def test_a_spare_extent_saves_the_alloc_round_trip(name, allocs):
 
 @pytest.fixture
 def reference_large(monkeypatch) -> list[int]:
-    """Body lengths of the requests the reference sent through the heap (Client._call_large
+    """Body lengths of the requests the reference sent through the heap (Replies.call_large
     spied on): the native caller sends the rest."""
     seen: list[int] = []
-    real = cxlrpc.Client._call_large
+    real = Replies.call_large
 
     def spy(self, call_id, large, *args):
         seen.append(len(large.body))
         return real(self, call_id, large, *args)
 
-    monkeypatch.setattr(cxlrpc.Client, "_call_large", spy)
+    monkeypatch.setattr(Replies, "call_large", spy)
     return seen
 
 
@@ -233,7 +235,7 @@ async def test_a_call_given_up_keeps_no_spare_the_server_still_reads(name, monke
     async with _server(url) as server, cxlrpc.connect(url) as client:
         with monkeypatch.context() as patched:
             patched.setattr(HeapAccess, "publish", lambda self, offset, body: None)
-            patched.setattr(cxlrpc.Client, "_send_cancel", lambda self, call_id: None)
+            patched.setattr(Connection, "send_cancel", lambda self, call_id: None)
             call = asyncio.ensure_future(client.call("size", bytes(MiB)))
             assert await _following(server)
             call.cancel()
@@ -256,7 +258,7 @@ async def test_spares_leave_room_for_a_body_of_max_message_size(name, allocs):
         assert await a.call("size", bytes(MiB), timeout=30) == MiB
         assert await b.call("size", bytes(MiB), timeout=30) == MiB
         assert allocs == [(FOLLOW_HEADER + MiB, True)] * 2  # both asked
-        assert a._spare is not None and b._spare is None  # the budget had room for one
+        assert a._bodies.spare is not None and b._bodies.spare is None  # the budget had room for one
         assert 0 < server._heap.kept_bytes <= budget
         assert await b.call("echo", b"x" * (size - FOLLOW_HEADER), timeout=30) == b"x" * (size - FOLLOW_HEADER)
         assert await _settled(server, a, b)
@@ -352,7 +354,7 @@ async def test_giving_up_on_a_followed_call_frees_its_extent(name, monkeypatch, 
                 with pytest.raises(asyncio.CancelledError):
                     await call
             else:
-                patched.setattr(cxlrpc.Client, "_send_cancel", lambda self, call_id: None)
+                patched.setattr(Connection, "send_cancel", lambda self, call_id: None)
                 with pytest.raises(cxlrpc.DeadlineExceeded):
                     await client.call("size", bytes(MiB), timeout=0.3)
             assert await _settled(server, client, timeout=10)
@@ -366,7 +368,7 @@ async def test_a_client_that_leaves_mid_body_gets_its_extent_freed(name, monkeyp
         client = await cxlrpc.connect(url)
         with monkeypatch.context() as patched:  # it never writes, and leaves without a CANCEL
             patched.setattr(HeapAccess, "publish", lambda self, offset, body: None)
-            patched.setattr(cxlrpc.Client, "_send_cancel", lambda self, call_id: None)
+            patched.setattr(Connection, "send_cancel", lambda self, call_id: None)
             try:
                 call = asyncio.ensure_future(client.call("size", bytes(MiB)))
                 assert await _following(server)

@@ -88,14 +88,14 @@ async def test_an_extent_named_by_two_requests_is_not_freed_while_lent(url):
     mine, theirs = b"A" * size, b"B" * size
     async with server, cxlrpc.connect(url) as a, cxlrpc.connect(url) as b:
         loop = asyncio.get_running_loop()
-        alloc_id, alloc = a._alloc_request(size, 10.0)
+        alloc_id, alloc = a._bodies.alloc_request(size, 10.0)
         offset, _ = GRANT.unpack(await a._roundtrip(alloc_id, alloc, None, None))
-        a._heap.write(offset, (mine,))
+        a._bodies.heap.write(offset, (mine,))
         chan = a._conn.chan
         futs = {}
         for call_id, method in ((9001, b"hold"), (9002, b"digest")):
             futs[call_id] = loop.create_future()
-            a._pending[call_id] = (futs[call_id], None)
+            a._replies.pending[call_id] = (futs[call_id], None)
             head = fr.HEADER.pack(fr.REQUEST, fr.RAW | fr.HEAP, 0, chan.slot, chan.gen, call_id,
                                   30.0, len(method))
             assert chan.push((head, method, EXTENT.pack(offset, size)))

@@ -109,7 +109,7 @@ def test_attach_skips_a_slot_whose_wake_address_is_taken(url):
                     geo = read_geometry(region)
                     assert not region.mem.load(geo.slot(0), ACQUIRE) & 1, "the failed attach leaked slot 0"
                     with cxlrpc.connect_sync(url) as d:
-                        assert (d._chan.slot, d._chan.gen) == (0, 2)
+                        assert (d._conn.chan.slot, d._conn.chan.gen) == (0, 2)
                         assert d.call("echo", b"slot 0", timeout=5) == b"slot 0"
             finally:
                 squatter.close()

@@ -164,7 +164,7 @@ class Client(_Base):
         conn = self._conn
         if conn.link is None:
             return
-        self._replies.fail_all(Unavailable(conn.gone))
+        self._replies.fail_all(Unavailable(conn.gone or "client is not connected"))
         link = self._forget_link()
         assert link is not None
         reader = link.reader
@@ -326,8 +326,8 @@ class Client(_Base):
         client.stream("m", arg)``. Flow-controlled: the server sends at most a window of items
         ahead of what this loop took. Leaving the loop early (break, an exception, a
         cancellation) cancels the handler; ``timeout`` bounds the whole stream."""
-        call: StreamCall[Any]
-        async with StreamCall(self, method, arg, False, timeout, metadata, response_type) as call:
+        opened: StreamCall[Any] = StreamCall(self, method, arg, False, timeout, metadata, response_type)
+        async with opened as call:
             async for item in call:
                 yield item
 

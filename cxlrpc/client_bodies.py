@@ -153,8 +153,7 @@ class Bodies:
         else:
             self.give_back(offset)
 
-    def staged(self, large: Large, offset: int, call_id: int, timeout: float,
-               kind: int = fr.REQUEST) -> Parts:
+    def staged(self, large: Large, offset: int, call_id: int, timeout: float, kind: int) -> Parts:
         """Write the body into the extent at ``offset`` (a followed one: zero its progress
         word, the body comes after the frame); the record's parts."""
         chan, heap = self._chan(), self._heap()

@@ -310,8 +310,9 @@ class Connection:
 
     def revoked(self, exc: ClaimRevoked) -> Unavailable:
         """The server reclaimed our slot (it judged us dead): the connection is gone."""
-        self.set_gone(f"the server reclaimed this client's slot ({exc})")
-        return Unavailable(self.gone)
+        reason = f"the server reclaimed this client's slot ({exc})"
+        self.set_gone(reason)
+        return Unavailable(self.gone or reason)
 
     def push(self, parts: Sequence[bytes | memoryview]) -> bool:
         """Push a request as our slot's producer; Unavailable if the server reclaimed the slot."""

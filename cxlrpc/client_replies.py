@@ -175,7 +175,7 @@ class Replies:
             if conn.gone is not None or conn.chan is not chan:  # the extent is another server's
                 raise Unavailable(conn.gone or "the connection was lost while the call waited for heap space")
             offset, spare = grant(reply)
-        parts = bodies.staged(large, offset, call_id, timeout)
+        parts = bodies.staged(large, offset, call_id, timeout, fr.REQUEST)
         if not large.follow:
             return await self.roundtrip(call_id, parts, deadline, response_type, unsent=offset, late=late)
         method = large.prefix[:large.method_len]

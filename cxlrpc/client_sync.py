@@ -155,7 +155,7 @@ class SyncClient(_Base):
                         raise
                     bodies.allocs.discard(alloc_id)
                     offset, spare = grant(reply)
-                parts = bodies.staged(large, offset, call_id, timeout or 0.0)
+                parts = bodies.staged(large, offset, call_id, timeout or 0.0, fr.REQUEST)
                 mb = large.prefix[:large.method_len]
                 if large.follow:
                     publish = functools.partial(bodies.publish_body, offset, large.body)  # (no cells in _call)

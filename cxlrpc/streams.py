@@ -31,8 +31,10 @@ class StreamClient(Protocol):
     """What a :class:`StreamCall` needs of its client (``cxlrpc.Client`` has it): its frames
     sent, its replies decoded, its registration dropped once it is over."""
 
-    #: The streaming calls open, by call id.
-    _streams: MutableMapping[int, Any]
+    @property
+    def _streams(self) -> MutableMapping[int, StreamCall[Any]]:
+        """The streaming calls open, by call id."""
+        ...
 
     def _open_stream(self, call: StreamCall[Any]) -> Coroutine[Any, Any, None]:
         """Send the call's request (through the client's interceptors)."""

@@ -15,7 +15,7 @@ from . import frame as fr
 from . import heap as heap_settings
 from .client_bodies import Bodies, Large, Parts
 from .client_connection import Connection, Link, OfConnection, collected
-from .doorbell import WaitStrategy, resolve
+from .doorbell import WaitStrategy
 from .errors import InvalidArgument, ResourceExhausted, Unavailable, error_for
 from .memory import FOLLOW_CHUNK
 
@@ -119,7 +119,8 @@ class Codec:
         if metadata:
             prefix = mb + fr.encode_metadata(metadata)
             flags |= fr.META
-        chan, bodies = self._conn.chan, self._bodies
+        conn, bodies = self._conn, self._bodies
+        chan = conn.chan
         assert chan is not None
         head = fr.HEADER.pack(fr.REQUEST, flags, 0, chan.slot, chan.gen, call_id, timeout, len(mb))
         if follow and bodies.follow_min <= len(body) <= bodies.follow_max and mb not in bodies.in_place:
@@ -129,7 +130,7 @@ class Codec:
             if bodies.follow_min <= len(body) <= bodies.follow_max:  # its bytes, not its items
                 large = bodies.out_of_line(flags, len(mb), prefix, body, "request")
                 return large._replace(follow=True)
-        if len(head) + len(prefix) + len(body) > chan.requests.max_payload:
+        if len(head) + len(prefix) + len(body) > conn.max_request:
             return bodies.out_of_line(flags, len(mb), prefix, body, "request")
         return head, prefix, body
 
@@ -186,8 +187,7 @@ class _Base:
 
     def __init__(self, url: str, doorbell: WaitStrategy | str | None, server_timeout: float,
                  poll_interval: float, wait_for_ready: float | bool) -> None:
-        self._conn = conn = Connection(url, resolve(doorbell), server_timeout, poll_interval,
-                                       wait_for_ready)
+        self._conn = conn = Connection(url, doorbell, server_timeout, poll_interval, wait_for_ready)
         self._bodies = bodies = Bodies(conn)
         self._codec = Codec(conn, bodies)
         self._finalizer: weakref.finalize[Any, Any] | None = None
@@ -252,7 +252,7 @@ class _Base:
         parts = self._codec.request(fr.NO_REPLY, method, arg, 0.0, metadata)
         if type(parts) is Large:
             raise ResourceExhausted(f"a one-way call carries at most the request ring's "
-                                    f"{chan.requests.max_payload} bytes")
+                                    f"{conn.max_request} bytes")
         if not conn.push(parts):
             raise ResourceExhausted("request ring is full")
         chan.server_bell.ring()

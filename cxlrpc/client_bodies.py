@@ -100,7 +100,7 @@ class Bodies:
         """A body too big for the request ring, to go through the server's heap (or the
         ResourceExhausted naming the limit it breaks)."""
         chan = self._chan()
-        limit, ring_limit = chan.geo.max_message_size, chan.requests.max_payload
+        limit, ring_limit = chan.geo.max_message_size, self._conn.max_request
         if not chan.geo.heap_size:
             raise ResourceExhausted(f"{what} of {len(body)} bytes exceeds the request ring's "
                                     f"limit {ring_limit} (the server has no heap)")

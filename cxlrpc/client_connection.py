@@ -19,7 +19,7 @@ import weakref
 from typing import Any, Callable, Generator, Generic, Sequence, TypeVar, overload
 
 from .channel import KIND_RPC, client_channel
-from .doorbell import WaitStrategy
+from .doorbell import WaitStrategy, resolve
 from .errors import DeadlineExceeded, ResourceExhausted, RpcError, Unavailable
 from .process_heap import keep_freed_heap
 from .region import Region, RegionError
@@ -184,14 +184,14 @@ class Connection:
     in-place reply wait of this connection. The call paths read ``gone``, ``caller`` and
     ``hot_s`` on every call; the monitor thread sets ``gone``."""
 
-    def __init__(self, url: str, strategy: WaitStrategy, server_timeout: float,
+    def __init__(self, url: str, doorbell: WaitStrategy | str | None, server_timeout: float,
                  poll_interval: float, wait_for_ready: float | bool) -> None:
         if not poll_interval > 0:
             raise ValueError("poll_interval must be > 0 seconds")
         if not (isinstance(wait_for_ready, bool) or wait_for_ready >= 0):
             raise ValueError("wait_for_ready must be a bool or >= 0 seconds")
         self.url = url
-        self.strategy = strategy
+        self.strategy = resolve(doorbell)
         self.server_timeout = server_timeout
         self.poll_interval = poll_interval
         #: How long connecting (and reconnecting) waits for a server: not at all (False),
@@ -209,6 +209,7 @@ class Connection:
         #: caller polls for its reply without giving the loop a turn.
         self.caller: Any = None
         self.hot_s = self.hot_spin_s = 0.0  # the in-place wait, and its spin part
+        self.max_request = 0  # the longest request record the connection's ring takes
         #: Called once the server is judged gone (from the monitor thread, or a caller).
         self.on_gone: Callable[[], None] | None = None
 
@@ -275,6 +276,8 @@ class Connection:
     def adopt(self, link: Link) -> None:
         """Make ``link`` the connection calls go out on (the in-place wait set for it)."""
         self.link, self.chan = link, link.chan
+        assert link.chan.requests is not None  # (acknowledged: a flush-mode slot has its ring)
+        self.max_request = link.chan.requests.max_payload
         # (no reply is polled for in place while the server shares this process: it could not
         # answer before the loop turns)
         strategy = self.strategy

@@ -69,7 +69,7 @@ class ClientStreams:
         replies, bodies = self._replies, self._bodies
         flags, body = fr.encode_body(item)
         head = fr.header(fr.ITEM, flags, 0, chan.slot, chan.gen, call._call_id, 0.0, b"")
-        if len(head) + len(body) <= chan.requests.max_payload:
+        if len(head) + len(body) <= self._conn.max_request:
             await replies.push_parts((head, body), call._deadline)
             return
         large = bodies.out_of_line(flags, 0, b"", body, "stream item")

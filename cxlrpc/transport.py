@@ -100,8 +100,9 @@ class ClientTransport(Protocol):
         ...
 
     @property
-    def requests(self) -> RequestLimit:
-        """The request ring, for the size of a record it takes."""
+    def requests(self) -> RequestLimit | None:
+        """The request ring, for the size of a record it takes (None before the server
+        granted the slot, in flush mode)."""
         ...
 
     @property

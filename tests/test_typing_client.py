@@ -1,6 +1,6 @@
 """mypy sees the client's calls typed by their ``response_type``: ``call`` returns it, streams
 yield it (``StreamCall`` and the server-streaming iterator are generic in their item type),
-and without one the result is ``Any``."""
+and without one the result is ``Any``; both client channels implement ``ClientTransport``."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -5,6 +5,8 @@ from __future__ import annotations
 import msgspec
 
 import cxlrpc
+from cxlrpc.channel import ClientChannel, FlushClientChannel
+from cxlrpc.transport import ClientTransport
 
 
 class Point(msgspec.Struct):
@@ -31,3 +33,7 @@ async def streams(client: cxlrpc.Client) -> None:
     async with client.open_stream("chat", response_type=Point) as chat:
         async for reply in chat:
             reveal_type(reply)  # R: client_usage.Point
+
+
+def seam(chan: ClientChannel, flushing: FlushClientChannel) -> list[ClientTransport]:
+    return [chan, flushing]  # both channels implement the client's transport

@@ -18,6 +18,7 @@ import warnings
 import weakref
 from typing import Any, Callable, Generator, Generic, Sequence, TypeVar, overload
 
+from . import frame as fr
 from .channel import KIND_RPC, client_channel
 from .doorbell import WaitStrategy, resolve
 from .errors import DeadlineExceeded, ResourceExhausted, RpcError, Unavailable
@@ -26,7 +27,6 @@ from .region import Region, RegionError
 from .ring import ClaimRevoked
 from .size_guard import cut_message
 from .transport import ClientTransport
-from . import frame as fr
 
 BEAT_INTERVAL = 0.1
 #: Backoff between looks for a server while ``wait_for_ready`` lets a connection wait.

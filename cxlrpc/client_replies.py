@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from . import frame as fr
 from .client_base import Codec
@@ -16,10 +16,8 @@ from .client_bodies import Bodies, Large, Parts, grant
 from .client_connection import BEAT_INTERVAL, Connection
 from .doorbell import WaitStrategy
 from .errors import DeadlineExceeded, InvalidArgument, RpcError, Unavailable
+from .streams import StreamCall
 from .transport import ClientTransport
-
-if TYPE_CHECKING:
-    from .streams import StreamCall
 
 #: Longest the sole caller in flight holds the event loop polling for its reply (within the
 #: strategy's spin phase) once it waits on the awaited path; other tasks wait at most this long.

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from . import frame as fr
+from .memory import BytesLike
 from .errors import StatusCode
 
 #: The most bytes a refusal in the backlog (a RESOURCE_EXHAUSTED error frame) takes.
@@ -105,7 +106,7 @@ class HeldReplies:
         """At or past the connection's limit: its replies (and requests) are refused."""
         return len(self._queue) >= limits.max_backlog_replies or self.size >= limits.max_backlog_bytes
 
-    def hold(self, slot: int, gen: int, head: bytes, body: bytes | memoryview, limits: Limits) -> int:
+    def hold(self, slot: int, gen: int, head: bytes, body: BytesLike, limits: Limits) -> int:
         """Hold a reply (HELD; a connection's first always is); past the limits, a
         RESOURCE_EXHAUSTED error for its call in its place (REFUSED), up to as many entries
         again; past that, nothing (SHED: a client that reads nothing makes us hold no more)."""

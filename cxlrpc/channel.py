@@ -36,14 +36,14 @@ from typing import Callable, Collection, Sequence
 
 from .doorbell import Doorbell, DoorbellReceiver, wake_address
 from .identity import host_identity
-from .memory import ACQ_REL, ACQUIRE, FLUSH, RELAXED, RELEASE, Counter, check_coherence
+from .memory import ACQ_REL, ACQUIRE, FLUSH, RELAXED, RELEASE, BytesLike, Counter, check_coherence
 from .owned import OwnedWords
 from .region import HEADER_SIZE as REGION_HEADER, PidWatch, Region, RegionError
 from .ring import MpscRing, SpscRing, ring_size
 from .ring.base import RingBase
 from .ring.mpsc import NO_CLAIM, ClaimRevoked
 from .ring.record import TAG_MASK
-from .transport import DEAD, DETACHED, REAPED, Departure, NativeRings
+from .transport import DEAD, DETACHED, REAPED, Departure, NativeCallPath, NativeRings
 
 KIND_RPC = 1
 PAGE = 4096
@@ -448,7 +448,7 @@ class ServerChannel(_ServerWords):
 
     def native_rings(self) -> NativeRings:
         """The words the native dispatcher reads and rings (see cxlrpc.transport)."""
-        return NativeRings(self.region.buf, self.slot_state_at, *self.client_bell_words())
+        return NativeRings(self.region.buf, self.slot_state_at, *self.client_bell_words(), self.responses)
 
     def client_bell_words(self) -> tuple[list[int], int]:
         """Where each slot's doorbell word lies in the region, and what a holder parked on this
@@ -602,7 +602,7 @@ class ClientChannel(_ServerWatch):
                                     wake_address(self.region.epoch, "server"))
         self.server_liveness = Liveness(0.0)
 
-    def push(self, parts: Sequence[bytes | memoryview]) -> bool:
+    def push(self, parts: Sequence[BytesLike]) -> bool:
         """Push a request record as this slot's producer; False when the ring is full.
 
         ClaimRevoked when the server already reclaimed this slot (it judged us dead)."""
@@ -648,6 +648,12 @@ class ClientChannel(_ServerWatch):
         """Close the wake-up socket, then release the slot (if still ours)."""
         self.bell.close()
         self.release()
+
+    def native_path(self) -> NativeCallPath:
+        """The rings and words the native caller uses (it pushes without ``push``'s frame)."""
+        bell = self.server_bell
+        return NativeCallPath(self.requests, self.push_args(), bell.ring, self.responses,
+                              self.region.buf, bell.parked_at, bell.me)
 
 
 # ---------------------------------------------------------------------- single-writer layout
@@ -963,7 +969,7 @@ class FlushClientChannel(_ServerWatch):
         self.slot, self.gen, self.tag, self._word = slot, gen, gen & TAG_MASK, word
         self._granted = True
 
-    def push(self, parts: Sequence[bytes | memoryview]) -> bool:
+    def push(self, parts: Sequence[BytesLike]) -> bool:
         """Push a request into our own ring; False when it is full. ClaimRevoked once the
         server freed the slot (it judged us dead): another holder may own the ring now."""
         if self._grant(self.slot) != self._word:
@@ -996,6 +1002,10 @@ class FlushClientChannel(_ServerWatch):
             return
         self.bell.close()
         self.release()
+
+    def native_path(self) -> None:
+        """None: the native caller does not write back what it publishes."""
+        return None
 
 
 def server_channel(region: Region, geo: Geometry,

@@ -35,7 +35,7 @@ import struct
 from typing import Sequence
 
 from .allocator import PoolAllocator
-from .memory import (ACQUIRE, RELEASE, AtomicMemory, FollowedBody, SealBroken, copy_bytes, follow_copy, plain_bytes,
+from .memory import (ACQUIRE, RELEASE, AtomicMemory, BytesLike, FollowedBody, SealBroken, copy_bytes, follow_copy, plain_bytes,
                      plain_copy, publish_copy, to_bytes)
 
 EXTENT = struct.Struct("<QQ")  # offset, length: the body of a HEAP frame
@@ -97,7 +97,7 @@ class HeapAccess:
         if not (0 <= offset and 0 <= length and offset + length <= self.size and offset % UNIT == 0):
             raise ValueError(f"extent ({offset}, {length}) is not inside the {self.size}-byte heap")
 
-    def write(self, offset: int, parts: Sequence[bytes | memoryview]) -> int:
+    def write(self, offset: int, parts: Sequence[BytesLike]) -> int:
         """Copy ``parts`` to ``offset`` and write them back (memory without coherence); the
         bytes written. Plain stores on coherent memory, as publish_copy (streaming ones only
         where lines must reach memory anyway)."""
@@ -128,7 +128,7 @@ class HeapAccess:
         self.check(offset, FOLLOW_HEADER)
         self.mem.store(self.start + offset + SEAL_AT, word, RELEASE)
 
-    def publish(self, offset: int, body: bytes | memoryview) -> None:
+    def publish(self, offset: int, body: BytesLike) -> None:
         """Write ``body`` into the followed extent at ``offset``, publishing its progress; if
         the copy fails, a progress word no writer stores tells the reader at once. A client's
         extent must hold its seal before each chunk, else the copy stops there and SealBroken

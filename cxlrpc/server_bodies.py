@@ -263,7 +263,7 @@ class Bodies:
                 if fast is not None and not f.metadata:  # natively, as a record in the ring is
                     # (its deadline counted from the request's arrival, as any other's)
                     timeout = 0.0 if deadline is None else deadline - fast.polled_at
-                    if ((deadline is None or timeout > 0)
+                    if ((deadline is None or timeout > 0) and type(f.body) is bytes
                             and fast.dispatch_body(f.slot, f.gen, f.call_id, f.flags & fr.RAW, timeout,
                                                    fr.method_bytes(f.method), f.body)):
                         return

@@ -20,13 +20,13 @@ import sys
 from asyncio import current_task as _current_task
 from asyncio.tasks import _enter_task, _leave_task
 from types import CoroutineType
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, cast
 
 from . import frame as fr
 from .bounds import Limits
 from .errors import DeadlineExceeded, RpcError, StatusCode
 from .heap import OFFSET, ServerHeap
-from .memory import ACQ_REL, FOLLOW_CHUNK
+from .memory import ACQ_REL, FOLLOW_CHUNK, BytesLike
 from .server_bodies import Bodies
 from .server_context import CallKey, Handler, HandlerContext, Peer, ServerInterceptor, _current_call
 from .server_methods import _Method
@@ -38,11 +38,11 @@ from .server_tasks import (_FAILED, _NO_ARG, _RETURNED, _STREAMED, _SUSPENDED, N
                            _intercepted, _Resumed, _take_back)
 from .transport import ServerTransport
 
+_Dispatcher: type[Dispatcher] | None
 try:  # the common request shape dispatched in C (CXLRPC_NO_NATIVE=1: the reference only)
-    from ._dispatch import Dispatcher as _Dispatcher
+    from ._dispatch import Dispatcher
+    _Dispatcher = None if os.environ.get("CXLRPC_NO_NATIVE") else Dispatcher
 except ImportError:
-    _Dispatcher = None
-if os.environ.get("CXLRPC_NO_NATIVE"):
     _Dispatcher = None
 logger = logging.getLogger("cxlrpc.server")
 
@@ -121,7 +121,7 @@ class Dispatch:
             return None
         fast: NativeDispatcher = _Dispatcher(
             self, rings.buf, list(rings.slot_state_at), chan.seen, self._peers, self._backlog,
-            self._fast_methods, chan.responses, chan, HandlerContext, fr.NO_METADATA, _current_call,
+            self._fast_methods, rings.responses, chan, HandlerContext, fr.NO_METADATA, _current_call,
             chan.ring_client, fr.encode_body, self._event_loop, _current_task, _enter_task, _leave_task,
             _EagerTask, asyncio.CancelledError, self._replies.reply_limit(), fr.Frame, _current_tasks(),
             rings.parked_at, rings.host, self._heap, self._heap_waiting, *heap_span,
@@ -201,8 +201,8 @@ class Dispatch:
         try:
             carried = self._dispatch_request(f, extent)
         finally:
-            if extent >= 0 and not carried:  # a lent body: the handler is done with it
-                self._bodies.give_back(extent, f.body)
+            if extent >= 0 and not carried:  # a lent body (take_body made it a view): the
+                self._bodies.give_back(extent, cast(memoryview, f.body))  # handler is done with it
 
     def _free(self, f: fr.Frame) -> None:
         """A client is done with a response body we put in the heap."""
@@ -421,7 +421,7 @@ class Dispatch:
         is still the sender's (a plain handler just ran inline); ``hint``: flags for the caller."""
         if f.call_id == fr.NO_REPLY:
             return
-        body: bytes | memoryview
+        body: BytesLike
         if type(result) is bytes:
             flags, body = fr.RAW, result
         else:

@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 from . import frame as fr
+from .memory import BytesLike
 from .bounds import HELD, SHED, HeldReplies, Limits
 from .errors import RpcError, StatusCode
 from .heap import EXTENT, FOLLOW_HEADER, ServerHeap
@@ -76,7 +77,7 @@ class Replies:
             detail = f"{type(exc).__name__}: {exc}" if self.error_details else "the handler failed"
             self.error(f, StatusCode.INTERNAL, detail)
 
-    def send(self, slot: int, gen: int, head: bytes, body: bytes | memoryview) -> bool:
+    def send(self, slot: int, gen: int, head: bytes, body: BytesLike) -> bool:
         """Send a frame to a client: into its ring, else held for it (False: refused instead,
         its backlog is full; see hold)."""
         chan = self._chan
@@ -100,7 +101,7 @@ class Replies:
         chan.ring_client(slot, gen)
         return sent
 
-    def push(self, slot: int, gen: int, ring: ReplySink, head: bytes, body: bytes | memoryview) -> bool:
+    def push(self, slot: int, gen: int, ring: ReplySink, head: bytes, body: BytesLike) -> bool:
         """Push a reply, through the heap when it is too big for the ring or big enough to be
         followed; False while the ring (or the heap) is full."""
         if len(body) >= self.follow_min:
@@ -123,7 +124,7 @@ class Replies:
         return False
 
     def push_followed(self, slot: int, gen: int, ring: ReplySink, head: bytes,
-                      body: bytes | memoryview) -> bool | None:
+                      body: BytesLike) -> bool | None:
         """Send a big reply's frame first, then write its body into the heap while the client
         copies it out (``cxlrpc.heap``); False while the ring is full, None when it goes
         the plain way: the heap has no room for it now, or ALLOCs wait for the heap (a reply
@@ -153,7 +154,7 @@ class Replies:
         heap.access.publish(offset, body)
         return True
 
-    def hold(self, slot: int, gen: int, head: bytes, body: bytes | memoryview) -> bool:
+    def hold(self, slot: int, gen: int, head: bytes, body: BytesLike) -> bool:
         """Hold a reply until its client's ring has room; False: refused instead (its backlog
         is full; a RESOURCE_EXHAUSTED error is held for the call, or past twice the limit
         nothing, counted in ``shed_replies``)."""

@@ -11,6 +11,7 @@ import asyncio
 import contextvars
 import functools
 import inspect
+import sys
 from asyncio import current_task as _current_task
 from asyncio.tasks import _enter_task, _leave_task
 from typing import Any, Awaitable, Callable, Generator, Protocol, Sequence
@@ -33,14 +34,14 @@ class NativeDispatcher(Protocol):
     enabled: int
     polled_at: float
 
-    def poll(self, ring: Any, now: float, until: float) -> int:
+    def poll(self, ring: Any, now: float, until: float, /) -> int:
         """Serve one batch of the request ring natively; how many records it handled."""
 
-    def serve(self, ring: Any, seconds: float, until: float) -> int:
+    def serve(self, ring: Any, seconds: float, until: float, /) -> int:
         """Serve batches while nothing needs the loop, looking ``seconds`` for each."""
 
-    def dispatch_body(self, slot: int, gen: int, call_id: int, raw: int, timeout: float,
-                      method: bytes, body: bytes | memoryview) -> bool:
+    def dispatch_body(self, slot: int, gen: int, call_id: int, flags: int, timeout: float,
+                      method: bytes, body: bytes, /) -> bool:
         """Dispatch a followed request whose body is at hand; False: the reference's."""
 
 
@@ -116,11 +117,12 @@ class _EagerTask:
     def cancel(self, msg: Any = None) -> bool:
         return self.task.cancel(msg) if self.task is not None else False
 
-    def cancelling(self) -> int:
-        return self.task.cancelling() if self.task is not None else 0
+    if sys.version_info >= (3, 11):  # what asyncio.timeout and TaskGroup call (Python 3.11+)
+        def cancelling(self) -> int:
+            return self.task.cancelling() if self.task is not None else 0
 
-    def uncancel(self) -> int:
-        return self.task.uncancel() if self.task is not None else 0
+        def uncancel(self) -> int:
+            return self.task.uncancel() if self.task is not None else 0
 
     def done(self) -> bool:
         return False

@@ -25,19 +25,52 @@ The implementation may subclass the contract or just have methods of the same na
 from __future__ import annotations
 
 import collections.abc
+import functools
 import inspect
 import typing
 from dataclasses import dataclass
-from typing import (TYPE_CHECKING, Any, AsyncIterable, AsyncIterator, Callable, Iterable, Protocol,
-                    TypeVar)
+from typing import Any, AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Protocol, TypeVar
 
 from .streams import StreamCall, bidi, feed
 
-if TYPE_CHECKING:
-    from .client import Client
-    from .server import Server
-
 S = TypeVar("S")
+
+
+class ServiceCaller(Protocol):
+    """What a stub needs of its client (``cxlrpc.Client`` has it): the four call shapes."""
+
+    def call(self, method: str, arg: Any = ..., *, timeout: float | None = ...,
+             response_type: Any = ...) -> Awaitable[Any]:
+        """A unary call."""
+        ...
+
+    def stream(self, method: str, arg: Any = ..., *, timeout: float | None = ...,
+               response_type: Any = ...) -> AsyncIterator[Any]:
+        """A server-streaming call's replies."""
+        ...
+
+    def open_stream(self, method: str, *, timeout: float | None = ...,
+                    response_type: Any = ...) -> StreamCall[Any]:
+        """A client-streaming or bidirectional call."""
+        ...
+
+
+class MethodRegistry(Protocol):
+    """What ``add_service`` needs of a server (``cxlrpc.Server`` has it)."""
+
+    def add_method(self, name: str, fn: Callable[..., Any], *, blocking: bool = False,
+                   requests: bool | None = None) -> None:
+        """Serve ``fn`` as ``name`` (``requests``: whether it reads a stream of requests)."""
+        ...
+
+
+def streams_replies(fn: Callable[..., Any]) -> bool:
+    """Does handler ``fn`` stream its replies (an async generator, or a plain wrapper of one:
+    ``functools.wraps``, ``partial``)?"""
+    target = inspect.unwrap(fn)
+    while isinstance(target, functools.partial):
+        target = inspect.unwrap(target.func)
+    return inspect.isasyncgenfunction(fn) or inspect.isasyncgenfunction(target)
 
 
 class Service(Protocol):
@@ -100,25 +133,24 @@ def rpcs(service: type, prefix: str | None = None) -> list[Rpc]:
     return out
 
 
-def add_service(server: "Server", service: type[S], impl: S, prefix: str | None = None) -> None:
+def add_service(server: MethodRegistry, service: type[S], impl: S, prefix: str | None = None) -> None:
     """Serve ``impl``'s methods under the names ``service`` declares."""
     for rpc in rpcs(service, prefix):
         handler = getattr(impl, rpc.attr, None)
         if handler is None:
             raise TypeError(f"{type(impl).__name__} lacks {service.__name__}.{rpc.attr}")
-        server.add_method(rpc.name, handler, requests=rpc.request_stream)
-        if server._methods[rpc.name].streaming != rpc.response_stream:
-            del server._methods[rpc.name]
+        if callable(handler) and streams_replies(handler) != rpc.response_stream:
             raise TypeError(f"{type(impl).__name__}.{rpc.attr} must "
                             f"{'be an async generator' if rpc.response_stream else 'not yield'}: "
                             f"{service.__name__} declares its replies "
                             f"{'a stream' if rpc.response_stream else 'one reply'}")
+        server.add_method(rpc.name, handler, requests=rpc.request_stream)
 
 
 class _Stub:
     """The client side of a service: an ``async`` method per declared one."""
 
-    def __init__(self, client: "Client", service: type, timeout: float | None,
+    def __init__(self, client: ServiceCaller, service: type, timeout: float | None,
                  prefix: str | None) -> None:
         self._service = service.__name__
         for rpc in rpcs(service, prefix):
@@ -128,11 +160,11 @@ class _Stub:
         return f"<cxlrpc stub of {self._service}>"
 
 
-def _method(client: "Client", rpc: Rpc, timeout: float | None) -> Callable[..., Any]:
+def _method(client: ServiceCaller, rpc: Rpc, timeout: float | None) -> Callable[..., Any]:
     """The stub's function for one method, shaped by which sides stream."""
     call, name, response_type = client.call, rpc.name, rpc.response_type
 
-    def opened() -> StreamCall:
+    def opened() -> StreamCall[Any]:
         return client.open_stream(name, timeout=timeout, response_type=response_type)
 
     def chat(requests: AsyncIterable[Any] | Iterable[Any]) -> AsyncIterator[Any]:
@@ -163,7 +195,7 @@ def _method(client: "Client", rpc: Rpc, timeout: float | None) -> Callable[..., 
     return method
 
 
-def stub(client: "Client", service: Callable[..., S], timeout: float | None = None,
+def stub(client: ServiceCaller, service: Callable[..., S], timeout: float | None = None,
          prefix: str | None = None) -> S:
     """An object typed as ``service`` whose methods call the server (``timeout`` per call).
     ``service`` is the contract class (typed as a callable: mypy refuses protocol classes

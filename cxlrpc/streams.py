@@ -1,5 +1,5 @@
 """Streams of a call, flow-controlled by credit: the handler's view of a request stream
-(:class:`RequestStream`) and the caller's side of a streaming call (:class:`StreamCall`).
+(``RequestStream``) and the caller's side of a streaming call (``StreamCall``).
 
 Either way the reader grants the writer ``CREDIT_EVERY`` more items each time it has taken as
 many, and a writer never has more than ``STREAM_WINDOW`` items in flight: a slow reader slows
@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import TYPE_CHECKING, Any, AsyncIterable, AsyncIterator, Callable, Iterable, Mapping
+import collections.abc
+from typing import (Any, AsyncIterable, AsyncIterator, Awaitable, Callable, Coroutine, Generic, Iterable,
+                    Mapping, MutableMapping, Protocol, TypeVar)
 
 from . import frame as fr
 from .errors import Cancelled, DeadlineExceeded, InvalidArgument, RpcError, error_for
-
-if TYPE_CHECKING:
-    from .client import Client
 
 #: Items a writer may have in flight before the reader's credit catches up.
 STREAM_WINDOW = 32
@@ -24,6 +23,42 @@ STREAM_WINDOW = 32
 #: writer never waits on a reader that keeps up).
 CREDIT_EVERY = 16
 _END = object()
+
+T = TypeVar("T")
+
+
+class StreamClient(Protocol):
+    """What a ``StreamCall`` needs of its client (``cxlrpc.Client`` has it): its frames
+    sent, its replies decoded, its registration dropped once it is over."""
+
+    @property
+    def _streams(self) -> MutableMapping[int, StreamCall[Any]]:
+        """The streaming calls open, by call id."""
+        ...
+
+    def _open_stream(self, call: StreamCall[Any]) -> Coroutine[Any, Any, None]:
+        """Send the call's request (through the client's interceptors)."""
+        ...
+
+    def _send_item(self, call: StreamCall[Any], item: Any) -> Awaitable[None]:
+        """Send one request item."""
+        ...
+
+    def _send_end(self, call: StreamCall[Any]) -> Awaitable[None]:
+        """Say no more request items follow."""
+        ...
+
+    def _send_credit(self, call: StreamCall[Any], count: int) -> None:
+        """Grant the server ``count`` more items."""
+        ...
+
+    def _cancel_stream(self, call: StreamCall[Any]) -> None:
+        """Tell the server to cancel the call."""
+        ...
+
+    def _decode_reply(self, f: fr.Frame, response_type: Any) -> Any:
+        """A reply frame's value (or the RpcError it carries, raised)."""
+        ...
 
 
 class RequestStream:
@@ -38,10 +73,10 @@ class RequestStream:
                  account: Callable[[int], None] = lambda delta: None) -> None:
         self.method = method
         self.item_type = item_type
-        self._items: deque = deque()  # decoded items, then _END or the error
-        self._sizes: deque = deque()  # each waiting item's bytes as it came
+        self._items: deque[Any] = deque()  # decoded items, then _END or the error
+        self._sizes: deque[int] = deque()  # each waiting item's bytes as it came
         self._account = account  # told each change of the bytes waiting (the server bounds them)
-        self._waiter: asyncio.Future | None = None
+        self._waiter: asyncio.Future[None] | None = None
         self._taken = 0
         self._allowed = STREAM_WINDOW  # items the caller may still send
         self._grant = grant  # sends the caller a CREDIT frame
@@ -118,9 +153,9 @@ class RequestStream:
             waiter.set_result(None)
 
 
-class StreamCall:
-    """A streaming call as the caller sees it, from :meth:`Client.open_stream` (client-streaming
-    or bidirectional) or under :meth:`Client.stream` (server-streaming)::
+class StreamCall(Generic[T]):
+    """A streaming call as the caller sees it, from ``Client.open_stream`` (client-streaming
+    or bidirectional) or under ``Client.stream`` (server-streaming)::
 
         async with client.open_stream("sum", timeout=5) as call:
             for x in xs:
@@ -130,11 +165,12 @@ class StreamCall:
             await call.send(msg)
             async for reply in call: ...    # a bidirectional one: the replies
 
-    The call opens when first used. Leaving the ``async with`` block (or :meth:`cancel`)
-    before the reply came cancels the handler; ``timeout`` bounds the whole call.
+    The call opens when first used. Leaving the ``async with`` block (or ``cancel``)
+    before the reply came cancels the handler; ``timeout`` bounds the whole call. Its replies
+    are decoded into ``response_type`` (``T``).
     """
 
-    def __init__(self, client: "Client", method: str, arg: Any, requests: bool,
+    def __init__(self, client: StreamClient, method: str, arg: Any, requests: bool,
                  timeout: float | None, metadata: Mapping[str, str] | None,
                  response_type: Any) -> None:
         if timeout is not None and timeout <= 0:
@@ -146,26 +182,26 @@ class StreamCall:
         self._timeout = timeout
         self._metadata = metadata
         self._response_type = response_type
-        self._opening: asyncio.Task | None = None
+        self._opening: asyncio.Task[None] | None = None
         self._call_id = 0
         self._chan: Any = None  # the connection the call was opened on
         self._deadline: float | None = None
         self._timer: asyncio.TimerHandle | None = None
-        self._replies: deque = deque()  # ITEM frames not taken yet
-        self._final: Any = None  # the END, RESPONSE or ERROR frame, or the RpcError that ended it
+        self._replies: deque[fr.Frame] = deque()  # ITEM frames not taken yet
+        self._final: fr.Frame | RpcError | None = None  # the END, RESPONSE or ERROR frame, or the RpcError that ended it
         self._seen_end = False  # the caller took the final frame: nothing to cancel
         self._credit = STREAM_WINDOW if requests else 0
         self._writing = requests
         self._taken = 0
-        self._wake: asyncio.Future | None = None  # a reader waiting for frames
-        self._credit_wake: asyncio.Future | None = None  # a writer waiting for credit
+        self._wake: asyncio.Future[None] | None = None  # a reader waiting for frames
+        self._credit_wake: asyncio.Future[None] | None = None  # a writer waiting for credit
         self._closed = False
 
     # ------------------------------------------------------------------ the caller's API
     async def send(self, item: Any) -> None:
         """Send one request item (bytes raw, the rest MessagePack; big ones through the heap),
         waiting while the server's credit is spent. Raises the call's error if it failed, and
-        ``asyncio.InvalidStateError`` after :meth:`done_writing` or once the call ended."""
+        ``asyncio.InvalidStateError`` after ``done_writing`` or once the call ended."""
         await self._open()
         if not self._writing:
             raise asyncio.InvalidStateError("send() after done_writing()")
@@ -189,7 +225,7 @@ class StreamCall:
         if self._final is None:
             await self._client._send_end(self)
 
-    async def response(self) -> Any:
+    async def response(self) -> T:
         """The one reply of a client-streaming call (ending the requests first if still
         writing); raises the call's error."""
         if self._writing:
@@ -205,12 +241,13 @@ class StreamCall:
         f = self._take_final()
         if f.kind != fr.RESPONSE:
             raise asyncio.InvalidStateError(f"{self.method!r} streams its replies: iterate the call")
-        return self._client._decode_reply(f, self._response_type)
+        result: T = self._client._decode_reply(f, self._response_type)
+        return result
 
-    def __aiter__(self) -> "StreamCall":
+    def __aiter__(self) -> StreamCall[T]:
         return self
 
-    async def __anext__(self) -> Any:
+    async def __anext__(self) -> T:
         """The next reply item; the loop ends with the stream (raises the call's error)."""
         await self._open()
         replies = self._replies
@@ -226,7 +263,8 @@ class StreamCall:
         if self._taken == CREDIT_EVERY:  # give the server room for as many as we took
             self._taken = 0
             self._client._send_credit(self, CREDIT_EVERY)
-        return self._client._decode_reply(f, self._response_type)
+        item: T = self._client._decode_reply(f, self._response_type)
+        return item
 
     def cancel(self) -> None:
         """Cancel the call: the handler is cancelled, waiting sends and reads raise Cancelled."""
@@ -236,7 +274,7 @@ class StreamCall:
         self._seen_end = True
         self._finish()
 
-    async def __aenter__(self) -> "StreamCall":
+    async def __aenter__(self) -> StreamCall[T]:
         await self._open()
         return self
 
@@ -296,7 +334,7 @@ class StreamCall:
         if isinstance(final, RpcError):
             raise final
         if final.kind == fr.ERROR:
-            raise error_for(final.status, final.body.decode(errors="replace"))
+            raise error_for(final.status, bytes(final.body).decode(errors="replace"))
         raise asyncio.InvalidStateError(f"{self.method!r} already ended: its reply came")
 
     def _take_final(self) -> fr.Frame:
@@ -306,8 +344,9 @@ class StreamCall:
         final = self._final
         if isinstance(final, RpcError):
             raise final
+        assert final is not None  # (taken once it came)
         if final.kind == fr.ERROR:
-            raise error_for(final.status, final.body.decode(errors="replace"))
+            raise error_for(final.status, bytes(final.body).decode(errors="replace"))
         return final
 
     async def _wait(self) -> None:
@@ -317,7 +356,7 @@ class StreamCall:
         finally:
             self._wake = None
 
-    def _end(self, final: Any) -> None:
+    def _end(self, final: fr.Frame | RpcError) -> None:
         if self._final is None:
             self._final = final
         self._wake_reader()
@@ -340,15 +379,15 @@ class StreamCall:
             self._client._streams.pop(self._call_id, None)
 
 
-async def feed(call: StreamCall, requests: AsyncIterable[Any] | Iterable[Any]) -> None:
+async def feed(call: StreamCall[Any], requests: AsyncIterable[Any] | Iterable[Any]) -> None:
     """Send every item of ``requests`` (async or not), then end the requests; stops early,
     quietly, if the call already ended with a reply."""
     try:
-        if hasattr(requests, "__aiter__"):
-            async for item in requests:  # type: ignore[union-attr]
+        if isinstance(requests, collections.abc.AsyncIterable):
+            async for item in requests:
                 await call.send(item)
         else:
-            for item in requests:  # type: ignore[union-attr]
+            for item in requests:
                 await call.send(item)
         await call.done_writing()
     except asyncio.InvalidStateError:
@@ -356,13 +395,13 @@ async def feed(call: StreamCall, requests: AsyncIterable[Any] | Iterable[Any]) -
             raise
 
 
-async def bidi(call: StreamCall, requests: AsyncIterable[Any] | Iterable[Any]) -> AsyncIterator[Any]:
+async def bidi(call: StreamCall[T], requests: AsyncIterable[Any] | Iterable[Any]) -> AsyncIterator[T]:
     """Feed ``requests`` to a bidirectional call in a task of its own while yielding its
     replies; a failing request iterator cancels the call and its error is raised here."""
-    def failed(writer: asyncio.Task) -> BaseException | None:
+    def failed(writer: asyncio.Task[None]) -> BaseException | None:
         return None if writer.cancelled() else writer.exception()
 
-    def written(writer: asyncio.Task) -> None:
+    def written(writer: asyncio.Task[None]) -> None:
         if failed(writer) is not None:
             call.cancel()  # wakes the loop below, which raises the writer's error
 

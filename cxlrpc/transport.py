@@ -1,4 +1,5 @@
 """The transport seam: what the RPC layer needs of the medium between a server and its clients.
+This module sits below the channel that implements it and imports nothing above the doorbell.
 
 Server side (``ServerTransport``). The server's rooms (dispatch, streams, replies, bodies,
 the serve loop) see a transport only through this interface, never a region, a slot table or a
@@ -20,15 +21,23 @@ single-writer layout). A new transport (``tcp://``, a flush-mode native path) im
   dispatcher of ``cxlrpc._dispatch`` drives directly), or None when the transport has none:
   the server then dispatches every request through its Python reference path.
 
+Client side (``ClientTransport``). The client's rooms (connection, call path, bodies, streams)
+see one connection to one server: push a request frame, poll its reply ring, wake the server,
+the server's liveness (``server_gone``, ``beat``, ``holds_slot``), ``release``/``detach``, and
+``native_path``, the optional native call path (``NativeCallPath``), or None. Implementations:
+``cxlrpc.channel.ClientChannel`` and ``cxlrpc.channel.FlushClientChannel``.
+
 Out-of-line bodies (the heap) are the server's, not the transport's: a transport without a
 shared heap is served with ``heap_size=0`` (bodies then go in line, up to the reply limit).
 """
 from __future__ import annotations
 
-from typing import Awaitable, Callable, NamedTuple, Protocol, Sequence
+from typing import Any, Awaitable, Callable, NamedTuple, Protocol, Sequence
 
 from .doorbell import WaitStrategy
-from .region import PidWatch
+from .memory import BytesLike
+from .region import PidWatch, Region
+from .ring import SpscRing
 
 #: How a slot's holder left (``Departure``): it released its slot itself; it died on this
 #: host (its PID is gone); or it was reaped, its heartbeat stopped (frozen, or on another host)
@@ -74,7 +83,7 @@ class ReplySink(Protocol):
     def max_payload(self) -> int:
         """The largest record it takes (header included)."""
 
-    def try_push_parts(self, parts: Sequence[bytes | memoryview]) -> bool:
+    def try_push_parts(self, parts: Sequence[BytesLike]) -> bool:
         """Push one record made of ``parts``; False while it is full (nothing was pushed)."""
 
 
@@ -107,11 +116,13 @@ class SharedCounter(Protocol):
 
 class NativeRings(NamedTuple):
     """What the native dispatcher drives directly: the mapping, where each slot's state word
-    and doorbell word lie in it, and what a holder parked on this host writes there."""
+    and doorbell word lie in it, what a holder parked on this host writes there, and the
+    slots' reply rings (whose C API it pushes through)."""
     buf: memoryview
     slot_state_at: list[int]
     parked_at: list[int]
     host: int
+    responses: list[SpscRing]
 
 
 class ServerTransport(Protocol):
@@ -179,3 +190,181 @@ class ServerTransport(Protocol):
 
     def close(self) -> None:
         """Tell every peer the server closed, and wake them."""
+
+
+# ---------------------------------------------------------------------- the client's side
+
+
+class Layout(Protocol):
+    """The server's layout as the client reads it: where the heap lies and how large a message
+    may be (``cxlrpc.channel.Geometry``; a transport without a shared heap says 0)."""
+
+    @property
+    def heap(self) -> int:
+        """The heap's offset in the region."""
+        ...
+
+    @property
+    def heap_size(self) -> int:
+        """Bytes of heap for out-of-line bodies (0: none)."""
+        ...
+
+    @property
+    def max_message_size(self) -> int:
+        """The largest message either side may send."""
+        ...
+
+
+class NativeCallPath(NamedTuple):
+    """What the native caller (``cxlrpc._dispatch.Caller``) pushes, rings and polls through:
+    the rings themselves (their C API), the push's arguments after the parts, the server's
+    bell, and where its parked word lies in the region."""
+
+    requests: Any
+    push_args: tuple[Any, ...]
+    ring_server: Callable[[], None]
+    responses: Any
+    buf: Any
+    parked_at: int
+    me: int
+
+
+class ReplyRing(Protocol):
+    """The client's reply ring: its records polled in order, garbage counted dropped."""
+
+    dropped: int
+
+    def poll(self, handler: Callable[[memoryview], None], limit: int = ...) -> int:
+        """Hand up to ``limit`` records to ``handler``; how many it handed."""
+        ...
+
+    def readable(self) -> bool:
+        """Is a record waiting?"""
+        ...
+
+
+class RequestLimit(Protocol):
+    """The request ring as the client sizes its records by it."""
+
+    @property
+    def max_payload(self) -> int:
+        """The longest record it takes."""
+        ...
+
+
+class ServerWake(Protocol):
+    """Wakes the server after a push (when it sleeps where this side can wake it)."""
+
+    def ring(self) -> None:
+        """Wake the server if it is parked; costs nothing while it is awake."""
+        ...
+
+
+class CpuYield(Protocol):
+    """Gives the CPU up once between two looks at the reply ring (spin phase over)."""
+
+    def yield_cpu(self) -> None:
+        """Yield the CPU (moving off one another process shares)."""
+        ...
+
+
+class ReplyWait(Protocol):
+    """How the client sleeps until a reply record comes (or ``ready()`` says so)."""
+
+    def wait_sync(self, ready: Callable[[], bool], strategy: WaitStrategy, timeout: float,
+                  idle: bool = False) -> bool:
+        """Block the thread until ``ready()`` or ``timeout``; ``ready()``'s last answer."""
+        ...
+
+    def wait_async(self, ready: Callable[[], bool], strategy: WaitStrategy, timeout: float,
+                   idle: bool = False) -> Awaitable[bool]:
+        """Wait in the event loop until ``ready()`` or ``timeout``; ``ready()``'s last answer."""
+        ...
+
+    @property
+    def shared_cpu(self) -> CpuYield:
+        """Where the waiting thread gives its CPU up between looks."""
+        ...
+
+
+class ClientTransport(Protocol):
+    """A client's connection to one server: one slot, a way to push request frames, a reply
+    ring to poll, the server's liveness. ``cxlrpc.channel.ClientChannel`` and
+    ``cxlrpc.channel.FlushClientChannel`` implement it; the client uses nothing else of
+    them."""
+
+    #: The slot this connection holds, and its generation (every frame carries both).
+    slot: int
+    gen: int
+    #: The server's (epoch, heartbeat) once it was judged gone (a reconnection that finds them
+    #: unchanged knows at once there is still no server).
+    stopped_beat: tuple[int, int] | None
+    #: The server shares this host (it can wake us) / this very process (it cannot answer
+    #: while we poll without giving its loop a turn).
+    server_local: bool
+    server_in_process: bool
+
+    @property
+    def region(self) -> Region:
+        """The mapping the connection lives in (its heap holds out-of-line bodies)."""
+        ...
+
+    @property
+    def geo(self) -> Layout:
+        """The server's layout: heap size, max_message_size."""
+        ...
+
+    @property
+    def requests(self) -> RequestLimit | None:
+        """The request ring, for the size of a record it takes (None before the server
+        granted the slot, in flush mode)."""
+        ...
+
+    @property
+    def responses(self) -> ReplyRing:
+        """This slot's reply ring."""
+        ...
+
+    @property
+    def bell(self) -> ReplyWait:
+        """How the client waits for a reply."""
+        ...
+
+    @property
+    def server_bell(self) -> ServerWake:
+        """How the client wakes the server after a push."""
+        ...
+
+    def push(self, parts: Sequence[BytesLike]) -> bool:
+        """Push one request frame (its parts joined); False when the ring is full; ClaimRevoked
+        when the server reclaimed the slot."""
+        ...
+
+    def acknowledged(self) -> bool:
+        """Has the server seen this connection (BlockingIOError: every slot is taken)?"""
+        ...
+
+    def server_gone(self, timeout: float) -> str | None:
+        """Why the server should be considered gone, or None while it looks alive."""
+        ...
+
+    def beat(self) -> None:
+        """Say this client is alive (the monitor thread, every 0.1 s)."""
+        ...
+
+    def holds_slot(self) -> bool:
+        """False once the server reclaimed the slot."""
+        ...
+
+    def release(self) -> None:
+        """Give the slot back (safe from any thread, and twice)."""
+        ...
+
+    def detach(self) -> None:
+        """Close what the connection holds of this process (wake-up socket), then release."""
+        ...
+
+    def native_path(self) -> NativeCallPath | None:
+        """What the native caller (``cxlrpc._dispatch.Caller``) pushes, rings and polls
+        through, or None for a transport it cannot use (memory without coherence)."""
+        ...

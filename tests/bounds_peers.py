@@ -139,7 +139,7 @@ def _non_reader_main(url: str, size: int, started, stopping, out) -> None:
 
     client = cxlrpc.connect_sync(url)
     client.call("echo", b"attached", timeout=10)
-    chan, body, call_id, sent = client._chan, bytes(size), 1 << 20, 0
+    chan, body, call_id, sent = client._conn.chan, bytes(size), 1 << 20, 0
     started.set()
     while not stopping.is_set():
         for _ in range(8):
@@ -162,7 +162,7 @@ def _alloc_flooder_main(url: str, size: int, started, stopping, out) -> None:
 
     client = cxlrpc.connect_sync(url)
     client.call("echo", b"attached", timeout=10)
-    chan, call_id, sent, seen = client._chan, 1 << 20, 0, Counter()
+    chan, call_id, sent, seen = client._conn.chan, 1 << 20, 0, Counter()
     started.set()
     while not stopping.is_set():
         for _ in range(16):
@@ -189,7 +189,7 @@ def _drip_feeder_main(url: str, count: int, length: int, started, stopping, out)
 
     client = cxlrpc.connect_sync(url)
     client.call("echo", b"attached", timeout=10)
-    chan, heap = client._chan, client._heap
+    chan, heap = client._conn.chan, client._bodies.heap
     offsets: list[int] = []
     grants: dict[int, int] = {}
     seen: Counter = Counter()

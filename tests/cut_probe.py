@@ -46,17 +46,17 @@ def client(url: str) -> None:
 
     with cxlrpc.connect_sync(url) as c:
         assert c.call("echo", b"hello", timeout=10) == b"hello"
-        say(heap=c._chan.geo.heap, size=c._chan.region.size)
+        say(heap=c._conn.chan.geo.heap, size=c._conn.chan.region.size)
         sys.stdin.readline()  # the test truncated the region's file meanwhile
         deadline = time.monotonic() + 10
-        while c._gone is None and time.monotonic() < deadline:
+        while c._conn.gone is None and time.monotonic() < deadline:
             time.sleep(0.01)
         try:
             c.call("echo", bytes(1 << 20), timeout=10)
             outcome = "ok"
         except cxlrpc.RpcError as exc:
             outcome = f"{type(exc).__name__}: {exc.message}"
-        say(gone=c._gone, call=outcome)
+        say(gone=c._conn.gone, call=outcome)
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ def frozen_client_main(url: str, how: str, size: int, seed: int, results) -> Non
 
     async def main() -> None:
         client = await cxlrpc.connect(url)
-        heap = client._heap
+        heap = client._bodies.heap
         heap.mem = _Freezing(heap.mem, "store" if how == "write" else "load", 0.005)
         try:
             if how == "write":

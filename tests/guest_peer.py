@@ -216,7 +216,7 @@ async def phase_contract(client: cxlrpc.Client, who_me: dict[str, Any]) -> dict[
     r: dict[str, Any] = {}
     server = await client.call("whoami", timeout=5)
     check(r, "remote_peer", server["boot_id"] != who_me["boot_id"]
-          and server["identity"] != who_me["identity"] and not client._chan.server_local,
+          and server["identity"] != who_me["identity"] and not client._conn.chan.server_local,
           server=server, client=who_me)
     msg = b"hello from guest B \x00\xff"
     got = await client.call("echo", msg, timeout=5)

@@ -48,6 +48,7 @@ def load(mutation: int | None) -> tuple[type, type]:
     """Server and Client classes over the channel module, with line ``mutation`` made ``pass``."""
     import cxlrpc.channel
     import cxlrpc.client
+    import cxlrpc.client_connection
     import cxlrpc.server
     if mutation is not None:
         lines = CHANNEL.read_text().splitlines()
@@ -59,7 +60,7 @@ def load(mutation: int | None) -> tuple[type, type]:
         sys.modules["cxlrpc.channel"] = module
         exec(compile("\n".join(lines), str(CHANNEL), "exec"), module.__dict__)
         importlib.reload(cxlrpc.server)
-        importlib.reload(cxlrpc.client)
+        importlib.reload(cxlrpc.client_connection)  # (it attaches through the channel module)
     return cxlrpc.server.Server, cxlrpc.client.Client
 
 
@@ -111,7 +112,7 @@ async def scenario(url: str, server_cls: type, client_cls: type) -> str:
         except RpcError as exc:
             await second.close()
             return f"fail peer: {type(exc).__name__} {exc}"
-        if info != [second._chan.slot, second._chan.gen, os.getpid()]:
+        if info != [second._conn.chan.slot, second._conn.chan.gen, os.getpid()]:
             await second.close()
             return f"fail peer: the server read {info}"
     closed_at = time.monotonic()

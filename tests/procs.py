@@ -311,22 +311,28 @@ def _make_counting_client():
             self.foreign = 0
             self.undecodable = 0
 
-        def _on_reply(self, view: memoryview) -> None:
+            dispatch = self._replies.on_reply
+
+            def on_reply(view: memoryview) -> None:
+                self._count(view)
+                dispatch(view)
+
+            self._replies.on_reply = self._on_reply = on_reply  # the reader's and the native caller's
+
+        def _count(self, view: memoryview) -> None:
             if len(view) >= fr.HEADER_SIZE:
                 _, _, _, slot, gen, call_id, _, _ = fr.HEADER.unpack_from(view)
-                if slot == self._chan.slot and gen == self._chan.gen:
+                if slot == self._conn.chan.slot and gen == self._conn.chan.gen:
                     self.replies[call_id] = self.replies.get(call_id, 0) + 1
                 else:
                     self.foreign += 1
             else:
                 self.undecodable += 1
-            super()._on_reply(view)
 
-        def _open(self):
-            link = super()._open()
-            if self._caller is not None:  # replies the native caller takes in place count too
-                self._caller = _CountingCaller(self._caller, self)
-            return link
+        def _install(self, link) -> None:
+            super()._install(link)
+            if self._conn.caller is not None:  # replies the native caller takes in place count too
+                self._conn.caller = _CountingCaller(self._conn.caller, self)
 
         def duplicates(self) -> int:
             return sum(n - 1 for n in self.replies.values() if n > 1)
@@ -366,7 +372,7 @@ def _claim_and_die_main(url: str, write_header: bool, claimed) -> None:
 
     client = cxlrpc.connect_sync(url)
     client.call("echo", b"attached", timeout=10)
-    chan = client._chan
+    chan = client._conn.chan
     ring = chan.requests
     length = 64
     size = 8 + length

@@ -87,11 +87,11 @@ async def test_an_alloc_without_a_deadline_gets_one(name):
     url = f"shm://{name}"
     async with cxlrpc.Server(url, max_message_size=4 * MiB, alloc_timeout=0.3) as server, \
             cxlrpc.connect(url) as client:
-        chan, loop = client._chan, asyncio.get_running_loop()
+        chan, loop = client._conn.chan, asyncio.get_running_loop()
         answers = []
         for call_id in (7001, 7002):  # the first takes the heap (never used), the second waits
             fut = loop.create_future()
-            client._pending[call_id] = (fut, None)
+            client._replies.pending[call_id] = (fut, None)
             answers.append(fut)
             head = fr.header(fr.ALLOC, fr.RAW, 0, chan.slot, chan.gen, call_id, 0.0, b"")
             assert chan.push((head, GRANT.pack(4 * MiB, 0)))
@@ -104,8 +104,8 @@ async def test_an_alloc_without_a_deadline_gets_one(name):
             assert 0.2 < time.monotonic() - t0 < 5
             assert not server._bodies.heap_waiting
         finally:
-            client._pending.pop(7001, None)
-            client._pending.pop(7002, None)
+            client._replies.pending.pop(7001, None)
+            client._replies.pending.pop(7002, None)
 
 
 def test_drip_fed_followed_requests_are_bounded_and_cheap(name):

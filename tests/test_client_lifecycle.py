@@ -16,7 +16,7 @@ import warnings
 import pytest
 
 import cxlrpc
-from cxlrpc import client as client_module
+from cxlrpc import client_connection
 from cxlrpc.region import parse_url
 
 from procs import echo_server, sized_for, until
@@ -189,7 +189,7 @@ async def test_wait_for_ready_has_a_limit_and_cancels_cleanly(url):
 # ------------------------------------------------------------------ 3. reconnecting
 async def _judged_gone(client) -> None:
     """Wait until the client's monitor (every 0.1 s) has seen its server go."""
-    assert await until(lambda: client._gone is not None, 5), "the client never saw its server go"
+    assert await until(lambda: client._conn.gone is not None, 5), "the client never saw its server go"
 
 
 async def test_next_call_reconnects_to_a_restarted_server(url):
@@ -200,7 +200,7 @@ async def test_next_call_reconnects_to_a_restarted_server(url):
     try:
         async with cxlrpc.connect(url) as client:
             assert await client.call("echo", b"a", timeout=5) == b"a"
-            old = client._chan.region.epoch
+            old = client._conn.chan.region.epoch
             in_flight = asyncio.create_task(client.call("slow", 30.0))
             assert await until(lambda: a.started == 1, 5)
             await a.close()
@@ -211,7 +211,7 @@ async def test_next_call_reconnects_to_a_restarted_server(url):
                 await client.call("echo", b"nobody", timeout=5)  # at once: no server to wait for
             async with make_server(url):
                 assert await client.call("echo", b"b", timeout=5) == b"b"
-                assert client._chan.region.epoch != old
+                assert client._conn.chan.region.epoch != old
                 assert await client.health(timeout=5) == "SERVING"
         with pytest.raises(cxlrpc.Unavailable, match="closed"):
             await client.call("echo", b"closed", timeout=5)  # a closed client never reconnects
@@ -226,8 +226,8 @@ async def test_concurrent_callers_share_one_reconnection(url, monkeypatch):
         attaches.append(args)
         return attach(*args)
 
-    attach = client_module._attach
-    monkeypatch.setattr(client_module, "_attach", counting_attach)
+    attach = client_connection.attach
+    monkeypatch.setattr(client_connection, "attach", counting_attach)
     async with make_server(url) as a, cxlrpc.connect(url) as client:
         await a.close()
         await _judged_gone(client)
@@ -305,7 +305,7 @@ async def test_killed_server_fails_calls_in_flight_and_its_successor_is_reached(
         try:
             assert await client.call("pid", timeout=5) == first.pid
             in_flight = asyncio.create_task(client.call("sleep", 30.0))
-            assert await until(lambda: client._pending, 5)  # the request is pushed
+            assert await until(lambda: client._replies.pending, 5)  # the request is pushed
             os.kill(first.pid, signal.SIGKILL)
             await asyncio.to_thread(first.join, 10)
             with pytest.raises(cxlrpc.Unavailable):
@@ -344,15 +344,15 @@ async def test_a_reconnection_to_a_server_whose_heartbeat_stopped_fails_at_once(
     """A server on another host that died leaves its region behind and never acknowledges:
     a client that judged its heartbeat stopped fails its reconnection at once (Unavailable)
     while the region shows that same epoch and heartbeat, and attaches once it moves."""
-    from cxlrpc.client import _attach
+    from cxlrpc.client_connection import attach
     url = f"shm://{name}"
     async with cxlrpc.Server(url) as server:
         server._stop_beating()  # as if it died: its heartbeat stands still
         region = server._region
         stopped = (region.epoch, region.heartbeat_value())
         with pytest.raises(cxlrpc.Unavailable, match="heartbeat has not moved"):
-            _attach(url, 1e-3, stopped)
+            attach(url, 1e-3, stopped)
         region.beat()  # it moved: a server is there after all
-        chan = _attach(url, 1e-3, stopped)
+        chan = attach(url, 1e-3, stopped)
         chan.detach()
         chan.region.close()

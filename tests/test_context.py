@@ -123,7 +123,7 @@ async def test_metadata_reaches_every_kind_of_handler_from_both_clients(url):
         assert await client.call("bmetadata", timeout=5, metadata={"b": "2"}) == [True, {"b": "2"}]
         # too big for the request ring: the body goes through the heap, the metadata in the frame
         body = b"h" * ((300 << 10) if url.startswith("sim://") else (2400 << 10))
-        assert len(body) + fr.HEADER_SIZE > client._chan.requests.max_payload
+        assert len(body) + fr.HEADER_SIZE > client._conn.chan.requests.max_payload
         assert await client.call("ametadata", body, timeout=10, metadata=big) == [len(body), big]
 
         def sync_calls() -> list:
@@ -137,11 +137,11 @@ async def test_metadata_reaches_every_kind_of_handler_from_both_clients(url):
 async def test_calls_without_metadata_carry_no_metadata_block(url):
     """No metadata (or an empty mapping): no META flag and no extra bytes in the request."""
     async with make_server(url), cxlrpc.connect(url) as client:
-        plain = client._request(1, "echo", b"x", 1.0)
-        assert client._request(1, "echo", b"x", 1.0, {}) == plain
+        plain = client._codec.request(1, "echo", b"x", 1.0)
+        assert client._codec.request(1, "echo", b"x", 1.0, {}) == plain
         assert len(plain) == 3 and not fr.HEADER.unpack_from(plain[0])[1] & fr.META
         assert plain[1:] == (b"echo", b"x")
-        with_meta = client._request(1, "echo", b"x", 1.0, {"a": "b"})
+        with_meta = client._codec.request(1, "echo", b"x", 1.0, {"a": "b"})
         assert fr.HEADER.unpack_from(with_meta[0])[1] & fr.META
         assert with_meta[1:] == (b"echo" + fr.encode_metadata({"a": "b"}), b"x")
 
@@ -233,12 +233,12 @@ async def test_garbage_metadata_in_raw_frames_is_answered_or_dropped(url):
     """Requests whose metadata block is garbage are answered INVALID_ARGUMENT and counted as
     dropped; one-way and non-request frames with one are dropped; the reader never stops."""
     async with make_server(url) as server, cxlrpc.connect(url) as client:
-        chan, loop = client._chan, asyncio.get_running_loop()
+        chan, loop = client._conn.chan, asyncio.get_running_loop()
         futures = {}
         for i, (case, block) in enumerate(GARBAGE_BLOCKS.items()):
             call_id = (1 << 40) + i
             head = fr.HEADER.pack(fr.REQUEST, fr.RAW | fr.META, 0, chan.slot, chan.gen, call_id, 5.0, 4)
-            futures[case] = client._pending[call_id] = (loop.create_future(), None)
+            futures[case] = client._replies.pending[call_id] = (loop.create_future(), None)
             assert chan.push((head, b"echo", block, b"body"))
         one_way = fr.HEADER.pack(fr.REQUEST, fr.RAW | fr.META, 0, chan.slot, chan.gen, fr.NO_REPLY, 0.0, 4)
         cancel = fr.HEADER.pack(fr.CANCEL, fr.RAW | fr.META, 0, chan.slot, chan.gen, 1 << 41, 0.0, 0)
@@ -263,13 +263,13 @@ async def test_context_reports_deadline_peer_and_method(url):
         first, second, has_deadline = await client.call("remaining", 0.1, timeout=5)
         assert has_deadline and 4.0 < first <= 5.0 and first - second >= 0.09
         assert await client.call("remaining", 0.0) == [None, None, False]
-        chan = client._chan
+        chan = client._conn.chan
         assert await client.call("whoami", timeout=5) == [chan.slot, chan.gen, os.getpid(),
                                                           host_identity(), True]
 
         def sync_whoami() -> tuple:
             with cxlrpc.connect_sync(url) as sync_client:
-                return sync_client.call("whoami", timeout=5), sync_client._chan.slot, sync_client._chan.gen
+                return sync_client.call("whoami", timeout=5), sync_client._conn.chan.slot, sync_client._conn.chan.gen
         info, slot, gen = await asyncio.to_thread(sync_whoami)
         assert info == [slot, gen, os.getpid(), host_identity(), True] and slot != chan.slot
     with pytest.raises(LookupError):
@@ -289,7 +289,7 @@ async def test_peer_info_after_the_peer_or_the_server_left_has_no_pid(url):
     async with server:
         async with cxlrpc.connect(url) as client:
             await client.call("keep", timeout=5)
-            slot, gen = client._chan.slot, client._chan.gen
+            slot, gen = client._conn.chan.slot, client._conn.chan.gen
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 5
         while server._chan.slot_generation(slot) == gen and loop.time() < deadline:
@@ -369,7 +369,7 @@ async def test_server_interceptors_wrap_calls_in_order_and_see_the_call(url):
         assert log == ["a>echo", "b>echo", "<b", "<a"] and server.ran == ["echo"]
         call = seen[0]
         assert (call.method, dict(call.metadata)) == ("echo", {"k": "v"})
-        assert tuple(call.peer) == (client._chan.slot, client._chan.gen)
+        assert tuple(call.peer) == (client._conn.chan.slot, client._conn.chan.gen)
         assert call.deadline is not None and 0 < call.time_remaining() <= 5
         log.clear()
         assert await client.health() == "SERVING" and await client.methods()

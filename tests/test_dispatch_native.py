@@ -334,13 +334,13 @@ async def test_unsound_raw_replies_are_not_taken_for_the_call(name: str) -> None
     with served_elsewhere(url):
         async with cxlrpc.connect(url) as client:
             assert await client.call("echo", b"warm", timeout=10) == b"warm"
-            client._hot_s = 5.0  # the replies are polled in the hot wait
+            client._conn.hot_s = 5.0  # the replies are polled in the hot wait
             for _ in range(3):
-                call_id = next(client._ids) + 1  # the id the next call gets
+                call_id = next(client._conn.ids) + 1  # the id the next call gets
                 assert await client.call("forge", call_id, timeout=10) == b"real"
         with cxlrpc.connect_sync(url) as sync:
-            sync._hot_s = 5.0
-            call_id = next(sync._ids) + 1
+            sync._conn.hot_s = 5.0
+            call_id = next(sync._conn.ids) + 1
             assert sync.call("forge", call_id, timeout=10) == b"real"
 
 
@@ -396,7 +396,7 @@ async def test_garbage_requests_are_dropped_and_the_server_goes_on(name: str) ->
     async with server:
         async with cxlrpc.connect(f"shm://{name}") as client:
             await client.call("echo", b"")
-            chan = client._chan
+            chan = client._conn.chan
             good = fr.HEADER.pack(fr.REQUEST, fr.RAW, 0, chan.slot, chan.gen, 7, 0.0, 4) + b"echo"
             bad = [
                 fr.HEADER.pack(fr.REQUEST, fr.RAW, 0, 999, chan.gen, 7, 0.0, 4) + b"echo",
@@ -408,7 +408,7 @@ async def test_garbage_requests_are_dropped_and_the_server_goes_on(name: str) ->
             ]
             dropped = server._chan.dropped.load(0)
             for record in bad:
-                assert client._push((record,))
+                assert client._conn.push((record,))
             chan.server_bell.ring()
             assert await client.call("echo", b"still here", timeout=5.0) == b"still here"
             assert server._chan.dropped.load(0) - dropped == len(bad)
@@ -423,31 +423,31 @@ async def test_the_native_caller_answers_as_the_reference_across_processes(name:
     with served_elsewhere(url):
         async with cxlrpc.connect(url) as client:
             await outcomes(client)  # every method name encoded once (the reference does it)
-            counting = client._caller = CountingCaller(client._caller)
-            client._hot_s = 5.0  # every reply comes within the hot wait (its yield phase)
+            counting = client._conn.caller = CountingCaller(client._conn.caller)
+            client._conn.hot_s = 5.0  # every reply comes within the hot wait (its yield phase)
             hot = await outcomes(client)
             in_place = counting.returned.count("Frame") + counting.returned.count("bytes")
             raw_in_place = counting.returned.count("bytes")  # raw replies: their bytes, no Frame
-            client._hot_spin_s = 5.0  # (its spin phase)
+            client._conn.hot_spin_s = 5.0  # (its spin phase)
             counting.returned.clear()
             assert await outcomes(client) == hot
             assert counting.returned.count("Frame") + counting.returned.count("bytes") >= len(CALLS) - 2
-            client._hot_spin_s = 0.0
-            client._hot_s = 0.0  # none does: each is awaited as the reference awaits it
+            client._conn.hot_spin_s = 0.0
+            client._conn.hot_s = 0.0  # none does: each is awaited as the reference awaits it
             counting.returned.clear()
             later = await outcomes(client)
             assert counting.returned.count("NoneType") >= len(CALLS) - 2  # big and a str arg: heap
-            client._caller = None
+            client._conn.caller = None
             reference = await outcomes(client)
         with cxlrpc.connect_sync(url) as sync:  # the server is another process: blocking is fine
             sync_outcomes(sync)
-            counting = sync._caller = CountingCaller(sync._caller)
-            sync._hot_s = 5.0
+            counting = sync._conn.caller = CountingCaller(sync._conn.caller)
+            sync._conn.hot_s = 5.0
             sync_hot = sync_outcomes(sync)
             in_place_sync = counting.returned.count("Frame") + counting.returned.count("bytes")
-            sync._hot_s = 0.0
+            sync._conn.hot_s = 0.0
             sync_later = sync_outcomes(sync)
-            sync._caller = None
+            sync._conn.caller = None
             sync_reference = sync_outcomes(sync)
     assert hot == later == reference
     assert sync_hot == sync_later == sync_reference
@@ -469,21 +469,21 @@ async def test_typed_replies_decoded_natively_answer_as_the_reference(name: str)
     with served_elsewhere(url):
         async with cxlrpc.connect(url) as client:
             await outcomes(client, TYPED)  # every method name encoded once
-            counting = client._caller = CountingCaller(client._caller)
-            client._hot_s = 5.0
+            counting = client._conn.caller = CountingCaller(client._conn.caller)
+            client._conn.hot_s = 5.0
             hot = await outcomes(client, TYPED)
             decoded = counting.returned.count("list")
-            client._hot_s = 0.0  # replies awaited as the reference awaits them
+            client._conn.hot_s = 0.0  # replies awaited as the reference awaits them
             later = await outcomes(client, TYPED)
-            client._caller = None
+            client._conn.caller = None
             reference = await outcomes(client, TYPED)
         with cxlrpc.connect_sync(url) as sync:
             sync_outcomes(sync, TYPED)
-            counting = sync._caller = CountingCaller(sync._caller)
-            sync._hot_s = 5.0
+            counting = sync._conn.caller = CountingCaller(sync._conn.caller)
+            sync._conn.hot_s = 5.0
             sync_hot = sync_outcomes(sync, TYPED)
             sync_decoded = counting.returned.count("list")
-            sync._caller = None
+            sync._conn.caller = None
             sync_reference = sync_outcomes(sync, TYPED)
     assert hot == later == reference == sync_hot == sync_reference
     assert decoded == sync_decoded == TYPED_DECODED
@@ -510,8 +510,8 @@ async def test_a_late_reply_polled_in_the_hot_wait_reaches_its_callback(name: st
             abandoned.cancel()  # the server goes on with it: its reply is owed to the callback
             with pytest.raises(asyncio.CancelledError):
                 await abandoned
-            client._hot_s = 5.0
-            counting = client._caller = CountingCaller(client._caller)
+            client._conn.hot_s = 5.0
+            counting = client._conn.caller = CountingCaller(client._conn.caller)
             assert await client.call("nap", 0.6) == 0.6  # the late reply comes meanwhile
             assert counting.returned == ["Frame"]
             assert await until(lambda: late, 5.0)  # handed over by the loop (call_soon)
@@ -683,8 +683,8 @@ async def test_the_native_caller_leaves_calls_to_the_reference_while_others_are_
     async with server:
         async with cxlrpc.connect(f"shm://{name}") as client:
             assert await client.call("echo", b"warm") == b"warm"
-            caller = client._caller
-            for busy in (client._pending, client._woken, client._yielding, client._frees):
+            caller = client._conn.caller
+            for busy in (client._replies.pending, client._woken, client._yielding, client._bodies.frees):
                 if isinstance(busy, dict):
                     busy[-1] = None
                 elif isinstance(busy, set):
@@ -692,13 +692,13 @@ async def test_the_native_caller_leaves_calls_to_the_reference_while_others_are_
                 else:
                     busy.append(-1)
                 try:
-                    assert caller.call("echo", b"x", 0.0, next(client._ids), 0.0, True) is NotImplemented
+                    assert caller.call("echo", b"x", 0.0, next(client._conn.ids), 0.0, True) is NotImplemented
                     # once the call has given the loop its turn, only calls in flight hold it back
-                    went = caller.call("echo", b"x", 0.0, next(client._ids), 0.0, True, 0.0, True)
-                    assert (went is NotImplemented) == (busy is client._pending or busy is client._frees)
+                    went = caller.call("echo", b"x", 0.0, next(client._conn.ids), 0.0, True, 0.0, True)
+                    assert (went is NotImplemented) == (busy is client._replies.pending or busy is client._bodies.frees)
                 finally:
                     busy.clear()
-            got = caller.call("echo", b"y", 0.0, next(client._ids), 1e-3, True)
+            got = caller.call("echo", b"y", 0.0, next(client._conn.ids), 1e-3, True)
             assert got == b"y" or got is None  # out (polled in place, or left to the reader)
             calls = [client.call("aecho", b"%d" % i) for i in range(8)]  # concurrent: the reference
             assert await asyncio.gather(*calls) == [b"%d" % i for i in range(8)]

@@ -294,12 +294,12 @@ async def test_calls_that_met_a_full_ring_wake_a_resting_reader(url):
                     client.send_nowait("echo", b"")
                 except cxlrpc.ResourceExhausted:
                     break
-            client._direct = True  # a caller polls directly: the reader rests when it looks
+            client._replies.direct = True  # a caller polls directly: the reader rests when it looks
             deadline = time.monotonic() + 5
-            while client._reader_wake is None and time.monotonic() < deadline:
+            while client._replies.reader_wake is None and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
-            assert client._reader_wake is not None
-            client._direct = False  # that caller ended with nothing in flight: no wake-up
+            assert client._replies.reader_wake is not None
+            client._replies.direct = False  # that caller ended with nothing in flight: no wake-up
             replies = await asyncio.gather(*(client.call("echo", b"%d" % i, timeout=5) for i in range(2)))
             assert replies == [b"0", b"1"]
 
@@ -311,7 +311,7 @@ async def test_full_small_rings_are_backpressure_not_loss_or_deadlock(url):
         refused = [0]
         try:
             for client in (a, b):  # count how often a push met a full request ring
-                ring = client._chan.requests
+                ring = client._conn.chan.requests
                 real = ring.try_push_parts
 
                 def counting_push(parts, *args, real=real):

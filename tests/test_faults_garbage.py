@@ -135,7 +135,7 @@ async def test_garbage_in_live_region_server_survives_clients_never_hang(url, ta
         assert len(free) == slots - 3
         rng = random.Random(target)
         for _ in range(5):  # bursts while calls are in flight
-            scribble(region, geo, target, victim._chan.slot, free, rng)
+            scribble(region, geo, target, victim._conn.chan.slot, free, rng)
             await asyncio.sleep(0.02)
         t_garbage = time.monotonic()
         assert server.is_alive() and pid_alive(server.pid)
@@ -281,7 +281,7 @@ async def test_committed_garbage_frames_are_dropped_and_counted(url):
             geo = read_geometry(region)
             ring = MpscRing(region.buf, region.mem, geo.request_ring, geo.request_capacity)
             unused = slots - 1
-            slot, gen = live._chan.slot, live._chan.gen
+            slot, gen = live._conn.chan.slot, live._conn.chan.gen
             rng = random.Random(7)
 
             def hdr(kind=fr.REQUEST, flags=0, slot_=slot, gen_=gen, timeout=1.0, method=b"echo"):
@@ -448,7 +448,7 @@ async def test_oversize_payloads_through_the_blocking_client(url):
     """Without a heap, requests beyond the request ring's limit are RESOURCE_EXHAUSTED in the blocking client, nothing is sent, the client keeps working."""
     with fault_server(url, slots=2, request_capacity=1 << 15, response_capacity=1 << 14, heap_size=0):
         with cxlrpc.connect_sync(url) as client:
-            limit = client._chan.requests.max_payload
+            limit = client._conn.chan.requests.max_payload
             with pytest.raises(cxlrpc.ResourceExhausted, match="exceeds"):
                 client.call("echo", b"x" * limit, timeout=5)
             # a reply too big for the (smaller) response ring is an error frame, not a stall
@@ -511,7 +511,7 @@ async def test_a_frame_naming_a_slot_past_the_table_is_dropped_quietly(url, capl
     server = cxlrpc.Server(url, slots=2, request_capacity=1 << 16, response_capacity=1 << 16)
     server.add_method("echo", lambda payload: payload)
     async with server, cxlrpc.connect(url) as client:
-        chan = client._chan
+        chan = client._conn.chan
         head = fr.HEADER.pack(fr.REQUEST, fr.RAW, 0, 999, chan.gen, 77, 0.0, 4)
         assert chan.push((head, b"echo", b"x"))
         chan.server_bell.ring()

@@ -139,7 +139,7 @@ async def test_stray_claim_word_on_a_live_client_stops_the_ring_for_a_bounded_ti
         geo = read_geometry(region)
         mem = region.mem
         head_at, tail_at = geo.request_ring + HEAD_OFFSET, geo.request_ring + TAIL_OFFSET
-        claim_at = geo.slot(victim._chan.slot) + _SLOT_CLAIM
+        claim_at = geo.slot(victim._conn.chan.slot) + _SLOT_CLAIM
         deadline = time.monotonic() + 10
         while True:  # the stray words, while the ring is idle (head == tail)
             head = mem.load(head_at, ACQUIRE)
@@ -242,7 +242,7 @@ async def test_stray_owner_or_state_word_heals_and_clients_stay(url, word):
         assert healed, f"the {word} word was not put back within {RECOVERY_S} s"
         assert fresh_ok, "no new client could connect after the stray write"
         assert not wrong, f"{len(wrong)} wrong replies"
-        assert witness._gone is None and "Unavailable" not in errors, \
+        assert witness._conn.gone is None and "Unavailable" not in errors, \
             f"the connected client gave up on one stray word: {errors[:5]}"
         assert witness.duplicates() == 0 and witness.foreign == 0
         assert server.is_alive()
@@ -294,7 +294,7 @@ async def test_plausible_wrong_geometry_never_attaches_new_clients_to_it(url):
         assert await until(lambda: _peek(region, at) == real, RECOVERY_S, 0.005)
         assert not wrong, f"{len(wrong)} wrong replies"
         assert ok >= 8, f"only {ok} of 10 new clients got their echo"
-        assert witness.duplicates() == 0 and witness.foreign == 0 and witness._gone is None
+        assert witness.duplicates() == 0 and witness.foreign == 0 and witness._conn.gone is None
         report("stray geometry word", new_clients_ok=ok)
     finally:
         if witness is not None:

@@ -16,7 +16,7 @@ import time
 import pytest
 
 import cxlrpc
-import cxlrpc.client
+import cxlrpc.client_bodies
 import cxlrpc.heap
 from cxlrpc import frame as fr
 from cxlrpc import memory
@@ -210,27 +210,27 @@ async def test_a_server_whose_copy_fails_tells_the_client_at_once(name, monkeypa
 
 @pytest.fixture
 def python_followed(monkeypatch) -> list[int]:
-    """The call ids of followed replies the client's Python copied out (Client._heap_body)."""
+    """The call ids of followed replies the client's Python copied out (Bodies.heap_body)."""
     ids: list[int] = []
-    real = cxlrpc.client._Base._heap_body
+    real = cxlrpc.client_bodies.Bodies.heap_body
 
     def spy(self, f, wanted):
         ids.append(f.call_id)
         return real(self, f, wanted)
 
-    monkeypatch.setattr(cxlrpc.client._Base, "_heap_body", spy)
+    monkeypatch.setattr(cxlrpc.client_bodies.Bodies, "heap_body", spy)
     return ids
 
 
 def _hot_until_answered(client: cxlrpc.Client) -> None:
     """Poll for each reply in place until it comes (not the first 40 us only): every call's
     reply reaches the native caller, however slow the machine (the server is another process)."""
-    client._hot_s = client._hot_spin_s = 30.0
+    client._conn.hot_s = client._conn.hot_spin_s = 30.0
 
 
 async def _native_client(url: str) -> cxlrpc.Client:
     client = await cxlrpc.connect(url)
-    assert client._caller is not None
+    assert client._conn.caller is not None
     for method, arg in (("make", [10, 0]), ("echo", b"x"), ("heap_used", None), ("publish", "whole")):
         await client.call(method, arg, timeout=30)  # (a method's first call names it: the reference)
     _hot_until_answered(client)
@@ -319,11 +319,11 @@ async def test_a_request_claiming_the_follow_flag_is_dropped(name):
     """A request flagged FOLLOW without a heap extent (HEAP) is dropped, not served."""
     url = f"shm://{name}"
     async with _server(url) as server, cxlrpc.connect(url) as client:
-        chan = client._chan
+        chan = client._conn.chan
         dropped = server.dropped_frames
         head = fr.HEADER.pack(fr.REQUEST, fr.RAW | fr.FOLLOW, 0, chan.slot, chan.gen, 4242, 5.0, 4)
         fut = asyncio.get_running_loop().create_future()
-        client._pending[4242] = (fut, None)
+        client._replies.pending[4242] = (fut, None)
         try:
             assert chan.push((head, b"echo", b"served?"))
             chan.server_bell.ring()
@@ -334,7 +334,7 @@ async def test_a_request_claiming_the_follow_flag_is_dropped(name):
             assert await client.call("echo", b"k" * MiB, timeout=10) == b"k" * MiB
             assert not fut.done()  # the call after it was answered, this one never
         finally:
-            client._pending.pop(4242, None)
+            client._replies.pending.pop(4242, None)
 
 
 async def test_no_heap_room_or_no_coherence_sends_big_replies_the_plain_way(name, published):
@@ -363,9 +363,9 @@ async def test_replies_leave_the_heap_to_requests_that_wait_for_it(name, publish
             cxlrpc.connect(url) as client:
         holder = await cxlrpc.connect(url)
         try:
-            holder._reader.cancel()  # its reply is never read: its extent stays taken
-            chan = holder._chan
-            assert chan.push(holder._request(7, "make", [300 << 10, 9], 0.0))
+            holder._conn.link.reader.cancel()  # its reply is never read: its extent stays taken
+            chan = holder._conn.chan
+            assert chan.push(holder._codec.request(7, "make", [300 << 10, 9], 0.0))
             chan.server_bell.ring()
             deadline = time.monotonic() + 10
             while not server._bodies.heap.used and time.monotonic() < deadline:

@@ -21,6 +21,8 @@ import cxlrpc.heap
 import cxlrpc.server_bodies
 from cxlrpc import frame as fr
 from cxlrpc import memory
+from cxlrpc.client_connection import Connection
+from cxlrpc.client_replies import Replies
 from cxlrpc.heap import EXTENT, FOLLOW_HEADER, FOLLOW_MIN, GRANT, HeapAccess, ServerHeap
 from cxlrpc.memory import FOLLOW_CHUNK, AtomicMemory, FollowedBody, publish_copy
 from cxlrpc.server_bodies import Bodies
@@ -77,7 +79,7 @@ async def _settled(server: cxlrpc.Server, *clients: Any, timeout: float = 5.0) -
     spare extents (kept for their next followed request; FREE frames lag) and the reply
     extents parked for them."""
     def settled() -> bool:
-        spares = {c._spare[0] for c in clients if c._spare is not None}
+        spares = {c._bodies.spare[0] for c in clients if c._bodies.spare is not None}
         heap = server._bodies.heap
         return not server._bodies.following and not heap._lent and set(heap._owners) - heap._parked_at == spares
 
@@ -148,7 +150,7 @@ async def test_a_spare_extent_saves_the_alloc_round_trip(name, allocs):
                 payload = os.urandom(MiB - i)  # the last body's bytes must not leak into this one
                 assert await client.call("digest", payload, timeout=30) == hashlib.sha256(payload).hexdigest()
             assert allocs == [(FOLLOW_HEADER + MiB, True)]
-            assert client._spare is not None and server._bodies.heap.is_spare(client._spare[0])
+            assert client._bodies.spare is not None and server._bodies.heap.is_spare(client._bodies.spare[0])
             bigger = os.urandom(2 * MiB)
             assert await client.call("echo", bigger, timeout=30) == bigger
             assert allocs[1:] == [(FOLLOW_HEADER + 2 * MiB, True)]
@@ -157,7 +159,7 @@ async def test_a_spare_extent_saves_the_alloc_round_trip(name, allocs):
             def blocking() -> bool:
                 with cxlrpc.connect_sync(url) as sync:
                     ok = all(sync.call("size", bytes(MiB), timeout=30) == MiB for _ in range(3))
-                    return ok and sync._spare is not None
+                    return ok and sync._bodies.spare is not None
             assert await asyncio.to_thread(blocking)
             assert allocs[2:] == [(FOLLOW_HEADER + MiB, True)]  # one for the blocking client's three
             assert server._bodies.heap.kept_bytes > 0
@@ -167,16 +169,16 @@ async def test_a_spare_extent_saves_the_alloc_round_trip(name, allocs):
 
 @pytest.fixture
 def reference_large(monkeypatch) -> list[int]:
-    """Body lengths of the requests the reference sent through the heap (Client._call_large
+    """Body lengths of the requests the reference sent through the heap (Replies.call_large
     spied on): the native caller sends the rest."""
     seen: list[int] = []
-    real = cxlrpc.Client._call_large
+    real = Replies.call_large
 
     def spy(self, call_id, large, *args):
         seen.append(len(large.body))
         return real(self, call_id, large, *args)
 
-    monkeypatch.setattr(cxlrpc.Client, "_call_large", spy)
+    monkeypatch.setattr(Replies, "call_large", spy)
     return seen
 
 
@@ -185,7 +187,7 @@ async def test_the_native_caller_writes_followed_bodies_into_the_spare(name, fol
     body the spare cannot hold goes the reference's way (which asks for a bigger spare)."""
     url = f"shm://{name}"
     async with _server(url) as server, cxlrpc.connect(url) as client:
-        assert client._caller is not None
+        assert client._conn.caller is not None
         bodies = [os.urandom(MiB - i * 4099) for i in range(6)]  # each shorter than the last
         for body in bodies:
             assert await client.call("echo", body, timeout=30) == body
@@ -222,7 +224,7 @@ async def test_no_spare_is_kept_from_a_body_read_in_place(name):
     async with _server(url) as server, cxlrpc.connect(url) as client:
         payload = os.urandom(MiB)
         assert await client.call("echo_view", payload, timeout=30) == payload
-        assert client._spare is None
+        assert client._bodies.spare is None
         assert await _settled(server, client)
 
 
@@ -234,13 +236,13 @@ async def test_a_call_given_up_keeps_no_spare_the_server_still_reads(name, monke
     async with _server(url) as server, cxlrpc.connect(url) as client:
         with monkeypatch.context() as patched:
             patched.setattr(HeapAccess, "publish", lambda self, offset, body: None)
-            patched.setattr(cxlrpc.Client, "_send_cancel", lambda self, call_id: None)
+            patched.setattr(Connection, "send_cancel", lambda self, call_id: None)
             call = asyncio.ensure_future(client.call("size", bytes(MiB)))
             assert await _following(server)
             call.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await call
-        assert client._spare is None
+        assert client._bodies.spare is None
         assert await client.call("size", bytes(MiB), timeout=10) == MiB
         assert len(server._bodies.following) == 1  # the first is still followed, in its own extent
 
@@ -257,7 +259,7 @@ async def test_spares_leave_room_for_a_body_of_max_message_size(name, allocs):
         assert await a.call("size", bytes(MiB), timeout=30) == MiB
         assert await b.call("size", bytes(MiB), timeout=30) == MiB
         assert allocs == [(FOLLOW_HEADER + MiB, True)] * 2  # both asked
-        assert a._spare is not None and b._spare is None  # the budget had room for one
+        assert a._bodies.spare is not None and b._bodies.spare is None  # the budget had room for one
         assert 0 < server._bodies.heap.kept_bytes <= budget
         assert await b.call("echo", b"x" * (size - FOLLOW_HEADER), timeout=30) == b"x" * (size - FOLLOW_HEADER)
         assert await _settled(server, a, b)
@@ -353,7 +355,7 @@ async def test_giving_up_on_a_followed_call_frees_its_extent(name, monkeypatch, 
                 with pytest.raises(asyncio.CancelledError):
                     await call
             else:
-                patched.setattr(cxlrpc.Client, "_send_cancel", lambda self, call_id: None)
+                patched.setattr(Connection, "send_cancel", lambda self, call_id: None)
                 with pytest.raises(cxlrpc.DeadlineExceeded):
                     await client.call("size", bytes(MiB), timeout=0.3)
             assert await _settled(server, client, timeout=10)
@@ -367,7 +369,7 @@ async def test_a_client_that_leaves_mid_body_gets_its_extent_freed(name, monkeyp
         client = await cxlrpc.connect(url)
         with monkeypatch.context() as patched:  # it never writes, and leaves without a CANCEL
             patched.setattr(HeapAccess, "publish", lambda self, offset, body: None)
-            patched.setattr(cxlrpc.Client, "_send_cancel", lambda self, call_id: None)
+            patched.setattr(Connection, "send_cancel", lambda self, call_id: None)
             try:
                 call = asyncio.ensure_future(client.call("size", bytes(MiB)))
                 assert await _following(server)
@@ -383,29 +385,29 @@ async def test_a_client_that_leaves_mid_body_gets_its_extent_freed(name, monkeyp
 async def test_garbage_followed_requests_are_refused(name):
     url = f"shm://{name}"
     async with _server(url) as server, cxlrpc.connect(url) as client:
-        chan, loop = client._chan, asyncio.get_running_loop()
+        chan, loop = client._conn.chan, asyncio.get_running_loop()
 
         async def answer(call_id: int, extent: bytes) -> None:
             head = fr.HEADER.pack(fr.REQUEST, fr.RAW | fr.HEAP | fr.FOLLOW, 0, chan.slot, chan.gen,
                                   call_id, 5.0, 4)
             fut = loop.create_future()
-            client._pending[call_id] = (fut, None)
+            client._replies.pending[call_id] = (fut, None)
             try:
                 assert chan.push((head, b"size", extent))
                 chan.server_bell.ring()
                 await asyncio.wait_for(fut, 10)
             finally:
-                client._pending.pop(call_id, None)
+                client._replies.pending.pop(call_id, None)
 
         # an extent the client was never granted
         with pytest.raises(cxlrpc.InvalidArgument, match="not in a heap extent"):
             await answer(4242, EXTENT.pack(0, MiB))
         # a granted one, whose progress word says more than its length
-        alloc_id, alloc = client._alloc_request(FOLLOW_HEADER + MiB, 5.0)
-        offset, spare = GRANT.unpack(await client._granted(alloc_id, alloc, None))
+        alloc_id, alloc = client._bodies.alloc_request(FOLLOW_HEADER + MiB, 5.0)
+        offset, spare = GRANT.unpack(await client._replies.granted(alloc_id, alloc, None))
         assert not spare  # (not asked for: the server frees it once done with it)
-        client._heap.check(offset, FOLLOW_HEADER + MiB)
-        client._heap.mem.store(client._heap.start + offset, MiB + 1, memory.RELEASE)
+        client._bodies.heap.check(offset, FOLLOW_HEADER + MiB)
+        client._bodies.heap.mem.store(client._bodies.heap.start + offset, MiB + 1, memory.RELEASE)
         with pytest.raises(cxlrpc.InvalidArgument, match="not written whole"):
             await answer(4243, EXTENT.pack(offset, MiB))
         assert await _settled(server, client)
@@ -519,7 +521,7 @@ async def test_whole_followed_requests_are_dispatched_as_ring_records_are(name, 
         spy = server._calls._fast = _DispatchSpy(server._calls._fast) if native else None
         assert await client.call("echo", b"x", timeout=10) == b"x"  # (the server's peer entry)
         payload = os.urandom(MiB + 13)
-        want = [hashlib.sha256(payload).hexdigest(), client._chan.slot, True, True]
+        want = [hashlib.sha256(payload).hexdigest(), client._conn.chan.slot, True, True]
         assert await client.call("inspect", payload, timeout=30) == want
         with pytest.raises(cxlrpc.Internal, match=f"boom after {MiB + 13} bytes"):
             await client.call("boom", payload, timeout=30)

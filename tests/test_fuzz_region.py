@@ -189,19 +189,19 @@ async def test_a_heap_request_lost_in_the_ring_does_not_keep_its_extent(url):
                            max_message_size=MIB, heap_size=MIB)
     server.add_method("echo", lambda payload: payload)
     async with server, cxlrpc.connect(url) as victim, cxlrpc.connect(url) as bystander:
-        real = victim._push
+        real = victim._conn.push
 
         def lossy(parts: tuple) -> bool:  # the first heap request's record never reaches the server
             kind, flags = fr.HEADER.unpack_from(parts[0])[:2]
             if kind == fr.REQUEST and flags & fr.HEAP:
-                victim._push = real
+                victim._conn.push = real
                 return True
             return real(parts)
 
-        victim._push = lossy
+        victim._conn.push = lossy
         with pytest.raises(cxlrpc.DeadlineExceeded):
             await victim.call("echo", b"v" * (600 << 10), timeout=0.5)
-        assert victim._push is real, "the heap request did not go through the lossy push"
+        assert victim._conn.push is real, "the heap request did not go through the lossy push"
         sent = b"b" * (600 << 10)
         assert await bystander.call("echo", sent, timeout=3) == sent
         assert await victim.call("echo", b"still", timeout=3) == b"still"

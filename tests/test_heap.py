@@ -133,9 +133,9 @@ def _hold_reply(url: str, ready) -> None:
     """A client process that asks for a big reply, never reads it, and waits to be killed."""
     async def main() -> None:
         client = await cxlrpc.connect(url)
-        client._reader.cancel()  # nobody reads replies (the reader would free an unwanted one)
-        chan = client._chan
-        assert chan.push(client._request(7, "make", [3 * MiB, 9], 0.0))
+        client._conn.link.reader.cancel()  # nobody reads replies (the reader would free an unwanted one)
+        chan = client._conn.chan
+        assert chan.push(client._codec.request(7, "make", [3 * MiB, 9], 0.0))
         chan.server_bell.ring()
         ready.set()
         await asyncio.sleep(3600)
@@ -167,10 +167,10 @@ async def test_extents_that_are_not_the_senders_are_refused(url):
     """A request naming a heap extent it was not granted gets INVALID_ARGUMENT; a FREE of one
     is dropped; neither disturbs the heap."""
     async with _server(url, max_message_size=MiB) as server, cxlrpc.connect(url) as client:
-        chan = client._chan
+        chan = client._conn.chan
         head = fr.HEADER.pack(fr.REQUEST, fr.RAW | fr.HEAP, 0, chan.slot, chan.gen, 4242, 5.0, 4)
         fut = asyncio.get_running_loop().create_future()
-        client._pending[4242] = (fut, None)
+        client._replies.pending[4242] = (fut, None)
         assert chan.push((head, b"echo", EXTENT.pack(0, 1000)))
         chan.server_bell.ring()
         with pytest.raises(cxlrpc.InvalidArgument, match="heap extent"):

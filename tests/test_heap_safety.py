@@ -66,7 +66,7 @@ async def test_a_free_of_a_lent_extent_does_not_hand_it_to_another_connection(ur
         await asyncio.wait_for(entered.wait(), 10)
         (offset,) = server._bodies.heap._lent
         dropped, used = server.dropped_frames, server._bodies.heap.used
-        chan = a._chan
+        chan = a._conn.chan
         free = fr.header(fr.FREE, fr.RAW, 0, chan.slot, chan.gen, fr.NO_REPLY, 0.0, b"")
         assert chan.push((free, OFFSET.pack(offset)))
         chan.server_bell.ring()
@@ -88,14 +88,14 @@ async def test_an_extent_named_by_two_requests_is_not_freed_while_lent(url):
     mine, theirs = b"A" * size, b"B" * size
     async with server, cxlrpc.connect(url) as a, cxlrpc.connect(url) as b:
         loop = asyncio.get_running_loop()
-        alloc_id, alloc = a._alloc_request(size, 10.0)
+        alloc_id, alloc = a._bodies.alloc_request(size, 10.0)
         offset, _ = GRANT.unpack(await a._roundtrip(alloc_id, alloc, None, None))
-        a._heap.write(offset, (mine,))
-        chan = a._chan
+        a._bodies.heap.write(offset, (mine,))
+        chan = a._conn.chan
         futs = {}
         for call_id, method in ((9001, b"hold"), (9002, b"digest")):
             futs[call_id] = loop.create_future()
-            a._pending[call_id] = (futs[call_id], None)
+            a._replies.pending[call_id] = (futs[call_id], None)
             head = fr.HEADER.pack(fr.REQUEST, fr.RAW | fr.HEAP, 0, chan.slot, chan.gen, call_id,
                                   30.0, len(method))
             assert chan.push((head, method, EXTENT.pack(offset, size)))
@@ -214,7 +214,7 @@ async def test_frees_are_taken_by_the_native_dispatcher_and_bad_ones_dropped(nam
             assert await client.call("echo", payload, timeout=30) == payload
         assert await until(lambda: len(freed) >= 5, 5), freed  # (an extent stays parked for the next reply)
         assert by_reference.count(fr.FREE) == (0 if native else len(freed))
-        chan = client._chan
+        chan = client._conn.chan
         (dropped, used), n = (server.dropped_frames, server._bodies.heap.used), len(freed)
         held = asyncio.ensure_future(client.call("echo", payload, timeout=30))  # an extent in use
         for gen, offset in ((chan.gen + 1, 0), (chan.gen, 64 * KiB + 8)):  # not this holder's; no extent
@@ -287,7 +287,7 @@ async def test_big_replies_are_followed_by_the_native_dispatcher_and_the_rest_by
         # ALLOCs waiting for the heap: a reply takes the ring, not the heap
         heap_freed = server._bodies.heap_freed
         monkeypatch.setattr(server._bodies, "heap_freed", lambda: None)  # (so the waiter stays)
-        server._bodies.heap_waiting.append((None, client._chan.slot, client._chan.gen + 1, 1, MiB, 0))
+        server._bodies.heap_waiting.append((None, client._conn.chan.slot, client._conn.chan.gen + 1, 1, MiB, 0))
         assert await client.call("echo", payload, timeout=30) == payload
         assert followed == [None], followed
         server._bodies.heap_waiting.clear()

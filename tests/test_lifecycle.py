@@ -104,12 +104,12 @@ def test_attach_skips_a_slot_whose_wake_address_is_taken(url):
             squatter.bind(client_wake_address(region.epoch, 0, 1))  # slot 0's first holder's
             try:
                 with cxlrpc.connect_sync(url) as c:
-                    assert c._chan.slot == 1
+                    assert c._conn.chan.slot == 1
                     assert c.call("echo", b"slot 1", timeout=5) == b"slot 1"
                     geo = read_geometry(region)
                     assert not region.mem.load(geo.slot(0), ACQUIRE) & 1, "the failed attach leaked slot 0"
                     with cxlrpc.connect_sync(url) as d:
-                        assert (d._chan.slot, d._chan.gen) == (0, 2)
+                        assert (d._conn.chan.slot, d._conn.chan.gen) == (0, 2)
                         assert d.call("echo", b"slot 0", timeout=5) == b"slot 0"
             finally:
                 squatter.close()

@@ -161,7 +161,7 @@ async def test_peers_know_whether_they_share_this_process(url, coherence):
             await reaped_twice()
             assert not chan.peers_in_process
             async with cxlrpc.connect(url) as client:  # and one in this process
-                assert client._chan.server_in_process
+                assert client._conn.chan.server_in_process
                 assert await client.call("echo", b"x" * 64, timeout=5) == b"x" * 64
                 await reaped_twice()
                 assert chan.peers_in_process
@@ -172,5 +172,5 @@ async def test_peers_know_whether_they_share_this_process(url, coherence):
     # a client in another process sees a server that is not in it
     with echo_server(url, coherence=coherence):
         async with cxlrpc.connect(url) as client:
-            assert not client._chan.server_in_process
+            assert not client._conn.chan.server_in_process
             assert await client.call("echo", b"y", timeout=5) == b"y"

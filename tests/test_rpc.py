@@ -178,7 +178,7 @@ async def test_a_reply_that_beats_the_cancel_still_reaches_on_late_reply(url):
     server = make_server(url)
     async with server, cxlrpc.connect(url) as client:
         outcomes: list = []
-        on_reply = client._on_reply
+        on_reply = client._replies.on_reply
         for n, (delay, cancel_first) in enumerate(((0.05, False), (0.06, True)), 1):
             task = asyncio.create_task(client.call("slow", delay, on_late_reply=outcomes.append))
 
@@ -188,10 +188,10 @@ async def test_a_reply_that_beats_the_cancel_still_reaches_on_late_reply(url):
                 on_reply(view)
                 task.cancel()  # the reply first: the caller has not resumed yet
 
-            client._on_reply = deliver_then_cancel  # the reader calls it (the call is slow)
+            client._replies.on_reply = deliver_then_cancel  # the reader calls it (the call is slow)
             with pytest.raises(asyncio.CancelledError):
                 await task
-            del client._on_reply
+            del client._replies.on_reply
             await asyncio.wait_for(_until(lambda: len(outcomes) == n), 5)
         assert outcomes == [0.05, 0.06]
 
@@ -214,9 +214,9 @@ async def test_a_cancel_read_with_its_request_still_cancels_the_handler(url):
     cleanup and the call's bookkeeping)."""
     server = make_server(url)
     async with server, cxlrpc.connect(url) as client:
-        call_id = next(client._ids)
-        assert client._push(client._request(call_id, "slow", 5.0, 0.0))
-        client._send_cancel(call_id)  # both are in the ring before the server looks
+        call_id = next(client._conn.ids)
+        assert client._conn.push(client._codec.request(call_id, "slow", 5.0, 0.0))
+        client._conn.send_cancel(call_id)  # both are in the ring before the server looks
         await asyncio.wait_for(server.cancelled.wait(), 5)
         await asyncio.wait_for(_until(lambda: not server._tasks), 5)
         assert await client.call("echo", b"x", timeout=5) == b"x"
@@ -584,7 +584,7 @@ async def test_async_handlers_start_inline_and_get_a_task_only_when_they_suspend
         assert await client.call("guarded", 0.05, timeout=5) == "timed out"
         assert await client.call("set_var", "mine", timeout=5) == "mine"
         assert await client.call("get_var", timeout=5) == "unset"  # nothing leaked
-        assert await client.call("peer_after_wait", timeout=5) == client._chan.slot
+        assert await client.call("peer_after_wait", timeout=5) == client._conn.chan.slot
         with pytest.raises(cxlrpc.DeadlineExceeded):
             await client.call("guarded", 10.0, timeout=0.1)
         assert await client.call("kind", False, timeout=5) == ["_EagerTask", "_EagerTask"]

@@ -116,8 +116,8 @@ async def test_a_reply_resealed_mid_follow_is_unavailable(name: str, copies: str
             for method, arg in (("make", [10, 0]), ("publish", "whole")):
                 await client.call(method, arg, timeout=30)  # (a method's first call names it)
             if path == "reference":
-                client._caller = None
-            elif client._caller is None:
+                client._conn.caller = None
+            elif client._conn.caller is None:
                 pytest.skip("cxlrpc._dispatch was not built")
             await client.call("publish", "reseal", timeout=30)
             with pytest.raises(cxlrpc.Unavailable, match="seal is not this client's"):
@@ -139,13 +139,13 @@ async def test_a_native_writer_never_writes_into_a_spare_no_longer_its_own(name:
         return body
 
     async with server, cxlrpc.connect(url) as client:
-        if client._caller is None:
+        if client._conn.caller is None:
             pytest.skip("cxlrpc._dispatch was not built")
         body = os.urandom(MiB)
         assert await client.call("echo", body, timeout=30) == body  # ALLOCs a spare, kept
-        assert client._spare is not None
-        offset = client._spare[0]
-        heap = client._heap
+        assert client._bodies.spare is not None
+        offset = client._bodies.spare[0]
+        heap = client._bodies.heap
         at = heap.start + offset
         heap.mem.store(at + SEAL_AT, OTHERS, RELEASE)
         heap.mem.store(at, 12345, RELEASE)  # a progress word the writer would zero, then move

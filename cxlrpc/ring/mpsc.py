@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Collection, Sequence
 
-from ..memory import ACQ_REL, ACQUIRE, RELEASE, Counter
+from ..memory import ACQ_REL, ACQUIRE, RELEASE, BytesLike, Counter
 from .base import COUNTER_LIMIT, RingBase, _native
 from .record import (
     COMMITTED,
@@ -69,7 +69,7 @@ class MpscRing(RingBase):
         """Append one record; False when the ring is full (backpressure, nothing written)."""
         return self.try_push_parts((data,), producer)
 
-    def _try_push_parts_py(self, parts: Sequence[bytes | memoryview], producer: int = 0, tag: int = 0,
+    def _try_push_parts_py(self, parts: Sequence[BytesLike], producer: int = 0, tag: int = 0,
                            claim: Counter | None = None,
                            revoked: Callable[[], bool] | None = None) -> bool:
         """Claim, fill and commit one record made of ``parts`` concatenated.

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-from ..memory import ACQUIRE, RELAXED, RELEASE, AtomicMemory
+from ..memory import ACQUIRE, RELAXED, RELEASE, AtomicMemory, BytesLike
 from .base import _native, RingBase, adoptable, sane
 from .record import COMMITTED, HEADER_SIZE, KIND_DATA, KIND_PADDING, PAD_CLEAN
 
@@ -82,7 +82,7 @@ class SpscRing(RingBase):
         """Append one record; False when the ring is full (backpressure, nothing written)."""
         return self.try_push_parts((data,))
 
-    def _try_push_parts_py(self, parts: Sequence[bytes | memoryview]) -> bool:
+    def _try_push_parts_py(self, parts: Sequence[BytesLike]) -> bool:
         """Append one record made of ``parts`` concatenated (saves the caller a join copy)."""
         length = 0
         for p in parts:

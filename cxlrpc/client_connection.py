@@ -19,10 +19,10 @@ import weakref
 from typing import Any, Callable, Generator, Generic, Sequence, TypeVar, overload
 
 from . import frame as fr
-from .memory import BytesLike
 from .channel import KIND_RPC, client_channel
 from .doorbell import WaitStrategy, resolve
 from .errors import DeadlineExceeded, ResourceExhausted, RpcError, Unavailable
+from .memory import BytesLike
 from .process_heap import keep_freed_heap
 from .region import Region, RegionError
 from .ring import ClaimRevoked

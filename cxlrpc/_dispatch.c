@@ -12,7 +12,7 @@ PyObject *s_on_request, *s_failed, *s_bad_request, *s_suspended, *s_coroutine, *
 /* ``ring``.try_push_parts of a header (``h``) and the bytes-likes ``parts`` then ``extra``: the
  * rings' C API where it serves (no bytes or tuple made), else the ring's Python method. */
 PyObject *push_record(PyObject *ring, const unsigned char *h, PyObject **parts, Py_ssize_t nparts,
-                             PyObject *const *extra, Py_ssize_t nextra) {
+                      PyObject *const *extra, Py_ssize_t nextra) {
     Py_buffer views[4];
     PyObject *ok = Py_NewRef(Py_NotImplemented);
     if (nparts <= 3 && PyObject_TypeCheck(ring, ring_api->ring_type)) {

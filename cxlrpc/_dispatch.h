@@ -155,7 +155,7 @@ static inline void put_le(unsigned char *p, uint64_t v, int n) {
 
 /* A frame header into h[HEADER_SIZE] (frame.HEADER.pack's layout, little-endian). */
 static inline void fill_header(unsigned char *h, unsigned kind, unsigned flags, unsigned slot, uint32_t gen,
-                        uint64_t call_id, double timeout, unsigned mlen) {
+                               uint64_t call_id, double timeout, unsigned mlen) {
     uint64_t tbits;
     memcpy(&tbits, &timeout, sizeof tbits);
     h[0] = (unsigned char)kind;
@@ -225,15 +225,18 @@ static inline int error_after(int undone, PyObject **saved) {
 /* The slots of Dispatcher and Caller (``T``, its functions named ``p``_new, ``p``_init, ...):
  * objects that hold references the GC follows and, called with one record (vectorcall, set by
  * ``p``_new), are a ring's record handler. */
-#define RECORD_HANDLER_SLOTS(T, p)                                                                     \
-    .tp_basicsize = sizeof(T), .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL, \
-    .tp_new = p##_new, .tp_init = (initproc)p##_init, .tp_dealloc = p##_dealloc, .tp_traverse = p##_traverse,   \
-    .tp_clear = p##_clear, .tp_call = PyVectorcall_Call, .tp_vectorcall_offset = offsetof(T, vectorcall)
+#define RECORD_HANDLER_SLOTS(T, p)                                                                \
+    .tp_basicsize = sizeof(T),                                                                    \
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,             \
+    .tp_new = p##_new, .tp_init = (initproc)p##_init, .tp_dealloc = p##_dealloc,                  \
+    .tp_traverse = p##_traverse, .tp_clear = p##_clear, .tp_call = PyVectorcall_Call,             \
+    .tp_vectorcall_offset = offsetof(T, vectorcall)
 
 #pragma GCC visibility push(hidden)
 
 /* _dispatch.c */
 extern cxlrpc_ring_api *ring_api; /* cxlrpc._ring's C API: polls with C handlers of records */
+/* the names of the Python methods and attributes the parts call or set, interned at import */
 extern PyObject *s_on_request, *s_failed, *s_bad_request, *s_suspended, *s_coroutine, *s_reply, *s_send,
     *s_broken, *s_push, *s_lent_reply, *s_toreadonly, *s_release, *s_polled_at, *s_poll_within, *s_poll,
     *s_free_extent, *s_alloc_reply, *s_free, *s_on_reply, *s_give_back, *s_reply_unfollowed, *s_extent_revoked;

@@ -21,7 +21,7 @@ static PyObject *le_words(uint64_t first, uint64_t second, int n) {
  * over the heap's limit, a full ring: Server._send takes it, and says what is wrong); -1: an
  * error. */
 int push_followed(Dispatcher *d, Req *r, PyObject *slot_obj, PyObject *gen_obj, unsigned flags,
-                         PyObject *body, Py_ssize_t length) {
+                  PyObject *body, Py_ssize_t length) {
     if (d->heap == Py_None || PyList_GET_SIZE(d->heap_waiting) || length > d->body_limit ||
         length > d->heap_size - FOLLOW_HEADER || (Py_ssize_t)r->slot >= PyList_GET_SIZE(d->responses) ||
         !view_open(d->buf))
@@ -99,7 +99,7 @@ done:
  * (a method that reads its body in place, an extent that does not hold the body, a full ring:
  * the reference sends it); -1: an error. */
 int send_followed(Caller *self, PyObject *mb, PyObject *body, uint64_t call_id, double timeout,
-                         PyObject *spare) {
+                  PyObject *spare) {
     if (self->in_place == NULL || self->heap_size <= 0)
         return 0;
     int lends = PySet_Contains(self->in_place, mb);

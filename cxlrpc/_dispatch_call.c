@@ -357,6 +357,7 @@ static int caller_init(Caller *self, PyObject *args, PyObject *kwds) {
     return 0;
 }
 
+/* The object references a Caller holds: its GC visits and clears them (refs_traverse). */
 #define CALLER_FIELDS(X) X(client) X(methods) X(requests) X(push_args) X(ring_bell) X(ring) X(encode_body) \
     X(decode) X(buf) X(idle_when) X(turn_when) X(reply) X(in_place) X(pack) X(decoder)
 

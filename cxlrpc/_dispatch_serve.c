@@ -240,6 +240,7 @@ static int dispatcher_init(Dispatcher *self, PyObject *args, PyObject *kwds) {
     return 0;
 }
 
+/* The object references a Dispatcher holds: its GC visits and clears them (refs_traverse). */
 #define FIELDS(X) X(server) X(buf) X(seen) X(peers) X(backlog) X(methods) X(responses) X(chan) \
     X(context_type) X(no_metadata) X(current_call) X(ring_client) X(encode_body) X(loop) \
     X(current_task) X(enter_task) X(leave_task) X(eager_type) X(cancelled) X(frame_type) \

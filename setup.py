@@ -13,7 +13,10 @@ setup(ext_modules=[Extension("cxlrpc._atomic", ["cxlrpc/_atomic.c"], optional=Tr
                    Extension("cxlrpc._ring", ["cxlrpc/_ring.c"], depends=["cxlrpc/_ring_api.h", "cxlrpc/_copy.h"],
                              optional=True),
                    Extension("cxlrpc._frame", ["cxlrpc/_frame.c"], depends=["cxlrpc/_copy.h"], optional=True),
-                   Extension("cxlrpc._dispatch", ["cxlrpc/_dispatch.c"],
-                             depends=["cxlrpc/_ring_api.h", "cxlrpc/_follow.h", "cxlrpc/_copy.h"],
+                   Extension("cxlrpc._dispatch",
+                             ["cxlrpc/_dispatch.c", "cxlrpc/_dispatch_serve.c", "cxlrpc/_dispatch_request.c",
+                              "cxlrpc/_dispatch_handler.c", "cxlrpc/_dispatch_follow.c", "cxlrpc/_dispatch_call.c"],
+                             depends=["cxlrpc/_dispatch.h", "cxlrpc/_ring_api.h", "cxlrpc/_follow.h",
+                                      "cxlrpc/_copy.h"],
                              optional=True),
                    Extension("kvservice._block", ["kvservice/_block.c"], optional=True)])

@@ -176,8 +176,16 @@ PyMODINIT_FUNC PyInit__dispatch(void) {
     INTERN(s_alloc_reply, "alloc_reply")
     INTERN(s_free, "free")
     ring_api = PyCapsule_Import(CXLRPC_RING_API_CAPSULE, 0);
-    if (ring_api == NULL)
+    if (ring_api == NULL) {
+        /* cxlrpc._ring not built (or refused): an ImportError, which the package answers by
+           running its reference paths (PyCapsule_Import raises AttributeError for a module
+           that lacks the capsule) */
+        if (!PyErr_ExceptionMatches(PyExc_ImportError)) {
+            PyErr_Clear();
+            PyErr_SetString(PyExc_ImportError, "cxlrpc._dispatch needs cxlrpc._ring's C API");
+        }
         return NULL;
+    }
 #undef INTERN
     if (PyType_Ready(&DispatcherType) < 0 || PyType_Ready(&CallerType) < 0)
         return NULL;

@@ -155,14 +155,14 @@ def test_cas_races_with_native_processes_lose_nothing() -> None:
 
 
 # cxlrpc imported with native modules unimportable, as where they were not built: argv[1] says
-# which ("atomic": cxlrpc._atomic alone, "all": every one; "no-libatomic": cxlrpc._atomic, and
-# PyDLL refuses libatomic too).
+# which ("atomic": cxlrpc._atomic alone, "all": every one, "ring": cxlrpc._ring alone;
+# "no-libatomic": cxlrpc._atomic, and PyDLL refuses libatomic too).
 FALLBACK = textwrap.dedent("""
     import ctypes, sys, warnings
 
     NATIVES = ("cxlrpc._atomic", "cxlrpc._flush", "cxlrpc._ring", "cxlrpc._frame", "cxlrpc._dispatch",
                "kvservice._block")
-    unbuilt = NATIVES if sys.argv[1] == "all" else NATIVES[:1]
+    unbuilt = {"all": NATIVES, "ring": ("cxlrpc._ring",)}.get(sys.argv[1], NATIVES[:1])
 
     class NotBuilt:
         def find_spec(self, name, path=None, target=None):
@@ -220,6 +220,19 @@ def test_cxlrpc_falls_back_with_one_warning(unbuilt: str, name: str) -> None:
     else:
         assert natives == "cxlrpc._dispatch,cxlrpc._flush,cxlrpc._frame,cxlrpc._ring,kvservice._block"
         assert not any(s in message for s in SLOWER) and "flush" not in message
+
+
+def test_a_dispatch_built_without_the_rings_leaves_calls_to_the_reference(name: str) -> None:
+    """cxlrpc._dispatch built where cxlrpc._ring was not: its import fails as an ImportError (not
+    the AttributeError of a capsule it cannot find), so the package imports without a warning
+    (its atomics are native) and both sides run the reference call path."""
+    proc = subprocess.run([sys.executable, "-c", FALLBACK, "ring", f"shm://{name}"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (last,) = proc.stdout.splitlines()
+    atomics, reply, natives = last.split("|")
+    assert (atomics, reply) == ("cxlrpc._atomic", "b'hi'")
+    assert natives == "cxlrpc._atomic,cxlrpc._flush,cxlrpc._frame,kvservice._block"
 
 
 def test_without_libatomic_too_the_import_says_what_to_install() -> None:

@@ -10,10 +10,11 @@ from .region import RegionError
 from .server import (HandlerContext, Peer, PeerInfo, Server, ServerInterceptor, context,
                      current_peer)
 from .service import Service
+from .streams import StreamCall
 
 __all__ = [
     "Server", "Peer", "PeerInfo", "HandlerContext", "ServerInterceptor", "context", "current_peer",
-    "Service", "Client", "SyncClient", "ClientInterceptor", "connect", "connect_sync",
+    "Service", "Client", "SyncClient", "ClientInterceptor", "StreamCall", "connect", "connect_sync",
     "RpcError", "StatusCode", "error_for", "Cancelled", "Unknown", "InvalidArgument",
     "DeadlineExceeded", "NotFound", "AlreadyExists", "PermissionDenied", "ResourceExhausted",
     "FailedPrecondition", "Aborted", "OutOfRange", "Unimplemented", "Internal", "Unavailable",

@@ -26,10 +26,10 @@ try:  # calls of the common shape in C (CXLRPC_NO_NATIVE=1: the reference only)
 except ImportError:
     NativeCaller = None
 
-#: A client interceptor: ``await interceptor(method, arg, metadata, next)`` makes the call
-#: when it awaits ``next(method, arg, metadata)`` (``metadata``: a dict of its own to change);
-#: it may raise instead, or return another result. SyncClient's are plain functions.
 ClientInterceptor = Callable[[str, Any, dict[str, str], Callable[[str, Any, dict[str, str]], Any]], Any]
+"""A client interceptor: ``await interceptor(method, arg, metadata, next)`` makes the call
+when it awaits ``next(method, arg, metadata)`` (``metadata``: a dict of its own to change);
+it may raise instead, or return another result. SyncClient's are plain functions."""
 #: What an interceptor's ``next`` is: the call (or the next interceptor) as it goes on.
 Next = Callable[[str, Any, dict[str, str]], Any]
 

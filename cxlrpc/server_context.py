@@ -78,9 +78,10 @@ class HandlerContext(msgspec.Struct, frozen=True, gc=False):
                 f"peer={self.peer!r}, deadline={self.deadline!r})")
 
 
-#: A server interceptor: ``await interceptor(call, next)`` runs the rest of the chain and the
-#: handler when it awaits ``next()``; it may raise instead, or return another result.
 ServerInterceptor = Callable[[HandlerContext, Callable[[], Awaitable[Any]]], Awaitable[Any]]
+"""A server interceptor: ``await interceptor(call, next)`` runs the rest of the chain and the
+handler when it awaits ``next()`` (``call``: the call's ``HandlerContext``); it may raise
+instead, or return another result."""
 
 _current_call: ContextVar[HandlerContext] = ContextVar("cxlrpc_call")
 

@@ -16,8 +16,9 @@ fenced it, and freed the block: see docs on fencing). A check before a copy is n
 writer frozen between the two still writes one stretch late.
 
 On memory without coherence (a ``"flush"`` region) a writer writes a block's lines back before
-the commit that publishes it, a reader invalidates them before reading them in place, and the
-server writes back each version entry it sets; blocks are whole lines, so no line has two
+the commit that publishes it (and before an abort, a failed put or a close gives it back
+unpublished: ``Pool.given_back``), a reader invalidates them before reading them in place, and
+the server writes back each version entry it sets; blocks are whole lines, so no line has two
 writers.
 """
 from __future__ import annotations

@@ -320,7 +320,7 @@ class Region:
         (``fd``, the file's, is the region's from here)."""
         raw = mapping.cache if isinstance(mapping, CacheSim) else mapping
         try:
-            if _cas_epoch(raw, observed_epoch, _new_epoch()) != observed_epoch:
+            if _cas_epoch(mapping, observed_epoch, _new_epoch()) != observed_epoch:
                 raise FileExistsError(f"region {url} was taken over by another process first")
         except BaseException:
             mapping.close()
@@ -485,7 +485,8 @@ def in_use(url: str, window: float) -> str | None:
     mapping, _, fd = _map_existing(url, backend, path)
     os.close(fd)
     try:
-        with AtomicMemory(mapping) as mem:
+        with _header_memory(mapping) as mem:
+            mem.invalidate(0, _COHERENCE + 8)  # the owner may be a host without coherence
             if backend != "file":
                 retirer = _retirer(mem.load(_EPOCH, ACQUIRE))
                 if retirer is not None:  # a hint: another PID namespace's PID names nothing here
@@ -685,21 +686,37 @@ def _new_epoch() -> int:
     return (time.time_ns() << 16 | secrets.randbits(16)) & _EPOCH_MASK or 1
 
 
-def _cas_epoch(mapping: mmap.mmap, observed_epoch: int, epoch: int) -> int:
+def _header_memory(mapping: mmap.mmap | CacheSim) -> AtomicMemory:
+    """An accessor over ``mapping`` for a claim or takeover, which must see the header as
+    memory holds it (its owner may be a host without coherence): through the simulator's
+    cache, or with the CPU's write-back/invalidate instructions where they exist."""
+    if isinstance(mapping, CacheSim):
+        mem = AtomicMemory(mapping.cache)
+        mem.use_flushes(mapping.writeback, mapping.invalidate)
+    else:
+        mem = AtomicMemory(mapping)
+        if _native_flush is not None:
+            mem.use_flushes()
+    return mem
+
+
+def _cas_epoch(mapping: mmap.mmap | CacheSim, observed_epoch: int, epoch: int) -> int:
     """CAS the epoch word from ``observed_epoch`` to ``epoch``; returns the word it held (the
     claim is won when that is ``observed_epoch``: openers then see an unpublished region).
     Without coherence the CAS arbitrates only among one host's processes: two hosts must not
     race to take over one region (start one server per region)."""
-    with AtomicMemory(mapping) as mem:
+    with _header_memory(mapping) as mem:
+        # line 0 as memory holds it: a CAS on a stale copy could win a region another host
+        # claimed since, and writing that line back would overwrite its epoch and magic
+        mem.invalidate(_MAGIC, _EPOCH + 8)
         held = mem.cas(_EPOCH, observed_epoch, epoch, ACQ_REL)
         if held == observed_epoch:
             mem.store(_MAGIC, 0, RELEASE)
-            if _native_flush is not None:
-                _native_flush.writeback(mem.address, 64)  # for peers without coherence
+            mem.writeback(_MAGIC, _EPOCH + 8)  # the epoch and magic stored (line 0), for peers
     return held
 
 
-def _retire(url: str, mapping: mmap.mmap, stale_after: float) -> None:
+def _retire(url: str, mapping: mmap.mmap | CacheSim, stale_after: float) -> None:
     """Win an old shm segment nobody serves by a CAS of its epoch word to this process's
     tombstone, so that no one else ever claims it or unlinks its name.  _Retired when another
     process retired it first; FileExistsError when it is in use or claimed meanwhile."""
@@ -712,19 +729,21 @@ def _retire(url: str, mapping: mmap.mmap, stale_after: float) -> None:
         raise FileExistsError(f"region {url} was taken over by another process first")
 
 
-def _takeover_epoch(url: str, mapping: mmap.mmap, stale_after: float,
+def _takeover_epoch(url: str, mapping: mmap.mmap | CacheSim, stale_after: float,
                     retirable: bool = False) -> int:
     """The epoch to CAS from when taking over ``mapping``; FileExistsError if it is in use,
     _Retired if it is a ``retirable`` (shm or sim) segment another process retired."""
-    with AtomicMemory(mapping) as mem:
-        if _native_flush is not None:
-            mem.use_flushes()  # the owner may be a host without coherence: read fresh lines
+    with _header_memory(mapping) as mem:
+        # the owner may be a host without coherence: a header cached earlier (closed, or
+        # another epoch) would judge a live owner gone
+        mem.invalidate(0, _COHERENCE + 8)
         epoch = mem.load(_EPOCH, ACQUIRE)
         retirer = _retirer(epoch) if retirable else None
         if retirer is not None:
             raise _Retired(url, retirer)
         try:
-            with memoryview(mapping) as view:  # released even when it raises: the caller unmaps
+            raw = mapping.cache if isinstance(mapping, CacheSim) else mapping
+            with memoryview(raw) as view:  # released even when it raises: the caller unmaps
                 reason = _busy_reason(url, mem, view, stale_after)
         except RegionError as exc:
             raise FileExistsError(f"region {url} exists but is unusable here ({exc}); "

@@ -95,6 +95,8 @@ class _Ops:
         self._old_pools: list[Pool] = []  # of servers that restarted: blocks may still read them
         self._released: deque[int] = deque()  # lease ids to release, not yet sent
         self._closed = False
+        #: begin_puts not yet committed or aborted (memory without coherence: see _give_back)
+        self._pending: set[PendingPut] = set()
 
     @staticmethod
     def _refused(exc: BaseException) -> bool:
@@ -112,6 +114,12 @@ class _Ops:
         self.pool, self._hello = pool, hello
         self.inline_limit = hello.inline_limit
         self._released.clear()
+
+    def _give_back(self) -> None:
+        """Before detaching, which frees the blocks of puts still pending: write back what
+        was written into them (memory without coherence: Pool.given_back)."""
+        for pending in tuple(self._pending):
+            pending._abandon()
 
     def _close_pools(self) -> None:
         """Unmap the pool, and those of servers that restarted."""
@@ -147,6 +155,8 @@ class _Ops:
             for _, ticket, data in todo:
                 self.pool.write(ticket.offset, data, ticket.ticket_id)
         except BaseException:
+            for _, ticket, _ in todo:  # what the copies wrote, before the abort frees it
+                self.pool.given_back(ticket.offset, ticket.size)
             yield _Call("abort", w.Tickets(ids))
             raise
         written = [key for key, _, _ in todo]
@@ -182,7 +192,8 @@ class _Ops:
                           lambda: driver(_single(_Call("commit", ids))),
                           lambda: driver(_single(_Call("abort", ids))),
                           lambda: pool.written(offset, size),
-                          lambda: pool.claimed(offset, ticket_id))
+                          lambda: pool.claimed(offset, ticket_id),
+                          self._pending if pool.region.mem.flushing else None)
 
     def _get(self, keys: Iterable[Key], ns: str, lease_s: float | None,
              hold_s: float = 0.0) -> _Steps[list[Block | None]]:
@@ -441,6 +452,7 @@ class KVClient(_Ops):
             self._renewer.cancel()
         self._held.clear()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._give_back()
         await self.rpc.close()
         self._close_pools()
 
@@ -747,6 +759,7 @@ class SyncKVClient(_Ops):
         if not self._closed:
             self._flush()
             self._closed = True
+        self._give_back()
         self.rpc.close()
         self._close_pools()
 

@@ -16,8 +16,9 @@ fenced it, and freed the block: see docs on fencing). A check before a copy is n
 writer frozen between the two still writes one stretch late.
 
 On memory without coherence (a ``"flush"`` region) a writer writes a block's lines back before
-the commit that publishes it, a reader invalidates them before reading them in place, and the
-server writes back each version entry it sets; blocks are whole lines, so no line has two
+the commit that publishes it (and before an abort, a failed put or a close gives it back
+unpublished: ``Pool.given_back``), a reader invalidates them before reading them in place, and
+the server writes back each version entry it sets; blocks are whole lines, so no line has two
 writers.
 """
 from __future__ import annotations
@@ -380,6 +381,16 @@ class Pool:
             self._mem.writeback(self._data_offset + offset, size)
         fence()
 
+    def given_back(self, offset: int, size: int) -> None:
+        """Writer: the reserved block at ``offset`` goes back unpublished (an abort, a failed
+        put, a close). Without coherence, write back the lines its writer may have written,
+        and fence, before the message that frees it: else they land later (an eviction, the
+        writer's next invalidate of them) over the block's next value, which no check catches."""
+        if self._mem.flushing:
+            self.slice(offset, size).release()  # range check
+            self._mem.writeback(self._data_offset + offset, size)
+            fence()
+
     def slice(self, offset: int, size: int) -> memoryview:
         """The ``size`` bytes at ``offset``; RegionError if the range is not inside the pool."""
         if not (0 <= offset and 0 < size and offset + size <= self.capacity):
@@ -574,13 +585,21 @@ class PendingPut:
 
     def __init__(self, view: memoryview, commit: Callable[[], Any], abort: Callable[[], Any],
                  written: Callable[[], None] = fence,
-                 claimed: Callable[[], bool] = lambda: True) -> None:
+                 claimed: Callable[[], bool] = lambda: True,
+                 pending: "set[PendingPut] | None" = None) -> None:
         self._view = view
         self.size = len(view)
         self._commit = commit
         self._abort = abort
-        self._written = written  # publishes the bytes (write-back and fence) before the commit
+        #: writes the bytes back and fences (Pool.written): before the commit that publishes
+        #: them, and before an abort or a close frees the block (Pool.given_back says why)
+        self._written = written
         self._claimed = claimed  # whether the block is still this put's (Pool.claimed)
+        #: the client's puts still pending, which its close gives back (memory without
+        #: coherence only: None where nothing is to be written back)
+        self._pending = pending
+        if pending is not None:
+            pending.add(self)
 
     def view(self) -> memoryview:
         """The writable block (into the pool); PutFenced if it is no longer this put's. Writes
@@ -601,11 +620,21 @@ class PendingPut:
         return self._commit()
 
     def abort(self) -> Any:
-        """Drop the reservation (a coroutine on the asyncio client); the view is released."""
+        """Drop the reservation (a coroutine on the asyncio client); the view is released,
+        and what was written through it written back first (Pool.given_back)."""
         self._end()
+        self._written()
         return self._abort()
 
+    def _abandon(self) -> None:
+        """The client closes with this put pending (the server frees its block as it departs):
+        write back what was written (Pool.given_back) and release the view."""
+        self._end()
+        self._written()
+
     def _end(self) -> None:
+        if self._pending is not None:
+            self._pending.discard(self)
         try:
             self._view.release()
         except BufferError:

@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 
 import cxlrpc
+import cxlrpc.simulator
 from kv_workers import check_value, churn_main, hold_lease_main, make_value
 from kvservice import KeyNotFound, KVClient, KVServer, chunk_keys
 from kvservice import wire as w
 from kvservice.grpc_twin import GrpcKVClient, GrpcKVServer
-from kvservice.pool import Block
+from kvservice.pool import CLAIM_CHECK_EVERY, Block, PutFenced
 from procs import CTX, stop
 
 MiB = 1 << 20
@@ -614,3 +615,71 @@ async def test_a_failing_expiry_pass_is_logged_and_expiry_goes_on(caplog):
             await asyncio.sleep(0.01)
     assert len(passes) >= 3
     assert "lease/TTL expiry pass failed" in caplog.text
+
+
+
+# ---- memory without coherence: a reserved block given back carries none of its writer's lines --
+
+def _dirty_lines(pool, offset: int, size: int):
+    """The lines of the pool block [offset, offset+size) that this client's simulated cache
+    holds dirty: (line numbers, their contents)."""
+    sim = pool.region._sim
+    lines = sim._lines(pool._data_offset + offset, size)
+    dirty = (sim._cache[lines] != sim._clean[lines]).any(axis=1)
+    return lines.start + np.flatnonzero(dirty), sim._cache[lines][dirty].copy()
+
+
+async def _give_back(how: str, wkv, server, size: int):
+    """W reserves a ``size``-byte block, fills it with 0xAA and gives it back unpublished
+    ``how``: an abort, a put whose copy failed midway (its error path) or a close. Returns the
+    lines W's host still held dirty when the close let the block go (they land later there)."""
+    if how == "failed put":
+        checks = iter([True])  # the first claim check passes, the next finds the claim gone
+        wkv.pool.claimed = lambda offset, ticket_id: next(checks, False)
+        with pytest.raises(PutFenced):
+            await wkv.put("w", b"\xaa" * size)
+        del wkv.pool.claimed
+        return None
+    pending = await wkv.begin_put("w", size)
+    pending.view()[:] = b"\xaa" * size
+    if how == "abort":
+        await pending.abort()
+        return None
+    (ticket,) = server.index._puts.tickets.values()
+    held = []
+    detach = wkv.rpc.close
+
+    async def close_rpc() -> None:  # what W's cache holds dirty as its server frees the block
+        held.append(_dirty_lines(wkv.pool, ticket.block.offset, size))
+        await detach()
+    wkv.rpc.close = close_rpc
+    await wkv.close()
+    return held[0]
+
+
+@pytest.mark.parametrize("how", ["abort", "failed put", "close"])
+async def test_a_reserved_block_given_back_is_written_back_first(name, how, monkeypatch):
+    """Issue 42: a writer that gave a reserved block back without writing its lines back kept
+    them dirty in its cache; when they landed (its next invalidate of the block, as clflushopt
+    does, an eviction, or later on its host after a close) they overwrote the block's next
+    value, and readers took them for it (its version unchanged). Every way of giving a block
+    back writes the writer's lines back first."""
+    monkeypatch.setattr(cxlrpc.simulator, "EVICTION_RATE", 0.0)  # lines land only when told
+    url = f"sim://{name}"
+    size = (CLAIM_CHECK_EVERY if how == "failed put" else 0) + (64 << 10)
+    victim = make_value(b"victim", 1, 1, size)
+    async with KVServer(url, pool_size=16 * MiB) as server, \
+            KVClient.connect(url) as x, KVClient.connect(url) as r, \
+            KVClient.connect(url) as wkv:
+        held = await _give_back(how, wkv, server, size)
+        assert await until(_stats_are(server, pending_puts=0, quarantined_blocks=0))
+        await x.put("victim", victim)
+        assert await r.get_bytes("victim") == victim
+        if held is None:
+            with await wkv.get("victim") as block:  # W's invalidate: its dirty lines land first
+                assert bytes(block.view()) == victim
+        else:  # W closed: the lines its host still held dirty land now
+            lines, contents = held
+            r.pool.region._sim._mem[lines] = contents
+        assert await r.get_bytes("victim") == victim
+        assert await x.get_bytes("victim") == victim

@@ -13,6 +13,7 @@ import pytest
 from cxlrpc import region as region_mod
 from cxlrpc.memory import ACQUIRE, RELEASE, AtomicMemory
 from cxlrpc.region import HEADER_SIZE, Region, in_use, parse_url, unlink_shm
+from cxlrpc.simulator import CacheSim
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -155,3 +156,63 @@ def test_a_file_region_ignores_what_would_be_a_tombstone_in_shm(tmp_path):
     path.write_bytes(bytes(header) + bytes(SIZE - HEADER_SIZE))
     with Region.acquire(f"file://{path}", SIZE, KIND, stale_after=0.1) as region:
         assert region.epoch & region_mod._RETIRED == 0
+
+
+def _stale_taker(url: str):
+    """On memory without coherence (sim): a region closed cleanly, a taker whose cache holds
+    that closed header, and a live owner that took the region over in place since. Returns
+    (taker's cache, its descriptor, the live owner, the closed region's epoch)."""
+    _, path = parse_url(url)
+    old = Region.create(url, SIZE, KIND)
+    old.publish()
+    old.mark_closed()
+    closed_epoch = old.epoch
+    old.close()
+    mapping, _, taker_fd = region_mod._map_existing(url, "sim", path)
+    taker = CacheSim(mapping)  # caches the closed header now
+    mapping, _, fd = region_mod._map_existing(url, "sim", path)
+    owner = Region._claim(url, "sim", path, CacheSim(mapping), KIND, closed_epoch,
+                          coherence="flush", fd=fd)
+    owner.publish()
+    return taker, taker_fd, owner, closed_epoch
+
+
+def _still_owned_by(url: str, owner: Region) -> bool:
+    with Region.open(url, kind=KIND) as now:  # a cold cache: memory as it is
+        return now.epoch == owner.epoch and owner.still_ours()
+
+
+def test_a_claim_from_a_stale_cached_header_fails_and_leaves_the_owner_alone(name):
+    """Issue 42: the epoch CAS ran on the taker's cached line 0 (the closed owner's epoch), so
+    it won a region a live owner holds, and writing that line back overwrote the owner's epoch
+    and magic. The CAS runs on the line memory holds."""
+    url = f"sim://{name}"
+    taker, taker_fd, owner, closed_epoch = _stale_taker(url)
+    won = None
+    try:
+        with pytest.raises(FileExistsError, match="taken over by another process first"):
+            won = Region._claim(url, "sim", parse_url(url)[1], taker, KIND, closed_epoch,
+                                coherence="flush", fd=taker_fd)  # closes them when it fails
+        assert _still_owned_by(url, owner)
+    finally:
+        if won is not None:
+            won.close()
+        owner.close()
+        unlink_shm(parse_url(url)[1])
+
+
+def test_a_takeover_reads_the_header_memory_holds_not_a_stale_cached_one(name):
+    """Issue 42: _takeover_epoch read the epoch, magic, owner state and identity from the
+    taker's cache, which still held a closed header: a live owner was judged gone. It
+    invalidates the header first, and finds the owner live."""
+    url = f"sim://{name}"
+    taker, taker_fd, owner, _ = _stale_taker(url)
+    os.close(taker_fd)
+    try:
+        with pytest.raises(FileExistsError, match=f"in use by live process {os.getpid()}"):
+            region_mod._takeover_epoch(url, taker, stale_after=0.1, retirable=True)
+        assert _still_owned_by(url, owner)
+    finally:
+        taker.close()
+        owner.close()
+        unlink_shm(parse_url(url)[1])

@@ -8,7 +8,8 @@ needs cxlrpc._flush's cache-line write-back and invalidate."""
 from setuptools import Extension, setup
 
 setup(ext_modules=[Extension("cxlrpc._atomic", ["cxlrpc/_atomic.c"], optional=True),
-                   Extension("cxlrpc._flush", ["cxlrpc/_flush.c"], depends=["cxlrpc/_follow.h", "cxlrpc/_copy.h"],
+                   Extension("cxlrpc._flush", ["cxlrpc/_flush.c"],
+                             depends=["cxlrpc/_follow.h", "cxlrpc/_copy.h", "cxlrpc/_flush_api.h"],
                              optional=True),
                    Extension("cxlrpc._ring", ["cxlrpc/_ring.c"], depends=["cxlrpc/_ring_api.h", "cxlrpc/_copy.h"],
                              optional=True),

@@ -22,6 +22,9 @@
  * copy(dst, src): copy buffer src into the start of writable buffer dst with plain stores
  * (copy_span: around glibc's slow skews); copied(src): a new bytes object holding a copy of src.
  * features(): the instructions in use, e.g. "clwb+clflushopt".
+ * Lines(address, size[, writeback, invalidate]): write-back and invalidation over one mapping for
+ * the native paths (cxlrpc/_flush_api.h, the capsule _C_API): the instructions above, or a
+ * simulator's hooks; counted, and a site can be skipped (mutation tests). sites(): their names.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -32,6 +35,7 @@
 #include <time.h>
 
 #include "_copy.h"
+#include "_flush_api.h"
 #include "_follow.h"
 
 #define LINE 64
@@ -365,6 +369,244 @@ static PyTypeObject FollowerType = {
     .tp_getset = Follower_getset,
 };
 
+
+/* ------------------------------------------------------------------ Lines (cxlrpc/_flush_api.h) */
+
+static unsigned long long line_count(const volatile void *p, size_t n) {
+    uintptr_t start = (uintptr_t)p & ~(uintptr_t)(LINE - 1);
+    return (unsigned long long)(((uintptr_t)p + n - start + LINE - 1) / LINE);
+}
+
+static int outside(cxlrpc_lines *l, const volatile void *p, size_t n) {
+    if (lines_cover(l, p, n))
+        return 0;
+    if (l->base == NULL)
+        PyErr_SetString(PyExc_ValueError, "operation on a closed AtomicMemory (its region was closed)");
+    else
+        PyErr_Format(PyExc_ValueError, "range (%zd, %zu) outside a %zu-byte mapping",
+                     (Py_ssize_t)((const char *)p - l->base), n, l->size);
+    return 1;
+}
+
+static int cpu_writeback(cxlrpc_lines *l, const volatile void *p, size_t n) {
+    if (outside(l, p, n))
+        return -1;
+    l->lines += line_count(p, n);
+    for (uintptr_t a = (uintptr_t)p & ~(uintptr_t)(LINE - 1), end = (uintptr_t)p + n; a < end; a += LINE)
+        line_writeback((volatile char *)a);
+    return 0;
+}
+
+static int cpu_invalidate(cxlrpc_lines *l, const volatile void *p, size_t n) {
+    if (outside(l, p, n))
+        return -1;
+    l->lines += line_count(p, n);
+    for (uintptr_t a = (uintptr_t)p & ~(uintptr_t)(LINE - 1), end = (uintptr_t)p + n; a < end; a += LINE)
+        line_invalidate((volatile char *)a);
+    return 0;
+}
+
+static int hook(cxlrpc_lines *l, PyObject *fn, const volatile void *p, size_t n) {
+    if (outside(l, p, n))
+        return -1;
+    l->lines += line_count(p, n);
+    PyObject *args[2] = {PyLong_FromSsize_t((Py_ssize_t)((const char *)p - l->base)), PyLong_FromSize_t(n)};
+    PyObject *res = args[0] != NULL && args[1] != NULL ? PyObject_Vectorcall(fn, args, 2, NULL) : NULL;
+    Py_XDECREF(args[0]);
+    Py_XDECREF(args[1]);
+    Py_XDECREF(res);
+    return res == NULL ? -1 : 0;
+}
+
+static int sim_writeback(cxlrpc_lines *l, const volatile void *p, size_t n) {
+    return hook(l, l->py_writeback, p, n);
+}
+
+static int sim_invalidate(cxlrpc_lines *l, const volatile void *p, size_t n) {
+    return hook(l, l->py_invalidate, p, n);
+}
+
+static int Lines_init(cxlrpc_lines *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"address", "size", "writeback", "invalidate", NULL};
+    unsigned long long address, size;
+    PyObject *wb = Py_None, *inv = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "KK|OO", kwlist, &address, &size, &wb, &inv))
+        return -1;
+    if (self->base != NULL || self->writeback != NULL) {
+        PyErr_SetString(PyExc_ValueError, "Lines: initialised once");
+        return -1;
+    }
+    if ((wb == Py_None) != (inv == Py_None) || (wb != Py_None && (!PyCallable_Check(wb) || !PyCallable_Check(inv)))) {
+        PyErr_SetString(PyExc_TypeError, "Lines: both hooks (callables of offset, length) or neither");
+        return -1;
+    }
+    if (address == 0 || address + size < address) {
+        PyErr_SetString(PyExc_ValueError, "Lines: a mapping's address and size");
+        return -1;
+    }
+    self->base = (char *)(uintptr_t)address;
+    self->size = (size_t)size;
+    if (wb != Py_None) {
+        self->py_writeback = Py_NewRef(wb);
+        self->py_invalidate = Py_NewRef(inv);
+        self->writeback = sim_writeback;
+        self->invalidate = sim_invalidate;
+    } else {
+        self->writeback = cpu_writeback;
+        self->invalidate = cpu_invalidate;
+    }
+    return 0;
+}
+
+static int Lines_traverse(cxlrpc_lines *self, visitproc visit, void *arg) {
+    Py_VISIT(self->py_writeback);
+    Py_VISIT(self->py_invalidate);
+    return 0;
+}
+
+static int Lines_clear(cxlrpc_lines *self) {
+    Py_CLEAR(self->py_writeback);
+    Py_CLEAR(self->py_invalidate);
+    return 0;
+}
+
+static void Lines_dealloc(cxlrpc_lines *self) {
+    PyObject_GC_UnTrack(self);
+    Lines_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* (offset, length) of the mapping as a pointer and size: 0, or -1 with an error set. */
+static int lines_args(cxlrpc_lines *self, PyObject *const *args, Py_ssize_t nargs, const char **p, size_t *n) {
+    if (nargs != 2 || !PyLong_Check(args[0]) || !PyLong_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "(offset: int, length: int)");
+        return -1;
+    }
+    if (self->writeback == NULL) {
+        PyErr_SetString(PyExc_ValueError, "Lines is not initialised");
+        return -1;
+    }
+    Py_ssize_t offset = PyLong_AsSsize_t(args[0]), length = PyLong_AsSsize_t(args[1]);
+    if ((offset == -1 || length == -1) && PyErr_Occurred())
+        return -1;
+    if (offset < 0 || length < 0 || self->base == NULL || (size_t)offset > self->size ||
+        (size_t)length > self->size - (size_t)offset) {
+        if (self->base == NULL)
+            PyErr_SetString(PyExc_ValueError, "operation on a closed AtomicMemory (its region was closed)");
+        else
+            PyErr_Format(PyExc_ValueError, "range (%zd, %zd) outside a %zu-byte buffer", offset, length, self->size);
+        return -1;
+    }
+    *p = self->base + offset;
+    *n = (size_t)length;
+    return 0;
+}
+
+static PyObject *Lines_writeback(cxlrpc_lines *self, PyObject *const *args, Py_ssize_t nargs) {
+    const char *p;
+    size_t n;
+    if (lines_args(self, args, nargs, &p, &n) < 0 ||
+        lines_writeback(self, CXLRPC_SITE_PY, p, n, CXLRPC_STORE_FENCE) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Lines_invalidate(cxlrpc_lines *self, PyObject *const *args, Py_ssize_t nargs) {
+    const char *p;
+    size_t n;
+    if (lines_args(self, args, nargs, &p, &n) < 0 ||
+        lines_invalidate(self, CXLRPC_SITE_PY, p, n, CXLRPC_FULL_FENCE) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Lines_close(cxlrpc_lines *self, PyObject *unused) {
+    self->base = NULL;
+    self->size = 0;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Lines_counts(cxlrpc_lines *self, PyObject *unused) {
+    return Py_BuildValue("{sKsKsKsK}", "writebacks", self->writebacks, "invalidates", self->invalidates,
+                         "fences", self->fences, "lines", self->lines);
+}
+
+static PyObject *Lines_reset(cxlrpc_lines *self, PyObject *unused) {
+    self->writebacks = self->invalidates = self->fences = self->lines = 0;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Lines_get_skip(cxlrpc_lines *self, void *closure) {
+    return PyLong_FromLong(self->skip);
+}
+
+static int Lines_set_skip(cxlrpc_lines *self, PyObject *value, void *closure) {
+    long site = value == NULL ? 0 : PyLong_AsLong(value);
+    if (site == -1 && PyErr_Occurred())
+        return -1;
+    if (site < 0 || site >= CXLRPC_SITE_COUNT) {
+        PyErr_Format(PyExc_ValueError, "skip: a site number in [0, %d) (0: none)", CXLRPC_SITE_COUNT);
+        return -1;
+    }
+    self->skip = (int)site;
+    return 0;
+}
+
+static PyObject *Lines_get_simulated(cxlrpc_lines *self, void *closure) {
+    return PyBool_FromLong(self->py_writeback != NULL);
+}
+
+static PyMethodDef Lines_methods[] = {
+    {"writeback", (PyCFunction)(void (*)(void))Lines_writeback, METH_FASTCALL,
+     "writeback(offset, length): write the range's lines back, then a store fence."},
+    {"invalidate", (PyCFunction)(void (*)(void))Lines_invalidate, METH_FASTCALL,
+     "invalidate(offset, length): drop the range's lines from this CPU's caches, then a full fence."},
+    {"close", (PyCFunction)Lines_close, METH_NOARGS, "From here every operation raises ValueError (unmapped)."},
+    {"counts", (PyCFunction)Lines_counts, METH_NOARGS, "Write-backs, invalidates, fences and lines so far."},
+    {"reset", (PyCFunction)Lines_reset, METH_NOARGS, "Zero the counts."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Lines_getset[] = {
+    {"skip", (getter)Lines_get_skip, (setter)Lines_set_skip, "a site whose calls do nothing (0: none)", NULL},
+    {"simulated", (getter)Lines_get_simulated, NULL, "True over a simulator's hooks", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject LinesType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "cxlrpc._flush.Lines",
+    .tp_basicsize = sizeof(cxlrpc_lines),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "Lines(address, size, writeback=None, invalidate=None): write-back and invalidation over one mapping.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Lines_init,
+    .tp_dealloc = (destructor)Lines_dealloc,
+    .tp_traverse = (traverseproc)Lines_traverse,
+    .tp_clear = (inquiry)Lines_clear,
+    .tp_methods = Lines_methods,
+    .tp_getset = Lines_getset,
+};
+
+#define SITE_ENTRY(name, what) {#name, what},
+static const struct { const char *name, *what; } site_table[] = {{"NONE", "no site (skip = 0)"},
+                                                                  CXLRPC_FLUSH_SITES(SITE_ENTRY)};
+#undef SITE_ENTRY
+
+static PyObject *sites(PyObject *self, PyObject *unused) {
+    PyObject *out = PyTuple_New(CXLRPC_SITE_COUNT);
+    for (int i = 0; out != NULL && i < CXLRPC_SITE_COUNT; i++) {
+        PyObject *item = Py_BuildValue("(ss)", site_table[i].name, site_table[i].what);
+        if (item == NULL)
+            Py_CLEAR(out);
+        else
+            PyTuple_SET_ITEM(out, i, item);
+    }
+    return out;
+}
+
+static cxlrpc_flush_api c_api;
+
 static PyObject *features(PyObject *self, PyObject *unused) {
     return PyUnicode_FromFormat("%s+%s", have_clwb ? "clwb" : "no-clwb",
                                 have_clflushopt ? "clflushopt" : "clflush");
@@ -380,6 +622,7 @@ static PyMethodDef methods[] = {
     {"copy", copy, METH_VARARGS, "Copy src into the start of dst with plain stores."},
     {"copied", copied, METH_VARARGS, "A new bytes copy of src."},
     {"features", features, METH_NOARGS, "The flush instructions this CPU offers."},
+    {"sites", sites, METH_NOARGS, "The flush sites: (name, what it protects), by number (0: none)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -391,10 +634,18 @@ PyMODINIT_FUNC PyInit__flush(void) {
         have_clflushopt = (b >> 23) & 1;
         have_clwb = (b >> 24) & 1;
     }
-    if (PyType_Ready(&FollowerType) < 0)
+    if (PyType_Ready(&FollowerType) < 0 || PyType_Ready(&LinesType) < 0)
         return NULL;
+    c_api.lines_type = &LinesType;
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && PyModule_AddObjectRef(m, "Follower", (PyObject *)&FollowerType) < 0)
+    if (m == NULL)
+        return NULL;
+    PyObject *api = PyCapsule_New(&c_api, CXLRPC_FLUSH_API_CAPSULE, NULL);
+    if (PyModule_AddObjectRef(m, "Follower", (PyObject *)&FollowerType) < 0 ||
+        PyModule_AddObjectRef(m, "Lines", (PyObject *)&LinesType) < 0 || api == NULL ||
+        PyModule_AddObject(m, "_C_API", api) < 0) {
+        Py_XDECREF(api);
         Py_CLEAR(m);
+    }
     return m;
 }

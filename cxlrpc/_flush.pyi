@@ -1,6 +1,6 @@
 """Types of ``cxlrpc._flush`` (cxlrpc/_flush.c): cache-line write-back/invalidate and the copies
 that publish or follow a body (see cxlrpc.memory, the reference)."""
-from typing import Literal, final
+from typing import Callable, Literal, final
 
 from typing_extensions import Buffer
 
@@ -19,6 +19,24 @@ def follow_copy(src: Buffer, progress: Buffer, stall: float, limit: float, seal:
     """None: the writer stalled or ran out of time; False: the seal changed."""
 
 def features() -> str: ...
+def sites() -> tuple[tuple[str, str], ...]:
+    """The flush sites, by number (0: none): (name, what it protects)."""
+
+@final
+class Lines:
+    """Write-back and invalidation over one mapping (the CPU's instructions, or a simulator's
+    hooks), counted; the native paths call it through cxlrpc/_flush_api.h."""
+
+    def __init__(self, address: int, size: int, writeback: Callable[[int, int], object] | None = None,
+                 invalidate: Callable[[int, int], object] | None = None) -> None: ...
+    def writeback(self, offset: int, length: int, /) -> None: ...
+    def invalidate(self, offset: int, length: int, /) -> None: ...
+    def close(self) -> None: ...
+    def counts(self) -> dict[str, int]: ...
+    def reset(self) -> None: ...
+    skip: int
+    @property
+    def simulated(self) -> bool: ...
 
 @final
 class Follower:

@@ -27,7 +27,7 @@ except ImportError:  # built where a C compiler exists; else libatomic through c
 if TYPE_CHECKING:
     from typing_extensions import Buffer  # (collections.abc.Buffer from Python 3.12)
 
-    from ._flush import Follower
+    from ._flush import Follower, Lines
 
 
 class _Flush(Protocol):
@@ -46,6 +46,8 @@ class _Flush(Protocol):
                     expected: int = ..., /) -> bytes | Literal[False] | None: ...
     @property
     def Follower(self) -> type[Follower]: ...
+    @property
+    def Lines(self) -> type[Lines]: ...
 
 
 _native: _Flush | None
@@ -78,7 +80,7 @@ class AtomicMemory:
     """
 
     __slots__ = ("_view", "size", "load", "store", "cas", "fetch_add", "exchange", "flushing",
-                 "_writeback", "_invalidate")
+                 "lines", "_writeback", "_invalidate")
 
     def __init__(self, buffer: Buffer) -> None:
         view = _atomic.AtomicView(buffer)
@@ -91,6 +93,9 @@ class AtomicMemory:
         self.exchange = view.exchange_u64
         #: True when lines must be written back / invalidated explicitly (no coherence).
         self.flushing = False
+        #: In flush mode, the write-back and invalidation the native paths call (and count):
+        #: ``cxlrpc._flush.Lines`` over this buffer; None on coherent memory.
+        self.lines: Lines | None = None
         self._writeback: Callable[[int, int], None] = _coherent
         self._invalidate: Callable[[int, int], None] = _coherent
 
@@ -100,15 +105,23 @@ class AtomicMemory:
         return self._view.address
 
     def use_flushes(self, writeback: Callable[[int, int], None] | None = None,
-                    invalidate: Callable[[int, int], None] | None = None) -> None:
-        """Switch to non-coherent operation: the given (offset, length) hooks, or the CPU's
-        own write-back/invalidate instructions over this buffer's addresses."""
-        if writeback is None or invalidate is None:
-            native = require_native_flush()
-            base = self._view.address
-            writeback = lambda offset, length: native.writeback(base + offset, length)
-            invalidate = lambda offset, length: native.invalidate(base + offset, length)
-        self._writeback, self._invalidate = writeback, invalidate
+                    invalidate: Callable[[int, int], None] | None = None, native: _Flush | None = None) -> None:
+        """Switch to non-coherent operation: the given (offset, length) hooks (a simulator's), or
+        the CPU's own write-back/invalidate instructions over this buffer's addresses; through one
+        ``Lines`` object of ``native`` (default: this module's ``cxlrpc._flush``), which the native
+        paths call too and which counts them. Hooks without the native module are called as they
+        are (no native path runs then); the instructions without it raise RuntimeError."""
+        if (writeback is None) != (invalidate is None):
+            raise TypeError("use_flushes: both hooks or neither")
+        native = native or _native
+        if native is None:
+            if writeback is None or invalidate is None:
+                require_native_flush()  # (raises)
+                return
+            self._writeback, self._invalidate = writeback, invalidate
+        else:
+            lines = self.lines = native.Lines(self._view.address, self.size, writeback, invalidate)
+            self._writeback, self._invalidate = lines.writeback, lines.invalidate
         self.flushing = True
 
     def writeback(self, offset: int, length: int) -> None:
@@ -148,7 +161,9 @@ class AtomicMemory:
         raises ValueError, write-back and invalidation too (their hooks may hold the mapping's
         address: after it is unmapped they would fault)."""
         self._view.close()
-        if self.flushing:
+        if self.lines is not None:
+            self.lines.close()
+        elif self.flushing:
             self._writeback = self._invalidate = _closed
 
     def __enter__(self) -> "AtomicMemory":

@@ -695,11 +695,8 @@ def _header_memory(mapping: mmap.mmap | CacheSim) -> AtomicMemory:
         mem.use_flushes(mapping.writeback, mapping.invalidate)
     else:
         mem = AtomicMemory(mapping)
-        native = _native_flush
-        if native is not None:  # (hooks given: nothing here can raise with the view held)
-            base = mem.address
-            mem.use_flushes(lambda offset, length: native.writeback(base + offset, length),
-                            lambda offset, length: native.invalidate(base + offset, length))
+        if _native_flush is not None:  # (its module given: nothing here can raise with the view held)
+            mem.use_flushes(native=_native_flush)
     return mem
 
 

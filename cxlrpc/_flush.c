@@ -533,8 +533,12 @@ static PyObject *Lines_counts(cxlrpc_lines *self, PyObject *unused) {
 
 static PyObject *Lines_reset(cxlrpc_lines *self, PyObject *unused) {
     self->writebacks = self->invalidates = self->fences = self->lines = 0;
+    memset(self->site_calls, 0, sizeof self->site_calls);
+    memset(self->site_fences, 0, sizeof self->site_fences);
     Py_RETURN_NONE;
 }
+
+static PyObject *Lines_site_counts(cxlrpc_lines *self, PyObject *unused);
 
 static PyObject *Lines_get_skip(cxlrpc_lines *self, void *closure) {
     return PyLong_FromLong(self->skip);
@@ -564,6 +568,8 @@ static PyMethodDef Lines_methods[] = {
     {"close", (PyCFunction)Lines_close, METH_NOARGS, "From here every operation raises ValueError (unmapped)."},
     {"counts", (PyCFunction)Lines_counts, METH_NOARGS, "Write-backs, invalidates, fences and lines so far."},
     {"reset", (PyCFunction)Lines_reset, METH_NOARGS, "Zero the counts."},
+    {"site_counts", (PyCFunction)Lines_site_counts, METH_NOARGS,
+     "Per site called so far (by name): (calls, fences) of its write-backs or invalidates."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -601,6 +607,19 @@ static PyObject *sites(PyObject *self, PyObject *unused) {
             Py_CLEAR(out);
         else
             PyTuple_SET_ITEM(out, i, item);
+    }
+    return out;
+}
+
+static PyObject *Lines_site_counts(cxlrpc_lines *self, PyObject *unused) {
+    PyObject *out = PyDict_New();
+    for (int i = 1; out != NULL && i < CXLRPC_SITE_COUNT; i++) {
+        if (!self->site_calls[i])
+            continue;
+        PyObject *item = Py_BuildValue("(KK)", self->site_calls[i], self->site_fences[i]);
+        if (item == NULL || PyDict_SetItemString(out, site_table[i].name, item) < 0)
+            Py_CLEAR(out);
+        Py_XDECREF(item);
     }
     return out;
 }

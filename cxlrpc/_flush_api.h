@@ -53,6 +53,9 @@ struct cxlrpc_lines {
     PyObject *py_writeback, *py_invalidate; /* the simulator's hooks (offset, length), or NULL */
     int skip;     /* a site whose calls do nothing (a mutation test; 0: none) */
     unsigned long long writebacks, invalidates, fences, lines; /* calls, fences, lines touched */
+    /* per site: its calls (write-backs and invalidates) and the fences they asked for (a
+     * flush-count test holds each site of a call shape to its count) */
+    unsigned long long site_calls[CXLRPC_SITE_COUNT], site_fences[CXLRPC_SITE_COUNT];
 };
 
 typedef struct {
@@ -85,8 +88,10 @@ static inline int lines_writeback(cxlrpc_lines *l, int site, const volatile void
     if (l->skip == site || n == 0)
         return 0;
     l->writebacks++;
+    l->site_calls[site]++;
     if (l->writeback(l, p, n) < 0)
         return -1;
+    l->site_fences[site] += fence != CXLRPC_NO_FENCE;
     lines_fence(l, fence);
     return 0;
 }
@@ -97,8 +102,10 @@ static inline int lines_invalidate(cxlrpc_lines *l, int site, const volatile voi
     if (l->skip == site || n == 0)
         return 0;
     l->invalidates++;
+    l->site_calls[site]++;
     if (l->invalidate(l, p, n) < 0)
         return -1;
+    l->site_fences[site] += fence != CXLRPC_NO_FENCE;
     lines_fence(l, fence);
     return 0;
 }

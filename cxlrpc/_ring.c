@@ -1,6 +1,11 @@
-/* The rings' hot path in C, for memory with cache coherence (cxlrpc.ring.base documents the
- * protocol; the Python methods there are the reference and run wherever this is not built, and
- * for memory without coherence, whose write-backs and invalidations stay in Python).
+/* The rings' hot path in C (cxlrpc.ring.base documents the protocol; the Python methods there
+ * are the reference and run wherever this is not built). On memory without coherence an SPSC
+ * ring runs here too, through the region's ``Lines`` (cxlrpc/_flush_api.h), with the reference's
+ * write-backs and invalidates and no more: a push writes back the record's lines, fences once,
+ * stores the tail and writes its line back; a poll invalidates the tail's line and, only when
+ * it moved, the new records' lines, and writes the head's line back once it is stored. An MPSC
+ * ring there (flush mode has none), or one whose memory flushes without the native Lines, keeps
+ * to the reference. Coherent memory pays one predictable test (``lines``) at each such place.
  *
  * RingCore is the base class of RingBase: it holds the counters' private copies (_head_local,
  * _tail_local, _head_cache) and the dropped count, so the Python slow paths (repairs, unblock,
@@ -16,6 +21,7 @@
 #include <string.h>
 #include <time.h>
 #include "_copy.h"
+#include "_flush_api.h"
 #include "_ring_api.h"
 
 #define HEADER_SIZE 8
@@ -44,14 +50,17 @@ typedef struct {
     unsigned long long head_local, tail_local, head_cache;
     unsigned long long wrap_from; /* a producer's next look for an early wrap (see early_wrap) */
     Py_ssize_t dropped;
-    int multi, flushing;
+    int multi;
+    int flushing;          /* memory without coherence that this code does not serve: the reference */
+    cxlrpc_lines *lines;   /* memory without coherence served here (an SPSC ring): its Lines; else NULL */
     size_t len; /* of the buffer */
     PyObject *claim_obj; /* the claim counter last pushed with, and its word when inside buf (else NULL) */
     uint64_t *claim_ptr;
 } RingCore;
 
-static PyObject *s_poll_py, *s_within_py, *s_push_py, *s_bad_tail, *s_open, *s_revoke, *s_lost_commit,
+static PyObject *s_poll_py, *s_within_py, *s_readable_py, *s_push_py, *s_bad_tail, *s_open, *s_revoke, *s_lost_commit,
     *s_address, *s_cas;
+static cxlrpc_flush_api *flush_api; /* cxlrpc._flush's C API, or NULL where it was not built */
 static PyObject *acq_rel_order; /* cxlrpc.memory.ACQ_REL, for the claim counter's CAS (the native
                                    atomics' or, where they were not built, their stand-in's) */
 
@@ -91,13 +100,48 @@ static PyObject *to_reference(RingCore *self, PyObject *name, PyObject *const *a
 /* A private counter the fast path can trust: aligned and far below 2**64 (no unsigned wrap). */
 static inline int sane(uint64_t counter) { return !(counter & 7) && counter < COUNTER_LIMIT; }
 
+/* Flush mode: invalidate the lines of the data bytes of positions [start, end) (wrapping: two
+ * ranges), one full fence after the last: the consumer reads them next. 0, or -1 with an error
+ * set (a simulator's hook raised, or the region was closed). */
+static int invalidate_span(RingCore *r, uint64_t start, uint64_t end) {
+    uint64_t idx = start & r->mask, n = end - start;
+    char *data = r->base + r->data;
+    if (n > r->capacity - idx) {
+        uint64_t first = r->capacity - idx;
+        if (lines_invalidate(r->lines, CXLRPC_SITE_RING_POLL_DATA, data + idx, first, CXLRPC_NO_FENCE) < 0)
+            return -1;
+        idx = 0;
+        n -= first;
+    }
+    return lines_invalidate(r->lines, CXLRPC_SITE_RING_POLL_DATA, data + idx, n, CXLRPC_FULL_FENCE);
+}
+
+/* Flush mode: write back the line of a counter (at ``off``) just stored, at ``site``. No fence:
+ * the store it publishes needs none of its own (the next publication's fence orders it). */
+static inline int counter_written(RingCore *r, int site, Py_ssize_t off) {
+    return lines_writeback(r->lines, site, r->base + off, 8, CXLRPC_NO_FENCE);
+}
+
+/* Flush mode: invalidate the line of the other side's counter (at ``off``) before it is read. */
+static inline int counter_fetched(RingCore *r, int site, Py_ssize_t off) {
+    return lines_invalidate(r->lines, site, r->base + off, 8, CXLRPC_FULL_FENCE);
+}
+
+/* RingCore(buf, offset, capacity, multi_producer, lines=None, flushing=False): ``lines`` the
+ * region's Lines on memory without coherence (AtomicMemory.lines), ``flushing`` True there too
+ * (without Lines, the native flush module absent: the reference serves the ring). */
 static int core_init(RingCore *self, PyObject *args, PyObject *kwds) {
-    PyObject *buf;
+    PyObject *buf, *lines = Py_None;
     Py_ssize_t offset, capacity;
-    int multi, flushing;
-    static char *kwlist[] = {"buf", "offset", "capacity", "multi_producer", "flushing", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Onnpp", kwlist, &buf, &offset, &capacity, &multi, &flushing))
+    int multi, flushing = 0;
+    static char *kwlist[] = {"buf", "offset", "capacity", "multi_producer", "lines", "flushing", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Onnp|Op", kwlist, &buf, &offset, &capacity, &multi, &lines,
+                                     &flushing))
         return -1;
+    if (lines != Py_None && (flush_api == NULL || !PyObject_TypeCheck(lines, flush_api->lines_type))) {
+        PyErr_SetString(PyExc_TypeError, "lines must be a cxlrpc._flush.Lines or None");
+        return -1;
+    }
     if (!PyMemoryView_Check(buf)) {
         PyErr_SetString(PyExc_TypeError, "buf must be a memoryview");
         return -1;
@@ -116,8 +160,15 @@ static int core_init(RingCore *self, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_ValueError, "ring does not fit its buffer at that offset (or is misaligned)");
         return -1;
     }
+    if (lines != Py_None && !lines_cover((cxlrpc_lines *)lines, (char *)view->buf + offset, CONTROL_SIZE + capacity)) {
+        PyErr_SetString(PyExc_ValueError, "the ring lies outside the mapping its lines cover");
+        return -1;
+    }
     Py_INCREF(buf);
     Py_XSETREF(self->buf, buf);
+    /* an MPSC ring over such memory keeps to the reference (flush mode has none) */
+    int native_lines = lines != Py_None && !multi;
+    Py_XSETREF(self->lines, native_lines ? (cxlrpc_lines *)Py_NewRef(lines) : NULL);
     Py_CLEAR(self->claim_obj); /* its word was looked up in the previous buffer */
     self->claim_ptr = NULL;
     self->base = (char *)view->buf;
@@ -126,24 +177,28 @@ static int core_init(RingCore *self, PyObject *args, PyObject *kwds) {
     self->mask = capacity - 1;
     self->max_payload = capacity / 2 - HEADER_SIZE;
     self->hot_span = (unsigned long long)capacity / 4 < HOT_SPAN ? (unsigned long long)capacity / 4 : HOT_SPAN;
+    if (native_lines)
+        self->hot_span = UINT64_MAX; /* no early wrap: its padding's span would be written back whole */
     self->wrap_from = 0;
     self->data = offset + CONTROL_SIZE;
     self->tail_at = offset + TAIL_OFFSET;
     self->head_at = offset + HEAD_OFFSET;
     self->multi = multi;
-    self->flushing = flushing;
+    self->flushing = !native_lines && (flushing || lines != Py_None);
     return 0;
 }
 
 static int core_traverse(RingCore *self, visitproc visit, void *arg) {
     Py_VISIT(self->buf);
     Py_VISIT(self->claim_obj);
+    Py_VISIT(self->lines);
     return 0;
 }
 
 static int core_clear(RingCore *self) {
     Py_CLEAR(self->buf);
     Py_CLEAR(self->claim_obj);
+    Py_CLEAR(self->lines);
     self->claim_ptr = NULL;
     return 0;
 }
@@ -168,8 +223,9 @@ static void zero_span(RingCore *r, uint64_t start, uint64_t end) {
 
 /* Release [head, pos) to the producers. An MPSC consumer zeroes it first (free space reads
  * zero), except the body of the clean padding at ``clean`` (a producer's wrap over free space,
- * zero already: up to a lap's worth of pages left untouched), or NO_PADDING. */
-static void release_to(RingCore *r, uint64_t head, uint64_t pos, uint64_t clean) {
+ * zero already: up to a lap's worth of pages left untouched), or NO_PADDING. In flush mode the
+ * head's line is written back. 0, or -1 with an error set. */
+static int release_to(RingCore *r, uint64_t head, uint64_t pos, uint64_t clean) {
     if (r->multi) {
         if (clean != NO_PADDING && clean >= head && clean < pos) {
             zero_span(r, head, clean + HEADER_SIZE);
@@ -180,6 +236,7 @@ static void release_to(RingCore *r, uint64_t head, uint64_t pos, uint64_t clean)
     }
     r->head_local = pos;
     store_rel(r, r->head_at, pos);
+    return r->lines != NULL ? counter_written(r, CXLRPC_SITE_RING_RELEASE_HEAD, r->head_at) : 0;
 }
 
 /* Should a record of ``size`` at ``tail`` (``idx`` in the buffer) go to the ring's start
@@ -198,40 +255,53 @@ static int early_wrap(RingCore *r, uint64_t tail, uint64_t idx, uint64_t size) {
     return 0;
 }
 
-static PyObject *poll_records(RingCore *self, long long limit, PyObject *handler, cxlrpc_record_fn fn, void *ctx);
+static PyObject *poll_records(RingCore *self, long long limit, PyObject *handler, cxlrpc_record_fn fn, void *ctx,
+                              int tail_fresh);
 static PyObject *push_spsc_views(RingCore *self, Py_buffer *views, Py_ssize_t n, uint64_t length);
 static PyObject *push_mpsc_views(RingCore *self, long producer, long tag, PyObject *claim, PyObject *revoked,
                                  Py_buffer *views, Py_ssize_t n, uint64_t length);
-static PyObject *poll_within_records(RingCore *self, PyObject *const *poll_args, long long limit, double seconds,
+static PyObject *poll_within_records(RingCore *self, PyObject *handler, long long limit, double seconds,
                                      cxlrpc_record_fn fn, void *ctx);
 
-/* poll(handler, limit=2**30): RingBase._poll_py for coherent memory. */
+/* A poll's limit from Python (an int: huge ones saturate): 0, or -1 with an error set. */
+static int limit_arg(PyObject *arg, long long *limit) {
+    int overflow;
+    *limit = PyLong_AsLongLongAndOverflow(arg, &overflow);
+    if (overflow)
+        *limit = overflow > 0 ? LLONG_MAX : -1;
+    else if (*limit == -1 && PyErr_Occurred())
+        return -1;
+    return 0;
+}
+
+/* poll(handler, limit=2**30): RingBase._poll_py. */
 static PyObject *core_poll(RingCore *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     if (kwnames || self->flushing || nargs < 1 || nargs > 2 || (nargs == 2 && !PyLong_CheckExact(args[1])) ||
         !sane(self->head_local))
         return to_reference(self, s_poll_py, args, nargs, kwnames);
     long long limit = 1LL << 30;
-    if (nargs == 2) {
-        int overflow;
-        limit = PyLong_AsLongLongAndOverflow(args[1], &overflow);
-        if (overflow)
-            limit = overflow > 0 ? LLONG_MAX : -1;
-        else if (limit == -1 && PyErr_Occurred())
-            return NULL;
-    }
-    return poll_records(self, limit, args[0], NULL, NULL);
+    if (nargs == 2 && limit_arg(args[1], &limit) < 0)
+        return NULL;
+    return poll_records(self, limit, args[0], NULL, NULL, 0);
 }
 
 /* poll's work once its arguments are known: each data record goes to ``fn(ctx, ...)`` where
- * one is given (a C handler), else to ``handler`` as a view of the region. */
-static PyObject *poll_records(RingCore *self, long long limit, PyObject *handler, cxlrpc_record_fn fn, void *ctx) {
+ * one is given (a C handler), else to ``handler`` as a view of the region. ``tail_fresh``: in
+ * flush mode the tail's line was invalidated just now (poll_within's look), not again here. */
+static PyObject *poll_records(RingCore *self, long long limit, PyObject *handler, cxlrpc_record_fn fn, void *ctx,
+                              int tail_fresh) {
     if (check_open(self) < 0)
         return NULL;
     uint64_t head = self->head_local;
+    if (self->lines != NULL && !tail_fresh && counter_fetched(self, CXLRPC_SITE_RING_POLL_TAIL, self->tail_at) < 0)
+        return NULL;
     uint64_t tail = load_acq(self, self->tail_at);
     if (tail == head) {
-        if (__atomic_load_n(word_at(self, self->head_at), __ATOMIC_RELAXED) != head)
+        if (__atomic_load_n(word_at(self, self->head_at), __ATOMIC_RELAXED) != head) {
             store_rel(self, self->head_at, head); /* repair garbage written over our counter */
+            if (self->lines != NULL && counter_written(self, CXLRPC_SITE_RING_REPAIR, self->head_at) < 0)
+                return NULL;
+        }
         return PyLong_FromLong(0);
     }
     uint64_t cap = self->capacity;
@@ -246,6 +316,9 @@ static PyObject *poll_records(RingCore *self, long long limit, PyObject *handler
         Py_DECREF(res);
         return PyLong_FromLong(0);
     }
+    /* flush mode: the new records' lines (one full fence: they are read next) */
+    if (self->lines != NULL && invalidate_span(self, head, tail) < 0)
+        return NULL;
     uint64_t pos = head, clean = NO_PADDING;
     long long count = 0;
     while (pos < tail && count < limit) {
@@ -306,7 +379,8 @@ static PyObject *poll_records(RingCore *self, long long limit, PyObject *handler
             uint64_t at = word & PAD_CLEAN && idx + size == cap ? pos : NO_PADDING;
             if (pos == head) { /* a wrap at the head: freed at once, so producers see the room an
                                 * early wrap leaves behind it before the records after it are handled */
-                release_to(self, head, pos + size, at);
+                if (release_to(self, head, pos + size, at) < 0)
+                    return NULL;
                 head = pos + size;
             } else if (at != NO_PADDING) {
                 clean = at; /* (one per lap: it ends at the buffer's end) */
@@ -314,8 +388,8 @@ static PyObject *poll_records(RingCore *self, long long limit, PyObject *handler
         }
         pos += size;
     }
-    if (pos != head)
-        release_to(self, head, pos, clean);
+    if (pos != head && release_to(self, head, pos, clean) < 0)
+        return NULL;
     return PyLong_FromLongLong(count);
 }
 
@@ -325,12 +399,28 @@ static double now_s(void) {
     return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
-/* poll_within(handler, limit, seconds): RingBase._poll_within_py for coherent memory, watching
- * the tail between polls (a load, not a call) so a record is taken within nanoseconds. */
+/* poll_within(handler, limit, seconds): RingBase._poll_within_py, watching the tail between
+ * polls (a load, not a call) so a record is taken within nanoseconds. */
 static PyObject *core_poll_within(RingCore *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
-    if (kwnames || self->flushing || nargs != 3 || !PyLong_CheckExact(args[1]) || !PyFloat_CheckExact(args[2]))
+    if (kwnames || self->flushing || nargs != 3 || !PyLong_CheckExact(args[1]) || !PyFloat_CheckExact(args[2]) ||
+        !sane(self->head_local))
         return to_reference(self, s_within_py, args, nargs, kwnames);
-    return poll_within_records(self, args, 0, PyFloat_AS_DOUBLE(args[2]), NULL, NULL);
+    long long limit;
+    if (limit_arg(args[1], &limit) < 0)
+        return NULL;
+    return poll_within_records(self, args[0], limit, PyFloat_AS_DOUBLE(args[2]), NULL, NULL);
+}
+
+/* readable(): RingBase._readable_py (in flush mode the tail's line invalidated first, at the
+ * poll's own site: the consumer's look at the tail, whichever call makes it). */
+static PyObject *core_readable(RingCore *self, PyObject *unused) {
+    if (self->flushing)
+        return to_reference(self, s_readable_py, NULL, 0, NULL);
+    if (check_open(self) < 0)
+        return NULL;
+    if (self->lines != NULL && counter_fetched(self, CXLRPC_SITE_RING_POLL_TAIL, self->tail_at) < 0)
+        return NULL;
+    return PyBool_FromLong(load_acq(self, self->tail_at) != self->head_local);
 }
 
 /* The C API's poll (see _ring_api.h): NotImplemented where the ring keeps to its reference. */
@@ -338,21 +428,26 @@ static PyObject *api_poll(PyObject *ring, long long limit, cxlrpc_record_fn fn, 
     RingCore *self = (RingCore *)ring;
     if (self->flushing || !sane(self->head_local))
         Py_RETURN_NOTIMPLEMENTED;
-    return poll_records(self, limit, NULL, fn, ctx);
+    return poll_records(self, limit, NULL, fn, ctx, 0);
 }
 
-/* poll_within's loop: with ``poll_args`` (handler, limit) as poll takes them, or with ``fn``, a
- * C handler, and ``limit``. */
-static PyObject *poll_within_records(RingCore *self, PyObject *const *poll_args, long long limit, double seconds,
+/* poll_within's loop, its records to ``handler`` (a Python one) or to ``fn``, a C handler, once
+ * the head is known sane. In flush mode each look invalidates the tail's line (only it), and the
+ * poll that follows a tail that moved does not again. */
+static PyObject *poll_within_records(RingCore *self, PyObject *handler, long long limit, double seconds,
                                      cxlrpc_record_fn fn, void *ctx) {
     double end = now_s() + seconds;
     for (unsigned spins = 0;; spins++) {
         if (check_open(self) < 0)
             return NULL;
+        if (self->lines != NULL && counter_fetched(self, CXLRPC_SITE_RING_POLL_TAIL, self->tail_at) < 0)
+            return NULL;
         if (load_acq(self, self->tail_at) != self->head_local) {
-            PyObject *n = fn != NULL ? api_poll((PyObject *)self, limit, fn, ctx) : core_poll(self, poll_args, 2, NULL);
-            if (n == NULL || !PyLong_CheckExact(n) || PyLong_AsLong(n) != 0)
-                return n; /* payloads handed over, an error, or NotImplemented (the reference's) */
+            if (!sane(self->head_local)) /* (a slow path set it): the next call takes the reference */
+                return PyLong_FromLong(0);
+            PyObject *n = poll_records(self, limit, handler, fn, ctx, 1);
+            if (n == NULL || PyLong_AsLong(n) != 0)
+                return n; /* payloads handed over, or an error */
             Py_DECREF(n); /* claimed, not committed yet (or garbage the poll dealt with) */
         }
         if ((spins & 63) == 63 && now_s() >= end)
@@ -366,7 +461,7 @@ static PyObject *poll_within_records(RingCore *self, PyObject *const *poll_args,
 /* The C API's poll_within (see _ring_api.h). */
 static PyObject *api_poll_within(PyObject *ring, long long limit, double seconds, cxlrpc_record_fn fn, void *ctx) {
     RingCore *self = (RingCore *)ring;
-    if (self->flushing)
+    if (self->flushing || !sane(self->head_local))
         Py_RETURN_NOTIMPLEMENTED;
     return poll_within_records(self, NULL, limit, seconds, fn, ctx);
 }
@@ -459,38 +554,49 @@ static PyObject *core_push_spsc(RingCore *self, PyObject *const *args, Py_ssize_
 
 /* The SPSC push once the parts' buffers are taken (the caller releases them). */
 static PyObject *push_spsc_views(RingCore *self, Py_buffer *views, Py_ssize_t n, uint64_t length) {
-    PyObject *result = NULL;
     uint64_t cap = self->capacity, tail = self->tail_local;
     uint64_t size = HEADER_SIZE + ((length + 7) & ~7ULL);
     uint64_t idx = tail & self->mask, to_end = cap - idx;
     uint64_t need = size <= to_end && !early_wrap(self, tail, idx, size) ? size : to_end + size;
     if (self->head_cache > tail || tail + need - self->head_cache > cap) {
+        if (self->lines != NULL && counter_fetched(self, CXLRPC_SITE_RING_FULL_HEAD, self->head_at) < 0)
+            return NULL;
         uint64_t head = load_acq(self, self->head_at);
         if (!valid_head(self, head, tail)) {
             if (!(head & 7) && head > tail && head - tail <= cap && tail == self->tail_local)
                 self->tail_local = self->head_cache = head; /* the consumer ran past our tail over garbage */
-            store_rel(self, self->tail_at, self->tail_local); /* repair a garbage tail */
-            result = Py_NewRef(Py_False);
-            goto done;
+            goto republish; /* repair a garbage tail */
         }
         self->head_cache = head;
-        if (tail + need - head > cap) {
-            store_rel(self, self->tail_at, self->tail_local);
-            result = Py_NewRef(Py_False);
-            goto done;
-        }
+        if (tail + need - head > cap)
+            goto republish; /* full: republish what we published (repairs garbage over it) */
     }
     if (need != size) {
         store_rlx(self, self->data + idx, COMMITTED | PAD_CLEAN | (KIND_PADDING << 48) | (to_end - HEADER_SIZE));
+        /* flush mode: the padding's header (its body was not written) */
+        if (self->lines != NULL &&
+            lines_writeback(self->lines, CXLRPC_SITE_RING_PUSH_DATA, self->base + self->data + idx, HEADER_SIZE,
+                            CXLRPC_NO_FENCE) < 0)
+            return NULL;
         idx = 0;
     }
     store_rlx(self, self->data + idx, COMMITTED | (KIND_DATA << 48) | length);
     copy_parts(self, self->data + (Py_ssize_t)idx + HEADER_SIZE, views, n);
+    /* flush mode: the record's lines in memory (one store fence) before the tail says so */
+    if (self->lines != NULL &&
+        lines_writeback(self->lines, CXLRPC_SITE_RING_PUSH_DATA, self->base + self->data + idx, size,
+                        CXLRPC_STORE_FENCE) < 0)
+        return NULL;
     self->tail_local = tail + need;
     store_rel(self, self->tail_at, tail + need);
-    result = Py_NewRef(Py_True);
-done:
-    return result;
+    if (self->lines != NULL && counter_written(self, CXLRPC_SITE_RING_PUSH_TAIL, self->tail_at) < 0)
+        return NULL;
+    return Py_NewRef(Py_True);
+republish:
+    store_rel(self, self->tail_at, self->tail_local);
+    if (self->lines != NULL && counter_written(self, CXLRPC_SITE_RING_REPAIR, self->tail_at) < 0)
+        return NULL;
+    return Py_NewRef(Py_False);
 }
 
 /* claim.cas(expected, value, ACQ_REL): straight into the word when the counter's address lies
@@ -763,6 +869,8 @@ static PyMemberDef core_members[] = {
 static PyMethodDef core_methods[] = {
     {"poll", (PyCFunction)(void (*)(void))core_poll, METH_FASTCALL | METH_KEYWORDS,
      "poll(handler, limit=2**30): hand committed payloads to handler in order, then free their space."},
+    {"readable", (PyCFunction)core_readable, METH_NOARGS,
+     "readable(): True when the tail is ahead of the head (records claimed, maybe not yet committed)."},
     {"poll_within", (PyCFunction)(void (*)(void))core_poll_within, METH_FASTCALL | METH_KEYWORDS,
      "poll_within(handler, limit, seconds): poll until payloads are handed over or seconds pass."},
     {"_push_spsc", (PyCFunction)(void (*)(void))core_push_spsc, METH_FASTCALL | METH_KEYWORDS,
@@ -776,7 +884,7 @@ static PyTypeObject RingCoreType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "cxlrpc._ring.RingCore",
     .tp_basicsize = sizeof(RingCore),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
-    .tp_doc = "A ring's counters and its hot path over coherent memory (see cxlrpc.ring.base).",
+    .tp_doc = "A ring's counters and its hot path (see cxlrpc.ring.base).",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)core_init,
     .tp_dealloc = (destructor)core_dealloc,
@@ -796,6 +904,7 @@ PyMODINIT_FUNC PyInit__ring(void) {
 #define INTERN(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return NULL
     INTERN(s_poll_py, "_poll_py");
     INTERN(s_within_py, "_poll_within_py");
+    INTERN(s_readable_py, "_readable_py");
     INTERN(s_push_py, "_try_push_parts_py");
     INTERN(s_bad_tail, "_bad_tail");
     INTERN(s_open, "_open");
@@ -804,6 +913,9 @@ PyMODINIT_FUNC PyInit__ring(void) {
     INTERN(s_address, "address");
     INTERN(s_cas, "cas");
 #undef INTERN
+    flush_api = PyCapsule_Import(CXLRPC_FLUSH_API_CAPSULE, 0);
+    if (flush_api == NULL) /* cxlrpc._flush not built: memory without coherence keeps to the reference */
+        PyErr_Clear();
     PyObject *memory = PyImport_ImportModule("cxlrpc.memory");
     if (memory == NULL)
         return NULL;

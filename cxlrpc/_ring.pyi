@@ -1,14 +1,17 @@
-"""Types of ``cxlrpc._ring`` (cxlrpc/_ring.c): a ring's counters and its hot path over coherent
-memory, the base of cxlrpc.ring.base.RingBase (whose ``_py`` methods are the reference).
+"""Types of ``cxlrpc._ring`` (cxlrpc/_ring.c): a ring's counters and its hot path (over coherent
+memory, and an SPSC ring's over memory without coherence, through the region's ``Lines``), the
+base of cxlrpc.ring.base.RingBase (whose ``_py`` methods are the reference).
 
-Calls the native code cannot vouch for (keywords, odd arguments, memory without coherence) go to
-the subclass's reference methods (``_poll_py``, ``_poll_within_py``, ``_try_push_parts_py``).
+Calls the native code cannot vouch for (keywords, odd arguments, an MPSC ring without coherence,
+memory that flushes without ``Lines``) go to the subclass's reference methods (``_poll_py``,
+``_poll_within_py``, ``_readable_py``, ``_try_push_parts_py``).
 """
 from collections.abc import Callable, Sequence
 
 from typing_extensions import CapsuleType, disjoint_base
 
 from ._atomic import AtomicU64
+from ._flush import Lines
 
 @disjoint_base
 class RingCore:
@@ -23,7 +26,8 @@ class RingCore:
     #: corrupt records or counters the consumer discarded
     dropped: int
     def __init__(self, buf: memoryview, offset: int, capacity: int, multi_producer: bool,
-                 flushing: bool) -> None: ...
+                 lines: Lines | None = None, flushing: bool = False) -> None: ...
+    def readable(self) -> bool: ...
     def poll(self, handler: Callable[[memoryview], object], limit: int = ...) -> int: ...
     def poll_within(self, handler: Callable[[memoryview], object], limit: int, seconds: float) -> int: ...
     def _push_spsc(self, parts: Sequence[bytes | bytearray | memoryview]) -> bool: ...

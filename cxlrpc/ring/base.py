@@ -22,6 +22,7 @@ from .record import (
 )
 
 if TYPE_CHECKING:
+    from .._flush import Lines
     from .._ring import RingCore
 
 
@@ -68,13 +69,16 @@ class _PyCore:
     """Where the native module is not built: the state RingBase keeps lives in its __dict__."""
 
     def __init__(self, buf: memoryview, offset: int, capacity: int, multi_producer: bool,
-                 flushing: bool) -> None:
+                 lines: Lines | None = None, flushing: bool = False) -> None:
         pass
 
 
 #: The native hot path (cxlrpc/_ring.c) keeps the counters' private copies and the dropped
-#: count, and runs poll and the pushes over coherent memory; the ``_py`` methods here are the
-#: reference it follows, and run where it is not built and for memory without coherence.
+#: count, and runs poll, readable and the pushes: over coherent memory, and for an SPSC ring over
+#: memory without coherence too (through the region's ``Lines``, with the write-backs and
+#: invalidates of the ``_flushing`` branches here); the ``_py`` methods here are the reference it
+#: follows, and run where it is not built, for an MPSC ring without coherence, and where the
+#: memory flushes without the native flush module (no ``mem.lines``).
 NATIVE = _native is not None
 if TYPE_CHECKING:  # the state and methods RingBase has either way (the reference's in Python)
     _Core = RingCore
@@ -106,7 +110,7 @@ class RingBase(_Core):
         check_capacity(capacity)
         if offset % 128 or offset < 0 or offset + CONTROL_SIZE + capacity > len(buf):
             raise ValueError("ring does not fit its buffer at that offset (or is misaligned)")
-        _Core.__init__(self, buf, offset, capacity, self._multi_producer, mem.flushing)
+        _Core.__init__(self, buf, offset, capacity, self._multi_producer, mem.lines, mem.flushing)
         self.buf = buf
         self.mem = mem
         self.capacity = capacity
@@ -182,11 +186,14 @@ class RingBase(_Core):
         return not head & 7 and tail - self.capacity <= head <= tail
 
     # ------------------------------------------------------------------ consumer
-    def readable(self) -> bool:
+    def _readable_py(self) -> bool:
         """True when the tail is ahead of the head (records claimed, maybe not yet committed)."""
         if self._flushing:
             self.mem.invalidate(self._tail_at, 8)
         return self._tail.load(ACQUIRE) != self._head_local
+
+    #: ``readable()``: the native twin of the method above where it is built.
+    readable = _native.RingCore.readable if _native is not None else _readable_py
 
     def _poll_py(self, handler: Callable[[memoryview], object], limit: int = 1 << 30) -> int:
         """Hand up to ``limit`` committed payloads to ``handler`` in order, then free their space.

@@ -4,6 +4,8 @@
 #include "_dispatch.h"
 
 cxlrpc_ring_api *ring_api;
+cxlrpc_flush_api *flush_api;
+PyObject *claim_revoked;
 
 PyObject *s_on_request, *s_failed, *s_bad_request, *s_suspended, *s_coroutine, *s_reply, *s_send, *s_broken,
     *s_push, *s_lent_reply, *s_toreadonly, *s_release, *s_polled_at, *s_poll_within, *s_poll, *s_free_extent,
@@ -187,6 +189,16 @@ PyMODINIT_FUNC PyInit__dispatch(void) {
         return NULL;
     }
 #undef INTERN
+    flush_api = PyCapsule_Import(CXLRPC_FLUSH_API_CAPSULE, 0);
+    if (flush_api == NULL) /* cxlrpc._flush not built: no Lines, so no caller over flushed memory */
+        PyErr_Clear();
+    PyObject *mpsc = PyImport_ImportModule("cxlrpc.ring.mpsc");
+    if (mpsc == NULL)
+        return NULL;
+    claim_revoked = PyObject_GetAttrString(mpsc, "ClaimRevoked");
+    Py_DECREF(mpsc);
+    if (claim_revoked == NULL)
+        return NULL;
     if (PyType_Ready(&DispatcherType) < 0 || PyType_Ready(&CallerType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);

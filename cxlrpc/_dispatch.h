@@ -27,6 +27,7 @@
 #include <time.h>
 #include <sched.h>
 #include "_copy.h"
+#include "_flush_api.h"
 #include "_follow.h"
 #include "_ring_api.h"
 
@@ -59,7 +60,9 @@ typedef struct {
     Py_ssize_t *slot_at; /* offset of each slot's state word */
     Py_ssize_t *parked_at; /* offset of each slot's doorbell word (its holder parked there) */
     uint64_t me;           /* this host's identity, as a parked consumer writes it */
+    uint64_t gen_mask;     /* a slot's word holds its holder's generation as (word >> 1) & gen_mask */
     Py_ssize_t slots;
+    Py_ssize_t next_ring;  /* a list of request rings: the one the next batch looks at first */
     PyObject *seen, *peers, *backlog, *methods, *responses, *chan;
     PyObject *context_type, *no_metadata, *current_call, *ring_client, *encode_body;
     PyObject *pack; /* encode_body's MessagePack encoder: results that are not bytes-like, encoded here */
@@ -124,6 +127,11 @@ typedef struct {
     double follow_stall, follow_rate; /* a followed reply's writer is given up after (heap.FOLLOW_*; 0: not followed here) */
     int followed;                     /* the reply to this call is a followed extent: */
     uint64_t followed_at, followed_len; /* its offset in the heap and its body's length */
+    /* memory without coherence: the slot's grant word (-1: none), what it must read before each
+     * push (else the slot is another's: ClaimRevoked), and the region's Lines (a cxlrpc_lines) */
+    Py_ssize_t grant_at;
+    uint64_t grant;
+    PyObject *lines;
 } Caller;
 
 static inline double now_s(void) {
@@ -236,6 +244,8 @@ static inline int error_after(int undone, PyObject **saved) {
 
 /* _dispatch.c */
 extern cxlrpc_ring_api *ring_api; /* cxlrpc._ring's C API: polls with C handlers of records */
+extern cxlrpc_flush_api *flush_api; /* cxlrpc._flush's C API (its Lines type), or NULL: not built */
+extern PyObject *claim_revoked;     /* cxlrpc.ring.mpsc.ClaimRevoked */
 /* the names of the Python methods and attributes the parts call or set, interned at import */
 extern PyObject *s_on_request, *s_failed, *s_bad_request, *s_suspended, *s_coroutine, *s_reply, *s_send,
     *s_broken, *s_push, *s_lent_reply, *s_toreadonly, *s_release, *s_polled_at, *s_poll_within, *s_poll,

@@ -7,6 +7,7 @@ from contextvars import ContextVar
 from types import NotImplementedType
 from typing import Any, final
 
+from ._flush import Lines
 from ._ring import RingCore
 from .frame import Frame
 from .ring import MpscRing, SpscRing
@@ -28,13 +29,14 @@ class Dispatcher:
                  eager_type: Callable[..., object], cancelled: type[BaseException], reply_limit: int,
                  frame_type: Callable[..., object], current_tasks: object, parked_at: list[int], me: int,
                  heap: object, heap_waiting: list[Any], heap_start: int, heap_size: int, follow_min: int,
-                 body_limit: int, follow_chunk: int, pack: Callable[..., object], /) -> None: ...
+                 body_limit: int, follow_chunk: int, pack: Callable[..., object], gen_mask: int = ...,
+                 /) -> None: ...
     @property
     def batch(self) -> int:
         """The records the next batch takes (sized to the last batch's pace)."""
     def __call__(self, view: memoryview, /) -> None: ...
-    def poll(self, ring: RingCore, now: float, until: float, /) -> int: ...
-    def serve(self, ring: RingCore, seconds: float, until: float, /) -> int: ...
+    def poll(self, ring: RingCore | list[SpscRing], now: float, until: float, /) -> int: ...
+    def serve(self, ring: RingCore | list[SpscRing], seconds: float, until: float, /) -> int: ...
     def dispatch_body(self, slot: int, gen: int, call_id: int, flags: int, timeout: float, method: bytes,
                       body: bytes, /) -> bool:
         """False: nothing was done for it (the reference takes it)."""
@@ -44,13 +46,13 @@ class Caller:
     """A connection's calls of the common shape (called with a record's view, it is the reply
     ring's handler during the hot wait)."""
 
-    def __init__(self, client: object, methods: dict[str, bytes], requests: MpscRing,
+    def __init__(self, client: object, methods: dict[str, bytes], requests: MpscRing | SpscRing,
                  push_args: tuple[object, ...], ring_bell: Callable[[], object], ring: SpscRing,
                  encode_body: Callable[..., object], decode: Callable[..., object], slot: int, gen: int,
                  max_payload: int, buf: memoryview, bell_at: int, me: int, idle_when: tuple[Sized, ...],
                  turn_when: tuple[Sized, ...], in_place: set[bytes], heap_start: int, heap_size: int,
                  follow_chunk: int, follow_stall: float, follow_rate: float, pack: Callable[..., object],
-                 /) -> None: ...
+                 grant_at: int = ..., grant: int = ..., lines: Lines | None = ..., /) -> None: ...
     def __call__(self, view: memoryview, /) -> None: ...
     def call(self, method: str, arg: object, timeout: float, call_id: int, hot: float,
              raw: bool | Callable[[bytes], object], spin: float = ..., turned: bool = ...,

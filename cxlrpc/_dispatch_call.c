@@ -113,6 +113,24 @@ static PyObject *caller_handle(PyObject *callable, PyObject *const *args, size_t
     Py_RETURN_NONE;
 }
 
+/* Memory without coherence: is the slot still ours (FlushClientChannel.push's check)? Its grant
+ * word's line invalidated, then the word compared with the grant we took: 0, or -1 with
+ * ClaimRevoked set (the server freed the slot: the ring may be another holder's now). */
+static int grant_held(Caller *self) {
+    if (!view_open(self->buf)) {
+        PyErr_SetString(PyExc_ValueError, "the ring's region is closed");
+        return -1;
+    }
+    uint64_t *word = (uint64_t *)((char *)PyMemoryView_GET_BUFFER(self->buf)->buf + self->grant_at);
+    if (lines_invalidate((cxlrpc_lines *)self->lines, CXLRPC_SITE_CALL_GRANT, word, 8, CXLRPC_FULL_FENCE) < 0)
+        return -1;
+    if (__atomic_load_n(word, __ATOMIC_ACQUIRE) != self->grant) {
+        PyErr_SetString(claim_revoked, "the server freed this client's slot");
+        return -1;
+    }
+    return 0;
+}
+
 /* call(method, arg, timeout, call_id, hot, raw[, spin[, turned[, spare]]]): the reply Frame (with ``raw`` True, a
  * RESPONSE flagged RAW alone, or a followed one (RAW|HEAP|FOLLOW, follow_reply), is its body's bytes, as
  * Client._answer would return them; with ``raw`` a decode function, a MessagePack RESPONSE
@@ -225,6 +243,8 @@ static PyObject *caller_send(Caller *self, PyObject *mb, PyObject *const *args, 
     }
     if (HEADER_SIZE + mlen + blen > self->max_payload) /* out of line: the reference */
         goto not_out;
+    if (self->grant_at >= 0 && grant_held(self) < 0) /* memory without coherence: still our slot? */
+        goto fail;
     unsigned char h[HEADER_SIZE];
     fill_header(h, KIND_REQUEST, flags, self->slot, self->gen, call_id, timeout, (unsigned)mlen);
     /* the request ring's try_push_parts((head, mb, body), *push_args), as ClientChannel.push calls it */
@@ -308,18 +328,24 @@ static PyObject *caller_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
 
 static int caller_init(Caller *self, PyObject *args, PyObject *kwds) {
     PyObject *client, *methods, *requests, *push_args, *ring_bell, *ring, *encode_body, *decode, *buf, *idle_when,
-        *turn_when, *in_place, *pack;
+        *turn_when, *in_place, *pack, *lines = Py_None;
     unsigned int slot;
     unsigned long gen;
-    unsigned long long me;
-    Py_ssize_t max_payload, bell_at, heap_start, heap_size, follow_chunk;
+    unsigned long long me, grant = 0;
+    Py_ssize_t max_payload, bell_at, heap_start, heap_size, follow_chunk, grant_at = -1;
     double follow_stall, follow_rate;
-    if (init_args("Caller", args, kwds, "OO!OO!OOOOIknO!nKO!O!O!nnnddO", &client, &PyDict_Type, &methods, &requests,
-                  &PyTuple_Type, &push_args, &ring_bell, &ring, &encode_body, &decode, &slot, &gen, &max_payload,
-                  &PyMemoryView_Type, &buf, &bell_at, &me, &PyTuple_Type, &idle_when, &PyTuple_Type,
+    if (init_args("Caller", args, kwds, "OO!OO!OOOOIknO!nKO!O!O!nnnddO|nKO", &client, &PyDict_Type, &methods,
+                  &requests, &PyTuple_Type, &push_args, &ring_bell, &ring, &encode_body, &decode, &slot, &gen,
+                  &max_payload, &PyMemoryView_Type, &buf, &bell_at, &me, &PyTuple_Type, &idle_when, &PyTuple_Type,
                   &turn_when, &PySet_Type, &in_place, &heap_start, &heap_size, &follow_chunk,
-                  &follow_stall, &follow_rate, &pack) < 0)
+                  &follow_stall, &follow_rate, &pack, &grant_at, &grant, &lines) < 0)
         return -1;
+    if (grant_at >= 0 && (flush_api == NULL || !PyObject_TypeCheck(lines, flush_api->lines_type) ||
+                          !word_inside(buf, grant_at) ||
+                          !lines_cover((cxlrpc_lines *)lines, (char *)PyMemoryView_GET_BUFFER(buf)->buf + grant_at, 8))) {
+        PyErr_SetString(PyExc_ValueError, "Caller: a grant word needs the region's Lines, and to lie inside it");
+        return -1;
+    }
     if (!PyCallable_Check(pack)) {
         PyErr_SetString(PyExc_TypeError, "Caller: pack must be callable");
         return -1;
@@ -343,6 +369,9 @@ static int caller_init(Caller *self, PyObject *args, PyObject *kwds) {
     KEEP(client); KEEP(methods); KEEP(requests); KEEP(push_args); KEEP(ring_bell); KEEP(ring); KEEP(encode_body);
     KEEP(decode); KEEP(buf); KEEP(idle_when); KEEP(turn_when); KEEP(in_place); KEEP(pack);
 #undef KEEP
+    Py_XSETREF(self->lines, grant_at >= 0 ? Py_NewRef(lines) : NULL);
+    self->grant_at = grant_at;
+    self->grant = grant;
     self->bell_at = bell_at;
     self->me = me;
     self->slot = slot;
@@ -359,7 +388,7 @@ static int caller_init(Caller *self, PyObject *args, PyObject *kwds) {
 
 /* The object references a Caller holds: its GC visits and clears them (refs_traverse). */
 #define CALLER_FIELDS(X) X(client) X(methods) X(requests) X(push_args) X(ring_bell) X(ring) X(encode_body) \
-    X(decode) X(buf) X(idle_when) X(turn_when) X(reply) X(in_place) X(pack) X(decoder)
+    X(decode) X(buf) X(idle_when) X(turn_when) X(reply) X(in_place) X(pack) X(decoder) X(lines)
 
 #define REF(f) offsetof(Caller, f),
 static const Py_ssize_t caller_refs[] = {CALLER_FIELDS(REF) 0};
@@ -392,8 +421,8 @@ PyTypeObject CallerType = {
     .tp_name = "cxlrpc._dispatch.Caller",
     .tp_doc = "Caller(client, methods, requests, push_args, ring_bell, ring, encode_body, decode, slot, gen, "
               "max_payload, buf, bell_at, me, idle_when, turn_when, in_place, heap_start, heap_size, follow_chunk, follow_stall, "
-              "follow_rate, pack): a connection's calls of the common shape in C (Client.call is the "
-              "reference); called with a record, it is the reply ring's handler.",
+              "follow_rate, pack[, grant_at, grant, lines]): a connection's calls of the common shape in C "
+              "(Client.call is the reference); called with a record, it is the reply ring's handler.",
     RECORD_HANDLER_SLOTS(Caller, caller),
     .tp_methods = caller_methods,
 };

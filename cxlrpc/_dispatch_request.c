@@ -153,7 +153,7 @@ static int seen_holder(Dispatcher *d, unsigned slot, uint32_t gen) {
         return 0;
     uint64_t word = __atomic_load_n((uint64_t *)((char *)PyMemoryView_GET_BUFFER(d->buf)->buf + d->slot_at[slot]),
                                     __ATOMIC_ACQUIRE);
-    return (word & 1) && ((word >> 1) & 0xFFFFFFFFULL) == gen && is_gen(PyList_GET_ITEM(d->seen, slot), gen);
+    return (word & 1) && ((word >> 1) & d->gen_mask) == gen && is_gen(PyList_GET_ITEM(d->seen, slot), gen);
 }
 
 /* Dispatch a request whose header fields, body and where it lies are in ``r`` (its method

@@ -17,13 +17,18 @@ static long long fitting(long long got, double took) {
     return fit >= BATCH_MAX ? BATCH_MAX : fit < 1.0 ? 1 : (long long)fit;
 }
 
+static long long poll_rings(Dispatcher *self, PyObject *rings, long long limit, PyObject *seconds);
+
 /* One batch of at most ``limit`` records with this dispatcher as their handler, ending once the
  * clock passes ``until`` (the loop's turn): the ring's C API (its poll_within for ``seconds``
  * when that is not NULL, else its poll), or else the ring's Python method with this as a
- * Python handler (which ends at ``limit`` only). The count handed over; -1 with an error set. */
+ * Python handler (which ends at ``limit`` only); a list of rings polled in turn (poll_rings).
+ * The count handed over; -1 with an error set. */
 static long long poll_batch(Dispatcher *self, PyObject *ring, long long limit, PyObject *seconds, double until) {
     PyObject *n;
     self->until = until;
+    if (PyList_CheckExact(ring))
+        return poll_rings(self, ring, limit, seconds);
     if (PyObject_TypeCheck(ring, ring_api->ring_type))
         n = seconds != NULL ? ring_api->poll_within(ring, limit, PyFloat_AS_DOUBLE(seconds), dispatch_record, self)
                             : ring_api->poll(ring, limit, dispatch_record, self);
@@ -47,6 +52,37 @@ static long long poll_batch(Dispatcher *self, PyObject *ring, long long limit, P
         return -1;
     }
     return got;
+}
+
+/* A batch over a list of rings (one per client, memory without coherence: the transport's
+ * NativeRings.requests): each polled in turn through poll_batch, a different one first each
+ * time (fairness, as the reference's _ClientRequestRings), until ``limit`` records or the
+ * loop's turn; with ``seconds``, looked over again and again (each look an empty poll: in flush
+ * mode the invalidate of that ring's tail line only) until one hands records over or
+ * ``seconds`` pass. The list may change under a handler (slots granted or freed). */
+static long long poll_rings(Dispatcher *self, PyObject *rings, long long limit, PyObject *seconds) {
+    double end = seconds != NULL ? now_s() + PyFloat_AS_DOUBLE(seconds) : 0.0;
+    for (;;) {
+        long long count = 0;
+        Py_ssize_t n = PyList_GET_SIZE(rings);
+        Py_ssize_t first = n ? self->next_ring % n : 0;
+        self->next_ring = first + 1;
+        for (Py_ssize_t k = 0; k < n && k < PyList_GET_SIZE(rings) && count < limit; k++) {
+            PyObject *ring = Py_NewRef(PyList_GET_ITEM(rings, (first + k) % PyList_GET_SIZE(rings)));
+            long long got = poll_batch(self, ring, limit - count, NULL, self->until);
+            Py_DECREF(ring);
+            if (got < 0)
+                return -1;
+            count += got;
+            if (got && now_s() >= self->until)
+                break; /* the loop's turn is due */
+        }
+        if (count || seconds == NULL || now_s() >= end)
+            return count;
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#endif
+    }
 }
 
 /* poll's and serve's arguments, (ring, float, float) as ``usage`` says, to an initialised
@@ -176,16 +212,16 @@ static int dispatcher_init(Dispatcher *self, PyObject *args, PyObject *kwds) {
     PyObject *context_type, *no_metadata, *current_call, *ring_client, *encode_body, *loop;
     PyObject *current_task, *enter_task, *leave_task, *eager_type, *cancelled, *frame_type, *current_tasks;
     PyObject *parked_at, *heap, *heap_waiting, *pack;
-    unsigned long long me;
+    unsigned long long me, gen_mask = 0xFFFFFFFFULL;
     Py_ssize_t reply_limit, heap_start, heap_size, follow_min, body_limit, follow_chunk;
-    if (init_args("Dispatcher", args, kwds, "OO!O!O!O!O!O!O!OOOOOOOOOOOOnOOO!KOO!nnnnnO", &server, &PyMemoryView_Type,
+    if (init_args("Dispatcher", args, kwds, "OO!O!O!O!O!O!O!OOOOOOOOOOOOnOOO!KOO!nnnnnO|K", &server, &PyMemoryView_Type,
                   &buf, &PyList_Type, &slot_at, &PyList_Type, &seen, &PyDict_Type, &peers,
                   &PyDict_Type, &backlog, &PyDict_Type, &methods, &PyList_Type, &responses,
                   &chan, &context_type, &no_metadata, &current_call, &ring_client,
                   &encode_body, &loop, &current_task, &enter_task, &leave_task,
                   &eager_type, &cancelled, &reply_limit, &frame_type, &current_tasks,
                   &PyList_Type, &parked_at, &me, &heap, &PyList_Type, &heap_waiting, &heap_start,
-                  &heap_size, &follow_min, &body_limit, &follow_chunk, &pack) < 0)
+                  &heap_size, &follow_min, &body_limit, &follow_chunk, &pack, &gen_mask) < 0)
         return -1;
     if (!PyCallable_Check(pack)) {
         PyErr_SetString(PyExc_TypeError, "Dispatcher: pack must be callable");
@@ -222,6 +258,7 @@ static int dispatcher_init(Dispatcher *self, PyObject *args, PyObject *kwds) {
     self->slot_at = at;
     self->parked_at = bells;
     self->me = me;
+    self->gen_mask = gen_mask;
     self->slots = slots;
 #define KEEP(field) Py_XSETREF(self->field, Py_NewRef(field))
     KEEP(server); KEEP(buf); KEEP(seen); KEEP(peers); KEEP(backlog); KEEP(methods); KEEP(responses);
@@ -280,8 +317,9 @@ PyTypeObject DispatcherType = {
     .tp_doc = "Dispatcher(server, buf, slot_at, seen, peers, backlog, methods, responses, chan, "
               "context_type, no_metadata, current_call, ring_client, encode_body, loop, current_task, "
               "enter_task, leave_task, eager_type, cancelled, reply_limit, frame_type, current_tasks, parked_at, me, heap, "
-              "heap_waiting, heap_start, heap_size, follow_min, body_limit, follow_chunk, pack): the request ring's "
-              "handler, dispatching the common request shape in C (Server._dispatch is the reference).",
+              "heap_waiting, heap_start, heap_size, follow_min, body_limit, follow_chunk, pack[, gen_mask]): the request "
+              "ring's handler, dispatching the common request shape in C (Server._dispatch is the reference); its "
+              "poll and serve take a ring, or a list of rings polled in turn.",
     RECORD_HANDLER_SLOTS(Dispatcher, dispatcher),
     .tp_members = dispatcher_members,
     .tp_methods = dispatcher_methods,

@@ -668,9 +668,16 @@ _GEN_MASK = 0x7FFFFFFF
 #: slot at its next look, within ~0.1 s) before it reports the table full.
 FULL_PATIENCE = 0.5
 _NONCE_MASK = 0xFFFFFFFF
+#: What the native paths compare a doorbell word with where nobody is woken (memory without
+#: coherence): the control block's state word, which holds a STATE_* (a garbage value the
+#: server puts back), never this; so no reply or request costs a call to ring nobody.
+_NO_PARKED, _NEVER_PARKED = CONTROL + _STATE, 0xFFFFFFFFFFFFFFFF
 
 
 def _grant_word(nonce: int, gen: int, held: bool) -> int:
+    """A slot's grant word: held in bit 0, the generation (31 bits) above it, the nonce in the
+    high half; so ``word & 1`` and ``(word >> 1) & _GEN_MASK`` read as a slot's state word does
+    (the native dispatcher's check, with ``_GEN_MASK`` as its mask)."""
     return nonce << 32 | gen << 1 | int(held)
 
 
@@ -854,8 +861,17 @@ class FlushServerChannel(_ServerWords):
     def unblock_requests(self, timeout: float) -> None:
         """Nothing to unblock: an SPSC ring below its tail is always complete."""
 
-    def native_rings(self) -> None:
-        """No native path: every line read or written needs a flush the C code does not do."""
+    def native_rings(self) -> NativeRings | None:
+        """The words the native dispatcher reads and rings (see cxlrpc.transport): each slot's
+        grant word (which we alone write: our own line needs no invalidate), no doorbell that
+        can ever say parked (nobody is woken across hosts), and the granted slots' request rings
+        to poll in turn. None where the rings keep to the reference (no native flush module)."""
+        if self.region.mem.lines is None:
+            return None
+        slots = self.geo.slots
+        return NativeRings(self.region.buf, [self.geo.slot(i) + _F_GRANT for i in range(slots)],
+                           [_NO_PARKED] * slots, _NEVER_PARKED, self.responses, _GEN_MASK,
+                           self.requests.active)
 
     def close(self) -> None:
         """Mark the server closed (clients see it at their next look)."""
@@ -1003,9 +1019,15 @@ class FlushClientChannel(_ServerWatch):
         self.bell.close()
         self.release()
 
-    def native_path(self) -> None:
-        """None: the native caller does not write back what it publishes."""
-        return None
+    def native_path(self) -> NativeCallPath | None:
+        """The rings and words the native caller uses: our own request ring, the reply ring,
+        no server to wake, and the grant word it checks before each push as ``push`` does.
+        None where the rings keep to the reference (no native flush module)."""
+        lines = self.region.mem.lines
+        if lines is None or self.requests is None:
+            return None
+        return NativeCallPath(self.requests, (), self.server_bell.ring, self.responses, self.region.buf,
+                              _NO_PARKED, _NEVER_PARKED, self.geo.slot(self.slot) + _F_GRANT, self._word, lines)
 
 
 def server_channel(region: Region, geo: Geometry,

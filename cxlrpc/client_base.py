@@ -218,7 +218,7 @@ class _Base:
                 native.buf, native.parked_at, native.me, self._in_flight(), self._owed_turns(),
                 bodies.in_place, geo.heap, geo.heap_size, FOLLOW_CHUNK,
                 heap_settings.FOLLOW_STALL_S if following else 0.0, heap_settings.FOLLOW_MIN_RATE,
-                fr.encode_msgpack)
+                fr.encode_msgpack, native.grant_at, native.grant, native.lines)
         self._finalizer = weakref.finalize(self, collected, link, f"{type(self).__name__}({conn.url!r})")
         self._finalizer.atexit = False  # at exit the server reclaims the slot by our PID
 

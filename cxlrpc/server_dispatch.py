@@ -77,6 +77,7 @@ class Dispatch:
         self._oneway_ids = itertools.count(1)
         self._peers: dict[int, Peer] = {}  # per slot, so a request costs no Peer allocation
         self._fast: NativeDispatcher | None = None  # the native dispatcher, once serving
+        self._fast_requests: Any = None  # what it polls (the transport's requests, or a list of rings)
         self._polled_at = 0.0  # when the reader began its current batch of requests
         self._draining = False  # close() began: new calls are refused, health is NOT_SERVING
         self._closing = False  # the grace is over: calls left are being cancelled
@@ -112,7 +113,7 @@ class Dispatch:
 
     def _dispatcher(self, heap_span: tuple[int, int], body_limit: int) -> NativeDispatcher | None:
         """The native dispatcher of this server's request ring, or None where it is not built
-        or cannot serve (a transport without a native path: memory without coherence)."""
+        or cannot serve (a transport without a native path)."""
         if _Dispatcher is None:
             return None
         chan = self._chan
@@ -125,8 +126,9 @@ class Dispatch:
             chan.ring_client, fr.encode_body, self._event_loop, _current_task, _enter_task, _leave_task,
             _EagerTask, asyncio.CancelledError, self._replies.reply_limit(), fr.Frame, _current_tasks(),
             rings.parked_at, rings.host, self._heap, self._heap_waiting, *heap_span,
-            self._follow_min, body_limit, FOLLOW_CHUNK, fr.encode_msgpack)
+            self._follow_min, body_limit, FOLLOW_CHUNK, fr.encode_msgpack, rings.gen_mask)
         fast.enabled = 0 if self._interceptors or self._draining else 1
+        self._fast_requests = chan.requests if rings.requests is None else rings.requests
         return fast
 
     # ------------------------------------------------------------------ records in

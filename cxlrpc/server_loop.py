@@ -63,6 +63,7 @@ class ServeLoop:
         calls, bodies, tasks = self._calls, self._bodies, self._tasks
         backlog, flush_backlog = self._replies.backlog, self._replies.flush_backlog
         fast = calls._fast
+        fast_ring = calls._fast_requests  # what the native dispatcher polls (a ring, or a list)
         on_request = calls._on_request  # the reference's handler (natively, the dispatcher polls)
         housekeeping_every = min(0.1, self.client_timeout / 4)
         next_housekeeping = time.monotonic() + housekeeping_every
@@ -79,7 +80,7 @@ class ServeLoop:
                 self._cuts.check()  # a truncated file grown back before the ring is touched
             if fast is not None:
                 until = min(turned + _TURN_EVERY_S, next_housekeeping)  # the turn, or housekeeping
-                n = fast.poll(ring, now, until)
+                n = fast.poll(fast_ring, now, until)
             else:
                 n = poll(on_request, batch)
                 if n:  # the next batch from this one's pace; the turn's due from its end
@@ -96,7 +97,7 @@ class ServeLoop:
             lone = not (tasks or bodies.hot_follows or chan.peers_in_process)
             if lone and hot_s and not (idle and self.strategy.park):
                 if fast is not None:
-                    n += fast.serve(ring, hot_s, until)
+                    n += fast.serve(fast_ring, hot_s, until)
                     calls._polled_at = now = fast.polled_at
                 elif not n:
                     n = poll_within(on_request, batch, hot_s)

@@ -117,12 +117,17 @@ class SharedCounter(Protocol):
 class NativeRings(NamedTuple):
     """What the native dispatcher drives directly: the mapping, where each slot's state word
     and doorbell word lie in it, what a holder parked on this host writes there, and the
-    slots' reply rings (whose C API it pushes through)."""
+    slots' reply rings (whose C API it pushes through). A slot's word says it is held by
+    generation ``gen`` when ``word & 1`` and ``(word >> 1) & gen_mask == gen``. ``requests``:
+    what the dispatcher polls, when not the transport's ``requests`` itself: a list of rings
+    (changed in place as slots are granted and freed), polled in turn through their C API."""
     buf: memoryview
     slot_state_at: list[int]
     parked_at: list[int]
     host: int
     responses: list[SpscRing]
+    gen_mask: int = 0xFFFFFFFF
+    requests: list[SpscRing] | None = None
 
 
 class ServerTransport(Protocol):
@@ -218,7 +223,10 @@ class Layout(Protocol):
 class NativeCallPath(NamedTuple):
     """What the native caller (``cxlrpc._dispatch.Caller``) pushes, rings and polls through:
     the rings themselves (their C API), the push's arguments after the parts, the server's
-    bell, and where its parked word lies in the region."""
+    bell, and where its parked word lies in the region. On memory without coherence, the
+    slot's grant word (at ``grant_at``, -1: none) must still read ``grant`` before each push
+    (its line invalidated first through ``lines``, the region's ``cxlrpc._flush.Lines``), else
+    the push raises ClaimRevoked."""
 
     requests: Any
     push_args: tuple[Any, ...]
@@ -227,6 +235,9 @@ class NativeCallPath(NamedTuple):
     buf: Any
     parked_at: int
     me: int
+    grant_at: int = -1
+    grant: int = 0
+    lines: Any = None
 
 
 class ReplyRing(Protocol):

@@ -789,8 +789,11 @@ def test_native_types_refuse_use_before_init_and_keywords() -> None:
         Caller.__new__(Caller)(view=view)
 
 
-async def test_flush_mode_servers_use_the_reference(name: str) -> None:
-    """Memory without coherence (here its simulator) keeps the reference's dispatch."""
+@native
+async def test_flush_mode_servers_dispatch_natively(name: str) -> None:
+    """Memory without coherence (here its simulator) is served by the native dispatcher too,
+    over the granted slots' request rings (tests/test_flush_native_ring.py holds it to the
+    reference across processes)."""
     server = cxlrpc.Server(f"sim://{name}", request_capacity=256 << 10, response_capacity=256 << 10,
                            max_message_size=1 << 20)
 
@@ -799,8 +802,10 @@ async def test_flush_mode_servers_use_the_reference(name: str) -> None:
         return payload
 
     async with server:
-        assert server._calls._fast is None
+        assert server._calls._fast is not None
+        assert server._calls._fast_requests is server._chan.requests.active  # type: ignore[union-attr]
         async with cxlrpc.connect(f"sim://{name}") as client:
+            assert client._conn.caller is not None
             assert await client.call("echo", b"sim") == b"sim"
 
 

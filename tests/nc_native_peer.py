@@ -3,8 +3,9 @@
 (CXLRPC_NO_NATIVE=1 in a process's environment), optionally with one native flush site made a
 no-op (``Lines.skip``) in that process, to show a scenario catches its removal.
 
-``python nc_native_peer.py serve URL EVICTION SKIP``: serve (``echo``, ``aecho`` and ``stall``)
-until standard input closes; prints ``ready`` once serving.
+``python nc_native_peer.py serve URL EVICTION SKIP [CAPACITY]``: serve (``echo``, ``aecho``,
+``stall``, and ``reset`` / ``counts`` of its flush sites' counts) until standard input closes;
+prints ``ready native`` (or ``ready reference``: its dispatch) once serving.
 
 ``python nc_native_peer.py call URL EVICTION SKIP SCENARIO``: run one scenario as a client and
 print ``ok ...`` or ``fail ...``:
@@ -40,16 +41,19 @@ def payload(i: int, n: int) -> bytes:
     return bytes((i * 7 + k) & 0xFF for k in range(n))
 
 
-async def serve(url: str, skip: int) -> None:
+async def serve(url: str, skip: int, capacity: int) -> None:
     import cxlrpc
 
-    server = cxlrpc.Server(url, slots=2, request_capacity=CAPACITY, response_capacity=CAPACITY,
+    server = cxlrpc.Server(url, slots=2, request_capacity=capacity, response_capacity=capacity,
                            max_message_size=1 << 16, coherence="flush", client_timeout=CLIENT_TIMEOUT)
     server.add_method("echo", lambda body: body)
 
     @server.method("aecho")
     async def aecho(body: bytes) -> bytes:
         return body
+
+    server.add_method("reset", lambda: server._region.mem.lines.reset())  # type: ignore[union-attr]
+    server.add_method("counts", lambda: server._region.mem.lines.site_counts())  # type: ignore[union-attr]
 
     @server.method("stall")
     def stall() -> str:
@@ -59,7 +63,7 @@ async def serve(url: str, skip: int) -> None:
     async with server:
         lines = server._region.mem.lines  # type: ignore[union-attr]
         lines.skip = skip
-        print("ready", flush=True)
+        print("ready", "native" if server._calls._fast is not None else "reference", flush=True)
         await asyncio.to_thread(sys.stdin.read)  # until the test closes our input
 
 
@@ -164,7 +168,7 @@ def main(argv: list[str]) -> int:
 
     cxlrpc.simulator.EVICTION_RATE = float(eviction)
     if role == "serve":
-        cxlrpc.run(serve(url, int(skip)))
+        cxlrpc.run(serve(url, int(skip), int(argv[4]) if len(argv) > 4 else CAPACITY))
     else:
         print(cxlrpc.run(call(url, int(skip), argv[4])), flush=True)
     return 0

@@ -111,6 +111,56 @@ def test_repair_and_revocation_scenarios_pass(name, scenario, side):
         assert out.split()[1] == "ClaimRevoked", out
 
 
+def test_a_blocking_client_calls_natively_in_flush_mode(name):
+    """The blocking client's calls go through the native caller too (its grant checked before
+    each push), against a native server process."""
+    url = f"sim://{name}"
+    server = subprocess.Popen([sys.executable, PEER, "serve", url, "0.05", "0"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=NATIVE_ENV)
+    try:
+        assert server.stdout.readline().split() == ["ready", "native"]  # type: ignore[union-attr]
+        with cxlrpc.connect_sync(url) as client:
+            assert client._conn.caller is not None
+            for i in range(40):
+                body = bytes([i]) * (i * 97)
+                assert client.call("echo", body, timeout=10) == body
+    finally:
+        err = _stop(server)
+        assert not err, err[-3000:]
+
+
+def test_memory_that_flushes_without_lines_keeps_to_the_reference():
+    """Flushing memory without the native Lines (the flush module absent: use_flushes then
+    calls its hooks as they are) is served by the rings' Python reference, which calls them."""
+    import mmap
+
+    from cxlrpc.memory import AtomicMemory
+    from cxlrpc.ring import SpscRing
+
+    region = mmap.mmap(-1, 8192)
+    mem = AtomicMemory(region)
+    calls: list[tuple[str, int, int]] = []
+    mem._writeback = lambda offset, n: calls.append(("writeback", offset, n))
+    mem._invalidate = lambda offset, n: calls.append(("invalidate", offset, n))
+    mem.flushing = True  # (what use_flushes leaves where cxlrpc._flush is not built)
+    view = memoryview(region)
+    ring = SpscRing(view, mem, 0, 4096)
+    try:
+        ring.reset()
+        calls.clear()
+        assert ring.try_push(b"through the reference")
+        assert ("writeback", 256, 32) in calls and ("writeback", 0, 8) in calls  # record, tail
+        calls.clear()
+        assert ring.readable() and ring.pop() == b"through the reference"
+        assert ("invalidate", 0, 8) in calls and ("invalidate", 256, 32) in calls  # tail, record
+        assert ("writeback", 128, 8) in calls  # the released head
+    finally:
+        del ring
+        view.release()
+        mem.close()
+        region.close()
+
+
 # ---------------------------------------------------------------------- the flush count
 #: What one unary call needs of each side's native sites, (calls, fences), from the protocol:
 #: the client checks its grant (an invalidate, a full fence), pushes (the record's lines written

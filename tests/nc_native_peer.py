@@ -41,6 +41,15 @@ def payload(i: int, n: int) -> bytes:
     return bytes((i * 7 + k) & 0xFF for k in range(n))
 
 
+def snapshot(lines) -> tuple[dict[str, tuple[int, int]], dict[str, int]]:
+    """A Lines' counts per site and in total, taken together (another thread of ours, a
+    heartbeat's, may flush between two reads: read again until none did)."""
+    while True:
+        totals, sites = lines.counts(), lines.site_counts()
+        if lines.counts() == totals:
+            return sites, totals
+
+
 async def serve(url: str, skip: int, capacity: int) -> None:
     import cxlrpc
 
@@ -53,7 +62,7 @@ async def serve(url: str, skip: int, capacity: int) -> None:
         return body
 
     server.add_method("reset", lambda: server._region.mem.lines.reset())  # type: ignore[union-attr]
-    server.add_method("counts", lambda: server._region.mem.lines.site_counts())  # type: ignore[union-attr]
+    server.add_method("counts", lambda: snapshot(server._region.mem.lines))  # type: ignore[union-attr]
 
     @server.method("stall")
     def stall() -> str:

@@ -16,7 +16,7 @@ from cxlrpc.memory import _native as _flush
 from cxlrpc.ring.base import NATIVE
 from cxlrpc.server_dispatch import _Dispatcher
 
-from nc_native_peer import CAPACITY
+from nc_native_peer import CAPACITY, snapshot
 from test_noncoherent import COUNT, PEER as RING_PEER, _ring_region
 
 pytestmark = [pytest.mark.timeout(300),
@@ -178,10 +178,14 @@ PER_CALL = {
 CALLS = 1000
 
 
-def _check_counts(side: str, counts: dict[str, tuple[int, int]], extra: dict[str, int]) -> None:
+def _check_counts(side: str, counts: dict[str, tuple[int, int]], totals: dict[str, int],
+                  extra: dict[str, int]) -> None:
     """``counts`` (site -> (calls, fences)) over CALLS calls are PER_CALL's, ``extra`` added
     (the calls around the counted ones, per site); each look at a tail costs one invalidate and
-    one fence; the Python sites (PY: heartbeats, reaping) are not per call."""
+    one fence; the Python sites (PY: heartbeats, reaping) are not per call; and nothing flushes
+    or fences but through a site (``totals``: Lines.counts())."""
+    assert totals["fences"] == sum(f for _, f in counts.values()), (side, totals, counts)
+    assert totals["writebacks"] + totals["invalidates"] == sum(c for c, _ in counts.values()), (side, totals)
     want = {site: (CALLS * c + extra.get(site, 0), CALLS * f + extra.get(site, 0) * (f > 0))
             for site, (c, f) in PER_CALL[side].items()}
     looks, look_fences = counts.pop("RING_POLL_TAIL", (0, 0))
@@ -211,12 +215,13 @@ async def test_a_unary_call_costs_the_flushes_the_protocol_needs(name):
             lines.reset()
             for _ in range(CALLS):
                 assert await client.call("echo", body, timeout=10) == body
-            mine = lines.site_counts()
-            theirs = {site: tuple(pair) for site, pair in (await client.call("counts", timeout=10)).items()}
-        _check_counts("client", mine, {})
+            mine, my_totals = snapshot(lines)
+            sites, totals = await client.call("counts", timeout=10)
+            theirs = {site: tuple(pair) for site, pair in sites.items()}
+        _check_counts("client", mine, my_totals, {})
         # the server's counts run from within the reset handler to within the counts handler:
         # reset's reply pushed and its record released, counts' request read
-        _check_counts("server", theirs, {"RING_PUSH_DATA": 1, "RING_PUSH_TAIL": 1, "RING_RELEASE_HEAD": 1,
+        _check_counts("server", theirs, totals, {"RING_PUSH_DATA": 1, "RING_PUSH_TAIL": 1, "RING_RELEASE_HEAD": 1,
                                          "RING_POLL_DATA": 1})
     finally:
         err = _stop(server)

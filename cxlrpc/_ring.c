@@ -437,6 +437,8 @@ static PyObject *api_poll(PyObject *ring, long long limit, cxlrpc_record_fn fn, 
 static PyObject *poll_within_records(RingCore *self, PyObject *handler, long long limit, double seconds,
                                      cxlrpc_record_fn fn, void *ctx) {
     double end = now_s() + seconds;
+    unsigned every = self->lines != NULL ? 0 : 63; /* a look at the clock every 64 spins; in flush
+                                                      mode every spin (each costs an invalidate) */
     for (unsigned spins = 0;; spins++) {
         if (check_open(self) < 0)
             return NULL;
@@ -450,7 +452,7 @@ static PyObject *poll_within_records(RingCore *self, PyObject *handler, long lon
                 return n; /* payloads handed over, or an error */
             Py_DECREF(n); /* claimed, not committed yet (or garbage the poll dealt with) */
         }
-        if ((spins & 63) == 63 && now_s() >= end)
+        if ((spins & every) == every && now_s() >= end)
             return PyLong_FromLong(0);
 #if defined(__x86_64__) || defined(__i386__)
         __builtin_ia32_pause();

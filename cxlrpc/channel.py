@@ -695,7 +695,8 @@ class _ClientRequestRings:
     """The server's view of the per-slot request rings: polled in turn, held slots only.
 
     Looks like a ring to the server (``poll``, ``poll_within``, ``readable``); an SPSC ring
-    below its tail is always complete, so nothing ever blocks its head."""
+    below its tail is always complete, so nothing ever blocks its head. The native dispatcher
+    polls ``active`` itself, in turn, through the rings' C API (``native_rings``)."""
 
     head_position = -1
 

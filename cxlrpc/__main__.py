@@ -14,15 +14,27 @@ from .client import connect
 from .errors import RpcError
 from .memory import ACQUIRE
 from .region import SHM_PREFIX, Region, RegionError, in_use, unlink_shm
+from .simulator import is_side_file
 
 _KINDS = {1: "rpc", 2: "kv-pool"}
 
 
 def _segments() -> list[str]:
+    """The project's segments (not a simulated region's side files: see _orphans)."""
     try:
-        return sorted(n for n in os.listdir("/dev/shm") if n.startswith(SHM_PREFIX))
+        return sorted(n for n in os.listdir("/dev/shm") if n.startswith(SHM_PREFIX) and not is_side_file(n))
     except FileNotFoundError:
         return []
+
+
+def _orphans() -> list[str]:
+    """Side files of simulated regions (cxlrpc.simulator's LIMBO) whose region is gone."""
+    try:
+        names = os.listdir("/dev/shm")
+    except FileNotFoundError:
+        return []
+    return sorted(n for n in names if n.startswith(SHM_PREFIX) and is_side_file(n)
+                  and n.split("~", 1)[0] not in names)
 
 
 def _describe(region: Region) -> dict[str, object]:
@@ -105,6 +117,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd in ("health", "methods"):
         return _query(args.url, args.cmd, args.timeout)
 
+    if args.cmd == "clean":
+        for orphan in _orphans():
+            if not args.dry_run:
+                unlink_shm("/" + orphan)
+            print(f"removed /dev/shm/{orphan} (a simulated region's side file; the region is gone)")
     for seg in _segments():
         url = "shm://" + seg[len(SHM_PREFIX):]
         if args.cmd == "clean":

@@ -446,6 +446,9 @@ class ServerChannel(_ServerWords):
             return None
         return ring.head_position
 
+    def write_back_holder(self, slot: int) -> None:
+        """Nothing to write back: on coherent memory no dead holder's line outlives it."""
+
     def native_rings(self) -> NativeRings:
         """The words the native dispatcher reads and rings (see cxlrpc.transport)."""
         return NativeRings(self.region.buf, self.slot_state_at, *self.client_bell_words(), self.responses)
@@ -853,6 +856,18 @@ class FlushServerChannel(_ServerWords):
 
     def unblock_requests(self, timeout: float) -> None:
         """Nothing to unblock: an SPSC ring below its tail is always complete."""
+
+    def write_back_holder(self, slot: int) -> None:
+        """Write back every line the slot's departed holder could have left dirty: its slot
+        lines, its request ring and its reply ring (whose head it wrote). Called for a holder
+        that died on this host (``DEAD``), before the slot can be granted again: its dirty
+        lines are in this host's caches, where this host's write-back reaches them (clwb acts
+        on the whole host's caches); else they would land whenever evicted, over the next
+        holder's records. A holder of another host is beyond it (see docs/operations.md)."""
+        geo, mem = self.geo, self.region.mem
+        mem.writeback(geo.slot(slot), SLOT_STRIDE)
+        mem.writeback(geo.client_request_ring(slot), ring_size(geo.request_capacity))
+        mem.writeback(geo.response_ring(slot), ring_size(geo.response_capacity))
 
     def native_rings(self) -> None:
         """No native path: every line read or written needs a flush the C code does not do."""

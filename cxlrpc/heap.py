@@ -338,13 +338,19 @@ class ServerHeap:
 
     def release_owner(self, slot: int, gen: int) -> int:
         """Free everything a departed (and fenced) connection held, but what is lent (freed
-        when given back); how many extents."""
+        when given back); how many extents. On memory without coherence each extent is written
+        back first: a holder that died on this host may have left lines of it dirty in this
+        host's caches, which would land whenever evicted, over the extent's next owner's bytes
+        (a holder of another host is beyond this: see docs/operations.md)."""
         self._quarantined.discard((slot, gen))
         parked = self._parked.get((slot, gen))
         if parked is not None:
             self._unpark(parked)
         freed = 0
+        access = self.access
         for offset in [off for off, (s, g, _) in self._owners.items() if (s, g) == (slot, gen)]:
+            if access.mem.flushing:
+                access.mem.writeback(access.start + offset, self._alloc.size_of(offset))
             self._unkeep(offset)
             if offset not in self._lent:
                 self._drop(offset)

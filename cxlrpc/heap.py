@@ -347,15 +347,19 @@ class ServerHeap:
         if parked is not None:
             self._unpark(parked)
         freed = 0
-        access = self.access
         for offset in [off for off, (s, g, _) in self._owners.items() if (s, g) == (slot, gen)]:
-            if access.mem.flushing:
-                access.mem.writeback(access.start + offset, self._alloc.size_of(offset))
+            self._write_back(offset)
             self._unkeep(offset)
             if offset not in self._lent:
                 self._drop(offset)
                 freed += 1
         return freed
+
+    def _write_back(self, offset: int) -> None:
+        """Write the extent at ``offset`` back (memory without coherence; a no-op elsewhere)."""
+        access = self.access
+        if access.mem.flushing:
+            access.mem.writeback(access.start + offset, self._alloc.size_of(offset))
 
     def _unpark(self, offset: int) -> None:
         slot, gen, _ = self._owners[offset]

@@ -67,7 +67,7 @@ def _env(name: str, default: float) -> float:
 EVICTION_RATE = 0.05
 #: Seconds after which a gone process's dirty lines land (0: off, they are dropped; see above).
 LIMBO = _env("CXLRPC_SIM_LIMBO", 0.0)
-#: This process's simulated host (``LIMBO``): [A-Za-z0-9_-]{1,32}.
+#: The simulated host of the caches made from here on (``LIMBO``): [A-Za-z0-9_-]{1,32}.
 HOST = os.environ.get("CXLRPC_SIM_HOST") or "h"
 #: Lines around a call's range whose dirty lines are written back first (0: off; -1: all).
 TARGETED = int(_env("CXLRPC_SIM_TARGETED", 0))
@@ -95,10 +95,11 @@ class CacheSim:
         self.memory = memory
         self._own: _OwnCache | None = None
         self._peers: _Peers | None = None
+        self.host = HOST
         if LIMBO > 0 and path is not None:
             if not _HOST_RE.match(HOST):
                 raise ValueError(f"CXLRPC_SIM_HOST {HOST!r}: use 1-32 of [A-Za-z0-9_-]")
-            self._own = _OwnCache(path, size)
+            self._own = _OwnCache(path, size, HOST)
             self.cache, self._clean_map = self._own.cache, self._own.clean
         else:
             self.cache = _anonymous(size)
@@ -159,7 +160,7 @@ class CacheSim:
             if landed and TARGETED_HOOK is not None:
                 TARGETED_HOOK(self)
         if self._peers is not None:
-            self._peers.land(lines, HOST)
+            self._peers.land(lines, self.host)
 
     def _refetch(self, lines: slice) -> None:
         """Load lines from memory: one read of memory, so cache and clean copy agree even
@@ -204,9 +205,9 @@ class _OwnCache:
     """This process's cache and clean copy in a file beside the memory (``LIMBO``), locked
     (flock) while this process runs: a lock others can take says its owner is gone."""
 
-    def __init__(self, path: str, size: int) -> None:
+    def __init__(self, path: str, size: int, host: str) -> None:
         self.segment = SHM_DIR + path
-        self.name = f"{path[1:]}{_SIDE}c.{HOST}.{os.getpid()}.{secrets.token_hex(4)}"
+        self.name = f"{path[1:]}{_SIDE}c.{host}.{os.getpid()}.{secrets.token_hex(4)}"
         self.file = f"{SHM_DIR}/{self.name}"
         self.fd = os.open(self.file, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:

@@ -42,7 +42,7 @@ from .region import HEADER_SIZE as REGION_HEADER, PidWatch, Region, RegionError
 from .ring import MpscRing, SpscRing, ring_size
 from .ring.base import RingBase
 from .ring.mpsc import NO_CLAIM, ClaimRevoked
-from .ring.record import TAG_MASK
+from .ring.record import CONTROL_SIZE as RING_CONTROL, TAG_MASK
 from .transport import DEAD, DETACHED, REAPED, Departure, NativeCallPath, NativeRings
 
 KIND_RPC = 1
@@ -864,10 +864,16 @@ class FlushServerChannel(_ServerWords):
         lines are in this host's caches, where this host's write-back reaches them (clwb acts
         on the whole host's caches); else they would land whenever evicted, over the next
         holder's records. A holder of another host is beyond it (see docs/operations.md)."""
-        geo, mem = self.geo, self.region.mem
-        mem.writeback(geo.slot(slot), SLOT_STRIDE)
-        mem.writeback(geo.client_request_ring(slot), ring_size(geo.request_capacity))
-        mem.writeback(geo.response_ring(slot), ring_size(geo.response_capacity))
+        for offset, length in self.holder_ranges(slot):
+            self.region.mem.writeback(offset, length)
+
+    def holder_ranges(self, slot: int) -> list[tuple[int, int]]:
+        """(offset, length) of every line a slot's holder writes: its request ring (records
+        and tail), its slot lines (heartbeat line, doorbell word, knock) and its reply ring's
+        control block (the head it stores)."""
+        geo = self.geo
+        return [(geo.client_request_ring(slot), ring_size(geo.request_capacity)),
+                (geo.slot(slot), SLOT_STRIDE), (geo.response_ring(slot), RING_CONTROL)]
 
     def native_rings(self) -> None:
         """No native path: every line read or written needs a flush the C code does not do."""

@@ -32,7 +32,7 @@ import secrets
 import struct
 import time
 from dataclasses import dataclass
-from typing import Callable, Collection, Sequence
+from typing import Callable, Collection, NamedTuple, Sequence
 
 from .doorbell import Doorbell, DoorbellReceiver, wake_address
 from .identity import host_identity
@@ -868,12 +868,8 @@ class FlushServerChannel(_ServerWords):
             self.region.mem.writeback(offset, length)
 
     def holder_ranges(self, slot: int) -> list[tuple[int, int]]:
-        """(offset, length) of every line a slot's holder writes: its request ring (records
-        and tail), its slot lines (heartbeat line, doorbell word, knock) and its reply ring's
-        control block (the head it stores)."""
-        geo = self.geo
-        return [(geo.client_request_ring(slot), ring_size(geo.request_capacity)),
-                (geo.slot(slot), SLOT_STRIDE), (geo.response_ring(slot), RING_CONTROL)]
+        """What a slot's holder writes (``holder_ranges``)."""
+        return holder_ranges(self.geo, slot)
 
     def native_rings(self) -> None:
         """No native path: every line read or written needs a flush the C code does not do."""
@@ -885,6 +881,37 @@ class FlushServerChannel(_ServerWords):
         self.bell.close()
         for watch in self._pids:
             watch.close()
+
+
+def holder_ranges(geo: Geometry, slot: int) -> list[tuple[int, int]]:
+    """Single-writer layout: (offset, length) of every line a slot's holder writes: its request
+    ring (records and tail), its slot lines (heartbeat line, doorbell word, knock) and its reply
+    ring's control block (the head it stores)."""
+    return [(geo.client_request_ring(slot), ring_size(geo.request_capacity)),
+            (geo.slot(slot), SLOT_STRIDE), (geo.response_ring(slot), RING_CONTROL)]
+
+
+class HolderLine(NamedTuple):
+    """A slot's holder line as an observer reads it (single-writer layout): ``held`` when the
+    server's grant names the generation the line was written by and it has not released it."""
+    held: bool
+    gen: int
+    pid: int
+    identity: int
+    released: int
+
+
+def holder_line(region: Region, geo: Geometry, slot: int) -> HolderLine:
+    """Single-writer layout, for an observer (not the server): the slot's grant and holder
+    line as memory holds them now (both invalidated first)."""
+    base, mem = geo.slot(slot), region.mem
+    mem.invalidate(base + _F_GRANT, 8)
+    grant = mem.load(base + _F_GRANT, ACQUIRE)
+    mem.invalidate(base + _F_HOLDER, 40)
+    gen, released = mem.load(base + _F_GEN, ACQUIRE), mem.load(base + _F_RELEASED, ACQUIRE)
+    held = bool(grant & 1) and (grant >> 1) & _GEN_MASK == gen and released != gen
+    return HolderLine(held, gen, mem.load(base + _F_PID, ACQUIRE), mem.load(base + _F_IDENTITY, ACQUIRE),
+                      released)
 
 
 class FlushClientChannel(_ServerWatch):

@@ -46,6 +46,7 @@ import os
 import random
 import re
 import secrets
+import threading
 import time
 from typing import TYPE_CHECKING, Callable
 
@@ -111,7 +112,7 @@ class CacheSim:
         self._clean = np.frombuffer(self._clean_map, dtype=np.uint64).reshape(-1, LINE // 8)
         self._clean[:] = self._mem
         self._cache[:] = self._clean  # a cold cache: everything fetched from memory now
-        if self._own is not None:
+        if self._own is not None and path is not None:
             self._peers = _Peers(path, self._own.name, self._mem)
             self._own.register(self._peers)
         self._rate = EVICTION_RATE if eviction_rate is None else eviction_rate
@@ -270,6 +271,7 @@ class _Peers:
         self._read = 0
         self._live: dict[str, int] = {}
         self._gone: dict[str, _Gone] = {}
+        self._lock = threading.Lock()  # (a region's hooks may be called from several threads)
 
     def announce(self, name: str) -> None:
         os.write(self._fd, (name + "\n").encode())
@@ -301,6 +303,10 @@ class _Peers:
     def land(self, lines: slice, host: str) -> None:
         """Land gone caches' dirty lines: of ``host`` in ``lines``; of every host all of them
         once LIMBO seconds passed since we saw their owner gone."""
+        with self._lock:
+            self._land_due(lines, host)
+
+    def _land_due(self, lines: slice, host: str) -> None:
         self._look()
         if not self._gone:
             return
@@ -326,6 +332,10 @@ class _Peers:
             clean[dirty] = cache[dirty]
 
     def close(self) -> None:
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
         for fd in self._live.values():
             os.close(fd)
         for gone in self._gone.values():

@@ -25,11 +25,13 @@ from pathlib import Path
 import pytest
 
 import cxlrpc
+import cxlrpc.channel
 import cxlrpc.simulator as simulator
 from cxlrpc.channel import FlushServerChannel
 from cxlrpc.heap import ServerHeap
+from cxlrpc.janitor import Janitor
 from cxlrpc.memory import ACQUIRE, RELEASE
-from cxlrpc.region import Region
+from cxlrpc.region import Region, parse_url
 from cxlrpc.ring import SpscRing
 from cxlrpc.ring.record import HEADER_SIZE
 from kvservice import KVClient, KVServer
@@ -158,6 +160,62 @@ async def test_a_killed_kv_writers_dirty_lines_never_land_over_the_blocks_next_v
         assert got == victim and again == victim
     else:
         assert got != victim and set(got) == {0xEE}  # the dead writer's bytes
+
+
+@pytest.mark.parametrize("janitor", [True, False], ids=["janitor", "no-janitor"])
+async def test_a_janitor_writes_back_a_dead_writer_of_its_host_before_the_server_reuses(
+        name, limbo, monkeypatch, janitor):
+    """The dead writer on another host than the server (its identity differs here): the
+    server cannot reach its lines, reaps it (client_timeout) and frees its block once it is
+    fenced (fence_timeout). A janitor on the writer's host (``python -m cxlrpc janitor``; here
+    in-process, on the writer's simulated host) writes its ranges back as soon as its PID is
+    gone, long before that; without one its lines land later (here LIMBO's 3 s), over the
+    block's next value."""
+    monkeypatch.setattr(simulator, "LIMBO", 3.0)
+    monkeypatch.setattr(cxlrpc.channel, "host_identity", lambda: 0x5E12)  # the server's host
+    env = {**limbo, "CXLRPC_SIM_LIMBO": "3.0"}
+    url, size = f"sim://{name}", 64 << 10
+    victim = hashlib.blake2b(b"victim", digest_size=64).digest() * (size // 64)
+    simulator.HOST = "s"
+    async with KVServer(url, pool_size=4 * MiB, client_timeout=0.5, fence_timeout=0.5,
+                        max_message_size=1 * MiB) as server:
+        simulator.HOST = DEAD_HOST
+        jan = Janitor(url, also=[server.pool_url]) if janitor else None
+        try:
+            sweep = _sweep(jan)
+            pid = await _killed_writer(env, "kv", url, size)
+            assert await until(lambda: server.stats()["pending_puts"] == 0
+                               and server.stats()["quarantined_blocks"] == 0, 20, 0.02)
+            simulator.HOST = OTHER_HOST
+            async with KVClient.connect(url) as x, KVClient.connect(url) as reader:
+                await x.put("victim", victim)
+                mark, path = f"~c.{DEAD_HOST}.{pid}.", parse_url(server.pool_url)[1]
+
+                def landed() -> bool:  # its cache file goes once its lines landed
+                    reader.pool.region.mem.invalidate(0, 64)  # (a call: what is due lands)
+                    return not any(mark in f for f in simulator.side_files(path))
+
+                assert await until(landed, 20, 0.05)
+                got = await reader.get_bytes("victim")
+        finally:
+            simulator.HOST = DEAD_HOST
+            if jan is not None:
+                sweep.cancel()
+                await asyncio.gather(sweep, return_exceptions=True)
+                jan.close()
+    if janitor:
+        assert jan is not None and jan.written_back and got == victim
+    else:
+        assert got != victim and set(got) == {0xEE}
+
+
+def _sweep(jan: Janitor | None) -> asyncio.Task[None]:
+    """The janitor's looks, every 20 ms, in this loop (none without one)."""
+    async def sweep() -> None:
+        while jan is not None:
+            jan.look()
+            await asyncio.sleep(0.02)
+    return asyncio.get_running_loop().create_task(sweep())
 
 
 # ---------------------------------------------------------------- the publishing store

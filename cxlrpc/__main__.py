@@ -101,8 +101,8 @@ def _janitor(url: str, also: list[str], interval: float) -> int:
     except (RegionError, OSError) as exc:
         print(f"janitor: {exc}", file=sys.stderr)
         return 1
-    print(f"janitor: watching {url}'s clients of this host", flush=True)
     try:
+        print(f"janitor: watching {url}'s clients of this host", flush=True)
         while True:
             for slot, gen in jan.look():
                 print(f"wrote back slot {slot} (generation {gen}): its holder died", flush=True)

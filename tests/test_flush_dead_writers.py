@@ -36,7 +36,7 @@ from cxlrpc.ring import SpscRing
 from cxlrpc.ring.record import HEADER_SIZE
 from kvservice import KVClient, KVServer
 from nc_ring_peer import intact, record, ring_offsets
-from procs import until
+from procs import run_python, until
 
 pytestmark = pytest.mark.timeout(120)
 PEER = str(Path(__file__).with_name("dead_writer_peer.py"))
@@ -207,6 +207,28 @@ async def test_a_janitor_writes_back_a_dead_writer_of_its_host_before_the_server
         assert jan is not None and jan.written_back and got == victim
     else:
         assert got != victim and set(got) == {0xEE}
+
+
+async def test_the_janitor_command_watches_a_flush_region_and_refuses_a_coherent_one(name):
+    """``python -m cxlrpc janitor URL`` runs until SIGTERM (exit 0) on a flush-mode server's
+    region, and refuses one on coherent memory (exit 1, the reason on stderr)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    async with cxlrpc.Server(f"shm://{name}-hw", slots=2):
+        status, _, err = await run_python(["-m", "cxlrpc", "janitor", f"shm://{name}-hw"], 60, env)
+        assert status == 1 and "coherent memory" in err
+    async with cxlrpc.Server(f"sim://{name}", slots=2, max_message_size=1 * MiB):
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "cxlrpc", "janitor",
+                                                    f"sim://{name}", env=env,
+                                                    stdout=asyncio.subprocess.PIPE)
+        try:
+            line = await asyncio.wait_for(proc.stdout.readline(), 60)
+            assert line.startswith(b"janitor: watching")
+            proc.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(proc.wait(), 30) == 0
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
 
 
 def _sweep(jan: Janitor | None) -> asyncio.Task[None]:

@@ -124,15 +124,15 @@ class CacheSim:
     def _lines(self, offset: int, length: int) -> slice:
         return slice(offset // LINE, -(-(offset + length) // LINE))
 
-    def _write_dirty(self, lines: slice) -> int:
-        """Write the dirty lines of ``lines`` back; how many."""
+    def _write_dirty(self, lines: slice) -> bool:
+        """Write the dirty lines of ``lines`` back; whether there were any."""
         cache, clean = self._cache[lines], self._clean[lines]
         dirty = (cache != clean).any(axis=1)
-        count = int(dirty.sum())
-        if count:
+        if dirty.any():
             self._mem[lines][dirty] = cache[dirty]
             clean[dirty] = cache[dirty]
-        return count
+            return True
+        return False
 
     def writeback(self, offset: int, length: int) -> None:
         """Write the range's dirty lines back to memory (whole lines)."""
@@ -156,9 +156,8 @@ class CacheSim:
         (``TARGETED``), and dead processes' lines (``LIMBO``) of this host in the range."""
         if self._targeted:
             width = len(self._mem) if self._targeted < 0 else self._targeted
-            landed = (self._write_dirty(slice(max(lines.start - width, 0), lines.start))
-                      + self._write_dirty(slice(lines.stop, lines.stop + width)))
-            if landed and TARGETED_HOOK is not None:
+            before = self._write_dirty(slice(max(lines.start - width, 0), lines.start))
+            if (self._write_dirty(slice(lines.stop, lines.stop + width)) or before) and TARGETED_HOOK is not None:
                 TARGETED_HOOK(self)
         if self._peers is not None:
             self._peers.land(lines, self.host)

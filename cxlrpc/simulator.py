@@ -114,7 +114,7 @@ class CacheSim:
         self._cache[:] = self._clean  # a cold cache: everything fetched from memory now
         if self._own is not None and path is not None:
             self._peers = _Peers(path, self._own.name, self._mem)
-            self._own.register(self._peers)
+            self._peers.announce(self._own.name)  # (locked: nobody can take it for a gone one's)
         self._rate = EVICTION_RATE if eviction_rate is None else eviction_rate
         self._near = EVICT_NEAR
         self._targeted = TARGETED
@@ -220,10 +220,6 @@ class _OwnCache:
             os.close(self.fd)
             raise
 
-    def register(self, peers: "_Peers") -> None:
-        """Tell the region's other processes of this file (through its registry)."""
-        peers.announce(self.name)
-
     def memory_exists(self) -> bool:
         return os.path.exists(self.segment)
 
@@ -273,6 +269,7 @@ class _Peers:
         self._lock = threading.Lock()  # (a region's hooks may be called from several threads)
 
     def announce(self, name: str) -> None:
+        """Tell the region's other processes of our cache file (one append: atomic)."""
         os.write(self._fd, (name + "\n").encode())
 
     def _look(self) -> None:

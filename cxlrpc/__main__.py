@@ -1,10 +1,12 @@
 """``python -m cxlrpc ls`` lists the project's shared regions; ``clean`` removes dead owners' ones;
-``health URL`` and ``methods URL`` ask a server for its status and its methods."""
+``health URL`` and ``methods URL`` ask a server for its status and its methods; ``janitor URL``
+writes back the lines of a flush-mode server's clients of this host that die."""
 from __future__ import annotations
 
 import argparse
 import asyncio
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -12,17 +14,30 @@ from typing import Any
 from .channel import CONTROL, KIND_RPC, SLOT_STRIDE, STATE_RUNNING, read_geometry
 from .client import connect
 from .errors import RpcError
+from .janitor import INTERVAL, Janitor
 from .memory import ACQUIRE
 from .region import SHM_PREFIX, Region, RegionError, in_use, unlink_shm
+from .simulator import is_side_file
 
 _KINDS = {1: "rpc", 2: "kv-pool"}
 
 
 def _segments() -> list[str]:
+    """The project's segments (not a simulated region's side files: see _orphans)."""
     try:
-        return sorted(n for n in os.listdir("/dev/shm") if n.startswith(SHM_PREFIX))
+        return sorted(n for n in os.listdir("/dev/shm") if n.startswith(SHM_PREFIX) and not is_side_file(n))
     except FileNotFoundError:
         return []
+
+
+def _orphans() -> list[str]:
+    """Side files of simulated regions (cxlrpc.simulator's LIMBO) whose region is gone."""
+    try:
+        names = os.listdir("/dev/shm")
+    except FileNotFoundError:
+        return []
+    return sorted(n for n in names if n.startswith(SHM_PREFIX) and is_side_file(n)
+                  and n.split("~", 1)[0] not in names)
 
 
 def _describe(region: Region) -> dict[str, object]:
@@ -78,6 +93,26 @@ def _query(url: str, what: str, timeout: float) -> int:
     return 0
 
 
+def _janitor(url: str, also: list[str], interval: float) -> int:
+    """Run a Janitor until SIGTERM or SIGINT; print each holder it wrote back."""
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        jan = Janitor(url, also)
+    except (RegionError, OSError) as exc:
+        print(f"janitor: {exc}", file=sys.stderr)
+        return 1
+    try:
+        print(f"janitor: watching {url}'s clients of this host", flush=True)
+        while True:
+            for slot, gen in jan.look():
+                print(f"wrote back slot {slot} (generation {gen}): its holder died", flush=True)
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        jan.close()
+
+
 def _positive(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -101,10 +136,24 @@ def main(argv: list[str] | None = None) -> int:
         ask.add_argument("url", help="the server's URL (shm://NAME, file:///PATH, sim://NAME)")
         ask.add_argument("--timeout", type=_positive, default=2.0,
                          help="seconds to wait for the answer, connecting included (default 2)")
+    janitor = sub.add_parser("janitor", help="on a client host of a flush-mode server: write back "
+                                             "the lines of this host's clients that die (run one per host)")
+    janitor.add_argument("url", help="the server's URL")
+    janitor.add_argument("--also", action="append", default=[], metavar="URL",
+                         help="another region its clients write (a kvservice pool), written back whole")
+    janitor.add_argument("--interval", type=_positive, default=INTERVAL,
+                         help=f"seconds between looks at the slot table (default {INTERVAL})")
     args = parser.parse_args(argv)
     if args.cmd in ("health", "methods"):
         return _query(args.url, args.cmd, args.timeout)
+    if args.cmd == "janitor":
+        return _janitor(args.url, args.also, args.interval)
 
+    if args.cmd == "clean":
+        for orphan in _orphans():
+            if not args.dry_run:
+                unlink_shm("/" + orphan)
+            print(f"removed /dev/shm/{orphan} (a simulated region's side file; the region is gone)")
     for seg in _segments():
         url = "shm://" + seg[len(SHM_PREFIX):]
         if args.cmd == "clean":

@@ -32,7 +32,7 @@ import secrets
 import struct
 import time
 from dataclasses import dataclass
-from typing import Callable, Collection, Sequence
+from typing import Callable, Collection, NamedTuple, Sequence
 
 from .doorbell import Doorbell, DoorbellReceiver, wake_address
 from .identity import host_identity
@@ -42,7 +42,7 @@ from .region import HEADER_SIZE as REGION_HEADER, PidWatch, Region, RegionError
 from .ring import MpscRing, SpscRing, ring_size
 from .ring.base import RingBase
 from .ring.mpsc import NO_CLAIM, ClaimRevoked
-from .ring.record import TAG_MASK
+from .ring.record import CONTROL_SIZE as RING_CONTROL, TAG_MASK
 from .transport import DEAD, DETACHED, REAPED, Departure, NativeCallPath, NativeRings
 
 KIND_RPC = 1
@@ -445,6 +445,9 @@ class ServerChannel(_ServerWords):
                                                           timeout, self.revoke_claims):
             return None
         return ring.head_position
+
+    def write_back_holder(self, slot: int) -> None:
+        """Nothing to write back: on coherent memory no dead holder's line outlives it."""
 
     def native_rings(self) -> NativeRings:
         """The words the native dispatcher reads and rings (see cxlrpc.transport)."""
@@ -862,6 +865,20 @@ class FlushServerChannel(_ServerWords):
     def unblock_requests(self, timeout: float) -> None:
         """Nothing to unblock: an SPSC ring below its tail is always complete."""
 
+    def write_back_holder(self, slot: int) -> None:
+        """Write back every line the slot's departed holder could have left dirty: its slot
+        lines, its request ring and its reply ring (whose head it wrote). Called for a holder
+        that died on this host (``DEAD``), before the slot can be granted again: its dirty
+        lines are in this host's caches, where this host's write-back reaches them (clwb acts
+        on the whole host's caches); else they would land whenever evicted, over the next
+        holder's records. A holder of another host is beyond it (see docs/operations.md)."""
+        for offset, length in self.holder_ranges(slot):
+            self.region.mem.writeback(offset, length)
+
+    def holder_ranges(self, slot: int) -> list[tuple[int, int]]:
+        """What a slot's holder writes (``holder_ranges``)."""
+        return holder_ranges(self.geo, slot)
+
     def native_rings(self) -> NativeRings | None:
         """The words the native dispatcher reads and rings (see cxlrpc.transport): each slot's
         grant word (which we alone write: our own line needs no invalidate), no doorbell that
@@ -881,6 +898,37 @@ class FlushServerChannel(_ServerWords):
         self.bell.close()
         for watch in self._pids:
             watch.close()
+
+
+def holder_ranges(geo: Geometry, slot: int) -> list[tuple[int, int]]:
+    """Single-writer layout: (offset, length) of every line a slot's holder writes: its request
+    ring (records and tail), its slot lines (heartbeat line, doorbell word, knock) and its reply
+    ring's control block (the head it stores)."""
+    return [(geo.client_request_ring(slot), ring_size(geo.request_capacity)),
+            (geo.slot(slot), SLOT_STRIDE), (geo.response_ring(slot), RING_CONTROL)]
+
+
+class HolderLine(NamedTuple):
+    """A slot's holder line as an observer reads it (single-writer layout): ``held`` when the
+    server's grant names the generation the line was written by and it has not released it."""
+    held: bool
+    gen: int
+    pid: int
+    identity: int
+    released: int
+
+
+def holder_line(region: Region, geo: Geometry, slot: int) -> HolderLine:
+    """Single-writer layout, for an observer (not the server): the slot's grant and holder
+    line as memory holds them now (both invalidated first)."""
+    base, mem = geo.slot(slot), region.mem
+    mem.invalidate(base + _F_GRANT, 8)
+    grant = mem.load(base + _F_GRANT, ACQUIRE)
+    mem.invalidate(base + _F_HOLDER, 40)
+    gen, released = mem.load(base + _F_GEN, ACQUIRE), mem.load(base + _F_RELEASED, ACQUIRE)
+    held = bool(grant & 1) and (grant >> 1) & _GEN_MASK == gen and released != gen
+    return HolderLine(held, gen, mem.load(base + _F_PID, ACQUIRE), mem.load(base + _F_IDENTITY, ACQUIRE),
+                      released)
 
 
 class FlushClientChannel(_ServerWatch):

@@ -338,18 +338,28 @@ class ServerHeap:
 
     def release_owner(self, slot: int, gen: int) -> int:
         """Free everything a departed (and fenced) connection held, but what is lent (freed
-        when given back); how many extents."""
+        when given back); how many extents. On memory without coherence each extent is written
+        back first: a holder that died on this host may have left lines of it dirty in this
+        host's caches, which would land whenever evicted, over the extent's next owner's bytes
+        (a holder of another host is beyond this: see docs/operations.md)."""
         self._quarantined.discard((slot, gen))
         parked = self._parked.get((slot, gen))
         if parked is not None:
             self._unpark(parked)
         freed = 0
         for offset in [off for off, (s, g, _) in self._owners.items() if (s, g) == (slot, gen)]:
+            self._write_back(offset)
             self._unkeep(offset)
             if offset not in self._lent:
                 self._drop(offset)
                 freed += 1
         return freed
+
+    def _write_back(self, offset: int) -> None:
+        """Write the extent at ``offset`` back (memory without coherence; a no-op elsewhere)."""
+        access = self.access
+        if access.mem.flushing:
+            access.mem.writeback(access.start + offset, self._alloc.size_of(offset))
 
     def _unpark(self, offset: int) -> None:
         slot, gen, _ = self._owners[offset]

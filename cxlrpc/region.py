@@ -33,7 +33,7 @@ from .identity import host_identity
 from .memory import ACQ_REL, ACQUIRE, FLUSH, HARDWARE, RELAXED, RELEASE, AtomicMemory, check_coherence
 from .memory import _native as _native_flush
 from .owned import OwnedWords
-from .simulator import CacheSim
+from .simulator import CacheSim, remove_side_files
 from .size_guard import SizeGuard
 
 MAGIC = int.from_bytes(b"CXLRPC\x00\x01", "little")
@@ -241,7 +241,7 @@ class Region:
         else:
             mapping, fd = _map_new_file(path, size, mode)
         if backend == "sim":
-            mapping = CacheSim(mapping)
+            mapping = CacheSim(mapping, path=path)
         return cls._claim(url, backend, path, mapping, kind, observed_epoch=0, coherence=coherence,
                           fd=fd)
 
@@ -391,7 +391,7 @@ class Region:
         mapping, actual, fd = _map_existing(url, backend, path)
         try:
             if backend == "sim":
-                mapping = CacheSim(mapping)  # a cold cache: a fresh copy of the memory
+                mapping = CacheSim(mapping, path=path)  # a cold cache: a fresh copy of the memory
                 _validate_header(url, mapping.cache, actual, kind)
             else:
                 if _native_flush is not None:  # the header may be another host's, uncached
@@ -469,7 +469,10 @@ class Region:
 
 
 def unlink_shm(path: str) -> bool:
-    """Unlink a POSIX shm segment by name; False if it was already gone."""
+    """Unlink a POSIX shm segment by name (a simulated region's side files with it, see
+    cxlrpc.simulator's LIMBO); False if it was already gone."""
+    if path.startswith("/" + SHM_PREFIX + "sim."):
+        remove_side_files(path)
     try:
         posix_ipc.unlink_shared_memory(path)
         return True

@@ -14,7 +14,7 @@ from .server_bodies import Bodies
 from .server_context import CallKey, Peer
 from .server_replies import Replies
 from .server_tasks import _cancel
-from .transport import Departure, ServerTransport
+from .transport import DEAD, Departure, ServerTransport
 
 logger = logging.getLogger("cxlrpc.server")
 
@@ -32,6 +32,8 @@ class Departures:
     def housekeeping(self, chan: ServerTransport, client_timeout: float, now: float) -> None:
         """Reap the clients that stopped beating; fence the departed ones that can no longer write."""
         for gone in chan.reap(client_timeout, now):
+            if gone.how == DEAD:  # (before the next reap can grant its slot to another)
+                chan.write_back_holder(gone.slot)
             self.departed(gone)
         for slot, gen in self.fences.due(now):
             self.fenced(Peer(slot, gen))

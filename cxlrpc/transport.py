@@ -180,6 +180,10 @@ class ServerTransport(Protocol):
     def departure(self, slot: int, gen: int) -> Departure:
         """How the holder ``gen`` of ``slot`` left, when a new holder's frame came first."""
 
+    def write_back_holder(self, slot: int) -> None:
+        """Write back what the slot's holder, dead on this host, may have left dirty in this
+        host's caches (memory without coherence; a no-op elsewhere), before the slot is reused."""
+
     def ring_client(self, slot: int, gen: int) -> None:
         """Wake the holder ``gen`` of ``slot`` if it sleeps (something was pushed for it)."""
 

@@ -55,11 +55,14 @@ class KVIndex:
                  on_publish: Callable[[int, int], None] | None = None,
                  on_free: Callable[[int], None] | None = None, first_id: int = 1,
                  first_version: int = 1,
-                 on_claim: Callable[[int, int], None] | None = None) -> None:
+                 on_claim: Callable[[int, int], None] | None = None,
+                 on_reclaim: Callable[[int, int], None] | None = None) -> None:
         """``on_publish(offset, version)`` runs when a value becomes live, ``on_free(offset)``
         before its block can be handed out again, ``on_claim(offset, ticket_id)`` when a put
         reserves it (the server marks the pool with them, so readers can tell reused bytes
-        and writers a block no longer theirs). Lease and ticket ids count up from
+        and writers a block no longer theirs); ``on_reclaim(offset, nbytes)`` when a fenced
+        owner's quarantined block is about to be freed (the server writes back the lines its
+        dead writer may have left dirty). Lease and ticket ids count up from
         ``first_id``, value versions from ``first_version`` (a server taking over a pool's
         memory starts both where its predecessor's cannot be: a reader still holding an old
         block must not match)."""
@@ -85,7 +88,7 @@ class KVIndex:
                               self._expire, default_lease_s, max_lease_s)
         self._puts = Puts(self._keys, owners, ids, itertools.count(first_version), self._counters,
                           self._soonest, put_timeout_s, on_publish, on_claim)
-        self._owners = Owners(owners, self._keys, self._leases, self._puts)
+        self._owners = Owners(owners, self._keys, self._leases, self._puts, on_reclaim)
         #: ``batch_get`` (the server's get): the leases' own method, bound here so the hot path
         #: has no forwarding call
         self.batch_get = self._leases.batch_get

@@ -2,7 +2,7 @@
 writer's blocks until it is fenced (see "Fencing" in kvservice.index)."""
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 from kvservice.keymap import BlockRec, KeyMap
 from kvservice.leases import Leases
@@ -14,7 +14,7 @@ class Owners:
     that add and drop them), and the blocks quarantined from departed owners."""
 
     def __init__(self, records: dict[Hashable, set[int]], keys: KeyMap, leases: Leases,
-                 puts: Puts) -> None:
+                 puts: Puts, on_reclaim: Callable[[int, int], None] | None = None) -> None:
         #: an owner's entry lasts until release (a server's connections all end so): one set
         #: per get and release to make and drop was a tenth of a get's cost
         self.records = records
@@ -24,6 +24,8 @@ class Owners:
         #: owner -> blocks its pending puts held when it departed: kept until fence
         self.quarantine: dict[Hashable, list[BlockRec]] = {}
         self.quarantined_bytes = 0
+        #: (offset, nbytes) of each quarantined block as its owner is fenced, before it is freed
+        self._on_reclaim = on_reclaim
 
     def release(self, owner: Hashable) -> int:
         """End ``owner``'s leases, quarantine its pending blocks; how many records it held."""
@@ -41,6 +43,8 @@ class Owners:
         blocks = self.quarantine.pop(owner, ())
         for block in blocks:
             self.quarantined_bytes -= block.nbytes
+            if self._on_reclaim is not None:
+                self._on_reclaim(block.offset, block.nbytes)
             self._keys.free(block)
         return len(blocks)
 

@@ -383,9 +383,11 @@ class Pool:
 
     def given_back(self, offset: int, size: int) -> None:
         """Writer: the reserved block at ``offset`` goes back unpublished (an abort, a failed
-        put, a close). Without coherence, write back the lines its writer may have written,
-        and fence, before the message that frees it: else they land later (an eviction, the
-        writer's next invalidate of them) over the block's next value, which no check catches."""
+        put, a close); server: a fenced writer's block is freed (its writer died on this host:
+        the server's write-back reaches its lines). Without coherence, write back the lines its
+        writer may have written, and fence, before the message that frees it: else they land
+        later (an eviction, the writer's next invalidate of them) over the block's next value,
+        which no check catches."""
         if self._mem.flushing:
             self.slice(offset, size).release()  # range check
             self._mem.writeback(self._data_offset + offset, size)

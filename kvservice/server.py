@@ -93,6 +93,7 @@ class KVServer:
                              default_lease_s=default_lease_s, max_lease_s=max_lease_s,
                              put_timeout_s=put_timeout_s,
                              on_publish=self._publish, on_free=self._clear, on_claim=self._claim,
+                             on_reclaim=self._reclaim,
                              first_id=_first_id(), first_version=_first_id())
         rpc_options.setdefault("slots", 64)  # two TP-8 pods and their helpers
         rpc_options.setdefault("response_capacity", 256 << 10)
@@ -175,6 +176,13 @@ class KVServer:
     def _claim(self, offset: int, ticket_id: int) -> None:
         assert self._pool is not None
         self._pool.claim(offset, ticket_id)
+
+    def _reclaim(self, offset: int, nbytes: int) -> None:
+        """A fenced writer's pending block, before it is freed: written back (memory without
+        coherence), so lines a writer dead on this host left dirty in this host's caches land
+        now, not over the block's next value (one of another host: docs/operations.md)."""
+        assert self._pool is not None
+        self._pool.given_back(offset, nbytes)
 
     def _release_owner(self, peer: cxlrpc.Peer) -> None:
         self.index.release_owner(peer)

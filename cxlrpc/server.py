@@ -283,6 +283,7 @@ class Server:
         self._replies.attach(chan, heap, follow_min, body_limit)
         self._bodies.attach(heap, follow_min, loop)
         self._streams.attach(chan)
+        self._departures.attach(chan)
         self._calls.attach(chan, heap, (geo.heap, geo.heap_size), follow_min, body_limit, loop)
         self._reader = loop.create_task(ServeLoop(
             chan, self.strategy, self.client_timeout, self.url, self._cuts, self._calls, self._replies,

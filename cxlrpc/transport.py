@@ -175,6 +175,10 @@ class ServerTransport(Protocol):
     def departure(self, slot: int, gen: int) -> Departure:
         """How the holder ``gen`` of ``slot`` left, when a new holder's frame came first."""
 
+    def fenced(self, slot: int, gen: int) -> None:
+        """The departed holder ``gen`` of ``slot`` can no longer write into the region
+        (``cxlrpc.fencing``): what the transport kept from new holders for it may be handed on."""
+
     def ring_client(self, slot: int, gen: int) -> None:
         """Wake the holder ``gen`` of ``slot`` if it sleeps (something was pushed for it)."""
 

@@ -76,9 +76,10 @@ class Server:
     ``ServerInterceptor``); the reserved ``cxlrpc.*`` methods bypass them.
 
     ``fence_timeout``: a client reaped for a stale heartbeat (``client_timeout``) may only be
-    frozen; what it held (its heap extents) is handed to others only once it is *fenced*
-    (``on_fenced``): when its process exits (same host), or ``fence_timeout`` seconds
-    after it was reaped when it runs on another host (or its PID cannot be watched).
+    frozen; what it held (its heap extents; in flush mode its slot too) is handed to others
+    only once it is *fenced* (``on_fenced``): when its process exits (same host), or
+    ``fence_timeout`` seconds after it was reaped when it runs on another host (or its PID
+    cannot be watched).
 
     What one client may make the server hold is bounded per connection, each overflow answered
     RESOURCE_EXHAUSTED to that client alone (see ``cxlrpc.bounds.Limits``): replies held

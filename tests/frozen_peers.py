@@ -103,3 +103,17 @@ def zombie_holder_main(url: str, conn) -> None:
     conn.send(("resumed", pushed, chan.holds_slot()))
     while True:
         time.sleep(3600)
+
+
+def holder_main(url: str, conn) -> None:
+    """A flush-mode holder: attach, report ("held", slot, gen) once granted, then wait to be
+    killed (no detach, no beat: the server learns of its death by its PID)."""
+    from cxlrpc.channel import client_channel
+    from cxlrpc.region import Region
+
+    chan = client_channel(Region.open(url))
+    while not chan.acknowledged():
+        time.sleep(0.002)
+    conn.send(("held", chan.slot, chan.gen))
+    while True:
+        time.sleep(3600)

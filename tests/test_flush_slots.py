@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 
 import pytest
 
@@ -17,7 +18,8 @@ from cxlrpc.channel import (_F_GEN, _F_HOLDER, _F_PID, KIND_RPC, FlushClientChan
 from cxlrpc.memory import ACQUIRE
 from cxlrpc.region import Region
 from cxlrpc.ring.record import TAIL_OFFSET
-from frozen_peers import zombie_holder_main
+from cxlrpc.transport import DEAD, DETACHED
+from frozen_peers import holder_main, zombie_holder_main
 from procs import CTX, stop, until
 
 pytestmark = pytest.mark.timeout(120)
@@ -100,25 +102,45 @@ async def test_a_holder_reaped_while_frozen_writes_nothing_into_its_slots_next_h
             there.close()
 
 
-def test_a_released_or_dead_holders_slot_is_granted_at_once(name: str) -> None:
-    """Quarantine is for reaped holders only: a released slot goes to the next knock."""
+@pytest.mark.parametrize("how", ["released", "killed"])
+def test_a_released_or_dead_holders_slot_is_granted_at_once(name: str, how: str) -> None:
+    """Quarantine is for reaped holders only: a slot released, or whose holder's process is
+    gone (same host: its pidfd says so), goes to the next knock at once."""
     url = f"sim://{name}"
     geo = layout(1, 1024, 1024, "flush")
     region = Region.create(url, geo.size, KIND_RPC, coherence="flush")
     server = server_channel(region, geo)
     region.publish()
+    here, there = CTX.Pipe()
+    proc = CTX.Process(target=holder_main, args=(url, there), daemon=True)
     try:
-        first = client_channel(Region.open(url))
-        server.reap(1.0, 0.0)
-        assert first.acknowledged()
-        _let_go(first)
+        if how == "released":
+            first = client_channel(Region.open(url))
+            server.reap(1.0, 0.0)
+            assert first.acknowledged()
+            _let_go(first)
+        else:
+            proc.start()
+            deadline = time.monotonic() + 30
+            while not here.poll(0.01):  # (the grant comes at a reap)
+                assert time.monotonic() < deadline, "the holder never got its grant"
+                server.reap(1.0, 0.0)
+            here.recv()
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.join(10)
         gone = server.reap(1.0, 0.1)
-        assert [d.how for d in gone] == [cxlrpc.channel.DETACHED]
+        assert [d.how for d in gone] == [DETACHED if how == "released" else DEAD]
         second = client_channel(Region.open(url))
         server.reap(1.0, 0.2)
         assert second.acknowledged()
         _let_go(second)
     finally:
+        if proc.is_alive():
+            os.kill(proc.pid, signal.SIGKILL)
+        if proc.pid is not None:
+            stop(proc)
+        here.close()
+        there.close()
         server.close()
         region.close()
         region.unlink()

@@ -13,7 +13,6 @@ import inspect
 import os
 import textwrap
 import threading
-import time
 from typing import Callable
 
 import pytest
@@ -233,8 +232,8 @@ def test_removing_the_site_breaks_its_scenario(name: str, key: tuple[str, str, i
 
 
 @pytest.mark.skipif(cxlrpc.memory._native is None, reason="cxlrpc._flush was not built")
-def test_opening_real_flush_memory_drops_what_an_earlier_mapping_cached(name: str,
-                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_opening_real_flush_memory_drops_what_an_earlier_mapping_cached(
+        name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Region.__init__'s invalidate of the whole mapping on real memory without coherence
     (not the simulator's: its mappings start cold). This machine is coherent, so nothing a
     peer reads can show a stale line: the lines the CPU is told to drop are counted instead."""

@@ -118,6 +118,13 @@ def test_a_consumer_leaves_a_garbage_tail_it_cannot_adopt_to_its_producer(name, 
         got = [consumer.pop() for _ in range(3)]
         assert got[0] == b"second", got
         assert consumer.dropped == 1
+        # a garbage tail dropped is not readable: a reader woken by it would spin (the
+        # reader task, livelocked, starved its event loop) until the producer's next push
+        stray.store(off + TAIL_OFFSET, producer._tail_local + 5, RELEASE)
+        stray.writeback(off + TAIL_OFFSET, 8)
+        assert consumer.pop() is None and consumer.dropped == 2
+        assert not consumer.readable()
+        assert producer.try_push(b"third") and consumer.readable() and consumer.pop() == b"third"
     finally:
         for v in views:
             v.close()

@@ -184,10 +184,13 @@ class RingBase(_Core):
 
     # ------------------------------------------------------------------ consumer
     def readable(self) -> bool:
-        """True when the tail is ahead of the head (records claimed, maybe not yet committed)."""
+        """True when the tail is ahead of the head (records claimed, maybe not yet committed);
+        not for a garbage tail already dropped (flush mode leaves it to its producer: a reader
+        woken by it would spin until the producer's next push)."""
         if self._flushing:
             self.mem.invalidate(self._tail_at, 8)
-        return self._tail.load(ACQUIRE) != self._head_local
+        tail = self._tail.load(ACQUIRE)
+        return tail != self._head_local and tail != self._garbage_tail
 
     def _poll_py(self, handler: Callable[[memoryview], object], limit: int = 1 << 30) -> int:
         """Hand up to ``limit`` committed payloads to ``handler`` in order, then free their space.

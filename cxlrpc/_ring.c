@@ -420,7 +420,10 @@ static PyObject *core_readable(RingCore *self, PyObject *unused) {
         return NULL;
     if (self->lines != NULL && counter_fetched(self, CXLRPC_SITE_RING_POLL_TAIL, self->tail_at) < 0)
         return NULL;
-    return PyBool_FromLong(load_acq(self, self->tail_at) != self->head_local);
+    uint64_t tail = load_acq(self, self->tail_at);
+    if (!sane(tail)) /* garbage: the reference knows whether it was dropped already */
+        return to_reference(self, s_readable_py, NULL, 0, NULL);
+    return PyBool_FromLong(tail != self->head_local);
 }
 
 /* The C API's poll (see _ring_api.h): NotImplemented where the ring keeps to its reference. */

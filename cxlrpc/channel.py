@@ -391,6 +391,10 @@ class ServerChannel(_ServerWords):
         pid, local = pinned[1:] if pinned is not None and pinned[0] == gen else (0, False)
         return _reaped(slot, gen, pid, local, self._pids)
 
+    def fenced(self, slot: int, gen: int) -> None:
+        """Nothing kept: a slot here is claimed by its client's own CAS, and what a reaped
+        holder may still write is refused by generation (frames) and revoked claims (pushes)."""
+
     def _holder(self, slot: int, gen: int) -> tuple[int, bool]:
         """The holder's PID and whether it shares our host identity, as it published them at
         attach and pinned from then on (a stray write to those words later changes nothing:
@@ -665,8 +669,11 @@ _F_GRANT = 0       # the server's line: nonce << 32 | generation << 1 | held
 _F_HOLDER = 128    # the holder's line: heartbeat, generation, released generation, identity, pid
 _F_BEAT, _F_GEN, _F_RELEASED, _F_IDENTITY, _F_PID = 128, 136, 144, 152, 160
 _F_PARKED = 256    # the holder's doorbell word (it alone writes it: nobody rings across hosts)
-_F_KNOCK = 384     # claimants' mailbox: the nonce of whoever asks for the slot last
+_F_KNOCK = 384     # claimants' mailbox: nonce << 32 | free period, of whoever asks for the slot last
 _GEN_MASK = 0x7FFFFFFF
+#: A knock's free period: the generation of the slot's last grant, as the grant word said
+#: when the claimant knocked (a knock of an earlier period is stale: never granted).
+_KNOCK_PERIOD = _GEN_MASK
 #: Seconds a claimant goes on looking while every slot is held (the server frees a released
 #: slot at its next look, within ~0.1 s) before it reports the table full.
 FULL_PATIENCE = 0.5
@@ -772,8 +779,11 @@ class FlushServerChannel(_ServerWords):
                                      wake_address(region.epoch, "server"), poll_interval)
         self.bell.remote_peers = True  # nobody can wake us across hosts: poll
         self._held = [-1] * geo.slots  # generation granted, or -1 (we alone write the grant)
-        self._gens = [0] * geo.slots
-        self._nonces = [0] * geo.slots  # the knock last granted (a stale knock is not a new one)
+        self._gens = [0] * geo.slots  # the generation last granted: a free slot's knock period
+        self._nonces = [0] * geo.slots  # the knock last granted
+        #: per slot, the generation of a holder reaped for its stale heartbeat and not yet
+        #: fenced (-1: none): the slot is granted to nobody meanwhile (see ``_free``)
+        self._quarantined = [-1] * geo.slots
         self._liveness = [Liveness(0.0) for _ in range(geo.slots)]
         self._pids = [PidWatch() for _ in range(geo.slots)]  # holders that share our identity
         self.seen: list[int | None] = [None] * geo.slots
@@ -813,10 +823,14 @@ class FlushServerChannel(_ServerWords):
             base = geo.slot(i)
             gen = self._held[i]
             if gen < 0:
-                mem.invalidate(base + _F_KNOCK, 8)
-                nonce = load(base + _F_KNOCK, ACQUIRE)
-                if 0 < nonce <= _NONCE_MASK and nonce != self._nonces[i]:
-                    self._grant(i, nonce)
+                if self._quarantined[i] < 0:
+                    mem.invalidate(base + _F_KNOCK, 8)
+                    knock = load(base + _F_KNOCK, ACQUIRE)
+                    # a knock counts only in the free period it was made in (the one after
+                    # the generation last granted): an older one is a claimant's that lost
+                    # the race or landed after the grant, and nobody waits for it any more
+                    if knock >> 32 and knock & _KNOCK_PERIOD == self._gens[i]:
+                        self._grant(i, knock >> 32)
                 continue
             mem.invalidate(base + _F_HOLDER, 40)
             beat = load(base + _F_BEAT, ACQUIRE)
@@ -826,15 +840,16 @@ class FlushServerChannel(_ServerWords):
             local = ours and load(base + _F_IDENTITY, ACQUIRE) == self.identity
             pid = load(base + _F_PID, ACQUIRE) if local else 0
             if ours and load(base + _F_RELEASED, ACQUIRE) == gen:
-                departed.append(Departure(i, gen, DETACHED))
+                gone = Departure(i, gen, DETACHED)
             elif local and self._pids[i].dead(pid):
-                departed.append(Departure(i, gen, DEAD))
+                gone = Departure(i, gen, DEAD)
             elif live.stale(beat, now):
-                departed.append(_reaped(i, gen, pid, local, self._pids))
+                gone = _reaped(i, gen, pid, local, self._pids)
             else:
                 in_process = in_process or pid == os.getpid()
                 continue
-            self._free(i, gen)
+            departed.append(gone)
+            self._free(i, gen, gone.how == REAPED)
         self.peers_in_process = in_process
         return departed
 
@@ -846,13 +861,29 @@ class FlushServerChannel(_ServerWords):
         self.seen[slot] = gen
         self.requests.active.append(self.request_rings[slot])
 
-    def _free(self, slot: int, gen: int) -> None:
-        self._publish_grant(slot, _grant_word(self._nonces[slot], gen, False))
+    def _free(self, slot: int, gen: int, quarantine: bool) -> None:
+        """Take the slot from its holder: free for the next knock at once when it released
+        the slot or died; when it was reaped for its stale heartbeat it may only be frozen, and
+        resume the stores it was making (its heartbeat, holder line, request ring's tail and
+        data, reply ring's head) after a check that found the slot still its own: the slot is
+        then granted to nobody (held, nonce 0: claimants pass it by) until ``fenced``."""
+        if quarantine:
+            self._quarantined[slot] = gen
+            self._publish_grant(slot, _grant_word(0, gen, True))
+        else:
+            self._publish_grant(slot, _grant_word(self._nonces[slot], gen, False))
         self._held[slot] = -1
         self._liveness[slot].forget()
         self._pids[slot].close()
         self.seen[slot] = None
         self.requests.active.remove(self.request_rings[slot])
+
+    def fenced(self, slot: int, gen: int) -> None:
+        """The reaped holder ``gen`` of ``slot`` can no longer write (``cxlrpc.fencing``):
+        its quarantined slot is free for the next knock."""
+        if 0 <= slot < self.geo.slots and self._quarantined[slot] == gen and not self.closed:
+            self._quarantined[slot] = -1
+            self._publish_grant(slot, _grant_word(self._nonces[slot], gen, False))
 
     def _publish_grant(self, slot: int, word: int) -> None:
         at = self.geo.slot(slot) + _F_GRANT
@@ -975,11 +1006,14 @@ class FlushClientChannel(_ServerWatch):
         mem = self.region.mem
         self._knocked = -1
         for slot in self._candidates:
-            if self._grant(slot) & 1:
+            word = self._grant(slot)
+            if word & 1:
                 continue
             self._nonce = secrets.randbelow(_NONCE_MASK) + 1
             at = self.geo.slot(slot) + _F_KNOCK
-            mem.store(at, self._nonce, RELEASE)
+            # stamped with the free period seen (the generation the grant word names): the
+            # server grants it in that period only, never after the slot changed hands
+            mem.store(at, self._nonce << 32 | (word >> 1) & _KNOCK_PERIOD, RELEASE)
             mem.writeback(at, 8)
             self._knocked = slot
             self._full_since = None

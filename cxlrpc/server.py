@@ -76,9 +76,10 @@ class Server:
     ``ServerInterceptor``); the reserved ``cxlrpc.*`` methods bypass them.
 
     ``fence_timeout``: a client reaped for a stale heartbeat (``client_timeout``) may only be
-    frozen; what it held (its heap extents) is handed to others only once it is *fenced*
-    (``on_fenced``): when its process exits (same host), or ``fence_timeout`` seconds
-    after it was reaped when it runs on another host (or its PID cannot be watched).
+    frozen; what it held (its heap extents; in flush mode its slot too) is handed to others
+    only once it is *fenced* (``on_fenced``): when its process exits (same host), or
+    ``fence_timeout`` seconds after it was reaped when it runs on another host (or its PID
+    cannot be watched).
 
     What one client may make the server hold is bounded per connection, each overflow answered
     RESOURCE_EXHAUSTED to that client alone (see ``cxlrpc.bounds.Limits``): replies held
@@ -283,6 +284,7 @@ class Server:
         self._replies.attach(chan, heap, follow_min, body_limit)
         self._bodies.attach(heap, follow_min, loop)
         self._streams.attach(chan)
+        self._departures.attach(chan)
         self._calls.attach(chan, heap, (geo.heap, geo.heap_size), follow_min, body_limit, loop)
         self._reader = loop.create_task(ServeLoop(
             chan, self.strategy, self.client_timeout, self.url, self._cuts, self._calls, self._replies,

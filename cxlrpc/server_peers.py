@@ -28,6 +28,11 @@ class Departures:
         self._tasks, self._replies, self._bodies = tasks, replies, bodies
         self.on_disconnect: list[Callable[[Peer], None]] = []
         self.on_fenced: list[Callable[[Peer], None]] = []
+        self._chan: ServerTransport | None = None
+
+    def attach(self, chan: ServerTransport) -> None:
+        """Serve ``chan`` (start()): it is told of each fence too (``ServerTransport.fenced``)."""
+        self._chan = chan
 
     def housekeeping(self, chan: ServerTransport, client_timeout: float, now: float) -> None:
         """Reap the clients that stopped beating; fence the departed ones that can no longer write."""
@@ -58,8 +63,11 @@ class Departures:
             self.fenced(peer)
 
     def fenced(self, peer: Peer) -> None:
-        """A departed holder can no longer write into the region: free what it held, then
-        tell the on_fenced callbacks."""
+        """A departed holder can no longer write into the region: free what it held (its
+        heap extents; its slot, where the transport kept it from new holders), then tell the
+        on_fenced callbacks."""
+        if self._chan is not None:
+            self._chan.fenced(peer.slot, peer.gen)
         self._bodies.fenced(peer.slot, peer.gen)
         for callback in self.on_fenced:
             try:

@@ -184,6 +184,10 @@ class ServerTransport(Protocol):
         """Write back what the slot's holder, dead on this host, may have left dirty in this
         host's caches (memory without coherence; a no-op elsewhere), before the slot is reused."""
 
+    def fenced(self, slot: int, gen: int) -> None:
+        """The departed holder ``gen`` of ``slot`` can no longer write into the region
+        (``cxlrpc.fencing``): what the transport kept from new holders for it may be handed on."""
+
     def ring_client(self, slot: int, gen: int) -> None:
         """Wake the holder ``gen`` of ``slot`` if it sleeps (something was pushed for it)."""
 

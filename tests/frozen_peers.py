@@ -67,3 +67,53 @@ def frozen_client_main(url: str, how: str, size: int, seed: int, results) -> Non
             await asyncio.sleep(3600)
 
     asyncio.run(main())
+
+
+def zombie_holder_main(url: str, conn) -> None:
+    """A flush-mode holder frozen between its checks and its stores: attach, beat, and on
+    ``"freeze"`` from ``conn`` push a request whose grant check passes, then stop (SIGSTOP)
+    before the ring is written; once resumed (SIGCONT), beat -- its heartbeat thread had
+    found the slot still its own -- and finish the push. Reports ("held", slot, gen) once
+    granted and ("resumed", pushed, holds) after; then waits to be killed (no detach)."""
+    os.environ["CXLRPC_NO_NATIVE"] = "1"
+    from cxlrpc.channel import client_channel
+    from cxlrpc.region import Region
+    from cxlrpc.ring.mpsc import ClaimRevoked
+
+    chan = client_channel(Region.open(url))
+    while not chan.acknowledged():
+        time.sleep(0.002)
+    conn.send(("held", chan.slot, chan.gen))
+    while not conn.poll(0.05):
+        chan.beat()
+    conn.recv()
+    ring = chan.requests
+    push = ring.try_push_parts
+
+    def checked_then_frozen(parts) -> bool:
+        os.kill(os.getpid(), signal.SIGSTOP)  # (the grant check passed: reaped while stopped)
+        chan.beat()
+        return push(parts)
+
+    ring.try_push_parts = checked_then_frozen
+    try:
+        pushed = chan.push([b"zombie!!" * 8])
+    except ClaimRevoked:
+        pushed = None
+    conn.send(("resumed", pushed, chan.holds_slot()))
+    while True:
+        time.sleep(3600)
+
+
+def holder_main(url: str, conn) -> None:
+    """A flush-mode holder: attach, report ("held", slot, gen) once granted, then wait to be
+    killed (no detach, no beat: the server learns of its death by its PID)."""
+    from cxlrpc.channel import client_channel
+    from cxlrpc.region import Region
+
+    chan = client_channel(Region.open(url))
+    while not chan.acknowledged():
+        time.sleep(0.002)
+    conn.send(("held", chan.slot, chan.gen))
+    while True:
+        time.sleep(3600)

@@ -24,7 +24,8 @@ CHANNEL = Path(__file__).resolve().parents[1] / "cxlrpc" / "channel.py"
 FLUSH_CLASSES = ("FlushServerChannel", "FlushClientChannel")
 #: Calls whose removal another call masks: the holder's line is one cache line, and its first
 #: heartbeat writes it back whole ~0.1 s later; a closing server also marks the region header
-#: closed (written back), which clients read as well.
+#: closed (written back), which clients read as well. Each fails a channel scenario of its own
+#: in tests/test_flush_sites.py.
 MASKED = {"FlushClientChannel._take", "FlushServerChannel.close", "FlushClientChannel._server_state"}
 #: Calls only a dead writer's dirty lines make load-bearing, which this scenario has none of
 #: (tests/test_flush_dead_writers.py removes them, with the simulator's LIMBO on).

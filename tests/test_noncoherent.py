@@ -97,6 +97,75 @@ def test_spsc_transfer_is_exact_under_the_simulator(name, gate, eviction):
         region.close()
 
 
+def test_a_consumer_leaves_a_garbage_tail_it_cannot_adopt_to_its_producer(name, monkeypatch):
+    """Flush mode: a misaligned tail (garbage) is dropped, never written by the consumer. Its
+    store there (a CAS back to its head) would stay dirty in its cache and be written back
+    by its next invalidate of the tail, over the tail the producer published meanwhile: the
+    record that tail published would be hidden until another push (a caller waiting for its
+    reply would wait for ever). Three mappings, three caches: producer, consumer, a stray
+    writer."""
+    import cxlrpc.simulator
+    from cxlrpc.ring.record import TAIL_OFFSET
+
+    monkeypatch.setattr(cxlrpc.simulator, "EVICTION_RATE", 0.0)  # a forgotten line stays so
+    region = _ring_region(f"sim://{name}")
+    off = ring_offsets(CAPACITY)[0]
+    views = [Region.open(region.url) for _ in range(3)]
+    try:
+        producer, consumer = (SpscRing(v.buf, v.mem, off, CAPACITY) for v in views[:2])
+        assert producer.try_push(b"first") and consumer.pop() == b"first"
+        stray = views[2].mem
+        stray.store(off + TAIL_OFFSET, producer._tail_local + 3, RELEASE)
+        stray.writeback(off + TAIL_OFFSET, 8)
+        assert consumer.pop() is None and consumer.dropped == 1
+        assert producer.try_push(b"second")  # republishes the producer's tail
+        got = [consumer.pop() for _ in range(3)]
+        assert got[0] == b"second", got
+        assert consumer.dropped == 1
+        # a garbage tail dropped is not readable: a reader woken by it would spin (the
+        # reader task, livelocked, starved its event loop) until the producer's next push
+        stray.store(off + TAIL_OFFSET, producer._tail_local + 5, RELEASE)
+        stray.writeback(off + TAIL_OFFSET, 8)
+        assert consumer.pop() is None and consumer.dropped == 2
+        assert not consumer.readable()
+        assert producer.try_push(b"third") and consumer.readable() and consumer.pop() == b"third"
+    finally:
+        for v in views:
+            v.close()
+        region.unlink()
+        region.close()
+
+
+def test_an_mpsc_consumer_never_writes_the_tail_over_memory_without_coherence(name, monkeypatch):
+    """The MPSC consumer's repair of a garbage tail (a CAS back to its head) is for coherent
+    memory: over memory without coherence the CAS would land in its cache and be written back
+    whole by its next invalidate, a second writer of the producers' line. Memory keeps the
+    garbage tail the consumer saw (the ring's producers, not it, own that line)."""
+    import cxlrpc.simulator
+    from cxlrpc.ring import MpscRing
+    from cxlrpc.ring.record import TAIL_OFFSET
+
+    monkeypatch.setattr(cxlrpc.simulator, "EVICTION_RATE", 0.0)
+    region = _ring_region(f"sim://{name}")
+    off = ring_offsets(CAPACITY)[0]
+    views = [Region.open(region.url) for _ in range(2)]
+    try:
+        consumer = MpscRing(views[0].buf, views[0].mem, off, CAPACITY)
+        stray = views[1].mem
+        stray.store(off + TAIL_OFFSET, 12345, RELEASE)  # misaligned: garbage
+        stray.writeback(off + TAIL_OFFSET, 8)
+        for _ in range(2):  # (the second poll's invalidate writes back what the first stored)
+            assert consumer.poll(lambda view: None) == 0
+        stray.invalidate(off + TAIL_OFFSET, 8)
+        assert stray.load(off + TAIL_OFFSET, ACQUIRE) == 12345
+        assert consumer.dropped == 1
+    finally:
+        for v in views:
+            v.close()
+        region.unlink()
+        region.close()
+
+
 def test_rings_over_memory_without_coherence_never_wrap_early(name):
     """A producer over flushed memory keeps to the plain wrap: an early wrap's padding spans
     most of the ring, and its span would be written back (and invalidated) whole."""

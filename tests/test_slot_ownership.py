@@ -176,7 +176,9 @@ def test_flush_claimant_whose_grant_was_withdrawn_gets_a_slot_again(name):
     within client_timeout (the claimant was slow to look: a loaded host). The claimant then
     reads its own nonce in a grant word that is not held, takes it for "not looked yet" and
     waits for ever -- the server never grants the same knock twice -- although the server is
-    alive and the slot is free. It must knock again (and be granted) instead."""
+    alive and the slot is free. It must knock again (and be granted) instead, once the slot is
+    out of quarantine: a grant reaped unanswered is fenced like any reaped holder (its claimant
+    may be frozen between reading the grant and writing the slot's lines)."""
     url = f"sim://{name}"
     region, server = _server(url, slots=1, coherence="flush")
     try:
@@ -184,10 +186,15 @@ def test_flush_claimant_whose_grant_was_withdrawn_gets_a_slot_again(name):
         client = client_channel(rc)
         t = time.monotonic()
         server.reap(1.0, t)  # grants the knock
-        assert server.slot_generation(0) > 0
+        gen = server.slot_generation(0)
+        assert gen > 0
         server.reap(1.0, t + 0.5)
         server.reap(1.0, t + 2.0)  # no beat for client_timeout: freed
         assert server.slot_generation(0) < 0
+        client.acknowledged()  # sees the grant withdrawn: knocks anew, on no slot yet
+        server.reap(1.0, time.monotonic())
+        assert server.slot_generation(0) < 0, "a quarantined slot was granted before its fence"
+        server.fenced(0, gen)  # (the server's fencing layer, after fence_timeout)
         deadline = time.monotonic() + 3
         ok = False
         while time.monotonic() < deadline:

@@ -131,6 +131,7 @@ class RingBase(_Core):
         self.dropped = 0  # corrupt records or counters the consumer discarded
         self._holds: dict[str, tuple[int, float]] = {}  # kind -> (position, until): see _waiting
         self._jumped_to: int | None = None  # a claim _past_corrupt stopped at (not a record seen)
+        self._garbage_tail = -1  # flush mode: the garbage tail last dropped (counted once)
 
     def reset(self) -> None:
         """Zero counters and data: only while no peer uses the ring (creation)."""
@@ -187,10 +188,13 @@ class RingBase(_Core):
 
     # ------------------------------------------------------------------ consumer
     def _readable_py(self) -> bool:
-        """True when the tail is ahead of the head (records claimed, maybe not yet committed)."""
+        """True when the tail is ahead of the head (records claimed, maybe not yet committed);
+        not for a garbage tail already dropped (flush mode leaves it to its producer: a reader
+        woken by it would spin until the producer's next push)."""
         if self._flushing:
             self.mem.invalidate(self._tail_at, 8)
-        return self._tail.load(ACQUIRE) != self._head_local
+        tail = self._tail.load(ACQUIRE)
+        return tail != self._head_local and tail != self._garbage_tail
 
     #: ``readable()``: the native twin of the method above where it is built.
     readable = _native.RingCore.readable if _native is not None else _readable_py
@@ -358,12 +362,24 @@ class RingBase(_Core):
         and the tail moved back to the head with a CAS, so a concurrent claim wins; not while
         a live producer still writes a claim (anywhere: the tail was garbage), whose late copy
         would land in a record that reuses that space, for as long as the hold lasts.
+
+        Memory without coherence: the tail's line is the producer's alone (the consumer's
+        store would land whole over the producer's next tail, written back from its cache by
+        its next invalidate, and hide the records that tail published): an unadoptable tail is
+        dropped once and left to its producer, who republishes it with its next push. (An MPSC
+        ring does not run there: its claims are read-modify-writes of the tail.)
         """
         head = self._head_local
         if not self._multi_producer and not tail & 7 and tail < COUNTER_LIMIT:
             self.dropped += 1
             self._head_local = tail
             self._store_head(tail)
+            return
+        if self._flushing:
+            if tail != self._garbage_tail:
+                self._garbage_tail = tail
+                self.dropped += 1
+                self._store_head(head)  # (our own counter: repaired, in case it was hit too)
             return
         if self._multi_producer:
             if self._claims() and self._waiting("tail", head):

@@ -131,7 +131,7 @@ async def revoke(client, url: str) -> str:
         deadline = time.monotonic() + 10 * CLIENT_TIMEOUT
         while True:
             other.mem.invalidate(grant_at, 8)
-            if not other.mem.load(grant_at, ACQUIRE) & 1:
+            if other.mem.load(grant_at, ACQUIRE) != chan._word:  # freed (or quarantined: held by nobody)
                 break
             if time.monotonic() > deadline:
                 return "fail revoke: the server never freed the frozen client's slot"

@@ -631,14 +631,16 @@ class PendingPut:
     def __init__(self, view: memoryview, commit: Callable[[], Any], abort: Callable[[], Any],
                  written: Callable[[], None] = fence,
                  claimed: Callable[[], bool] = lambda: True,
-                 pending: "set[PendingPut] | None" = None) -> None:
+                 pending: "set[PendingPut] | None" = None,
+                 given_back: Callable[[], None] | None = None) -> None:
         self._view = view
         self.size = len(view)
         self._commit = commit
         self._abort = abort
-        #: writes the bytes back and fences (Pool.written): before the commit that publishes
-        #: them, and before an abort or a close frees the block (Pool.given_back says why)
+        #: writes the bytes back and fences (Pool.written): before the commit that publishes them
         self._written = written
+        #: the same before an abort or a close frees the block (Pool.given_back says why)
+        self._given_back = written if given_back is None else given_back
         self._claimed = claimed  # whether the block is still this put's (Pool.claimed)
         #: the client's puts still pending, which its close gives back (memory without
         #: coherence only: None where nothing is to be written back)
@@ -668,14 +670,14 @@ class PendingPut:
         """Drop the reservation (a coroutine on the asyncio client); the view is released,
         and what was written through it written back first (Pool.given_back)."""
         self._end()
-        self._written()
+        self._given_back()
         return self._abort()
 
     def _abandon(self) -> None:
         """The client closes with this put pending (the server frees its block as it departs):
         write back what was written (Pool.given_back) and release the view."""
         self._end()
-        self._written()
+        self._given_back()
 
     def _end(self) -> None:
         if self._pending is not None:

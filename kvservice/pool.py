@@ -269,7 +269,7 @@ class Pool:
         self.leased: Callable[[int, int, int, LeaseOwner, int], Block] = self._leased
         #: kvservice._block's Leaser: leases, and in flush mode a put's copy and write-backs
         #: too (None: the reference does them)
-        self._leaser: Leaser[Block, LeaseOwner] | None = None
+        self._leaser: Leaser[Any, LeaseOwner] | None = None  # (Any: to mypy Block is the reference)
         lines = region.mem.lines
         if _native is not None and (not region.mem.flushing or lines is not None):
             self._leaser = _native.Leaser(Block if lines is None else FlushBlock, self._readable, self,

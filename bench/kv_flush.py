@@ -8,7 +8,10 @@ section of ``python -m bench`` does), the same reading the whole value (``get+re
 view compared with what was put), and a copy into a preallocated buffer (``get_into``). Every
 read is verified against the value put (8 keys per size, each its own bytes): in ``get`` and
 ``get_into`` after the clock stops (the lease still held), in ``get+read`` on the clock. The
-table: per mode, the median across rounds of each round's p50 and p99, and flush / hardware.
+``block`` rows time the client's block alone, no RPC: ``Pool.leased`` of a lease a get
+returned, then ``view()`` and one byte read and release (``block view``), or a copy out
+(``block copy``: ``copy_into``), verified the same way. The table: per mode, the median
+across rounds of each round's p50 and p99, and flush / hardware.
 On this machine's coherent memory flush mode's write-backs and invalidations are real
 instructions: a lower bound of their cost on memory without coherence.
 """
@@ -28,7 +31,7 @@ from pool_connect import serving
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = {"4K": 4 * KiB, "64K": 64 * KiB, "1M": MiB}
-KINDS = ("get", "get+read", "get_into")
+KINDS = ("get", "get+read", "get_into", "block view", "block copy")
 OPS = tuple(f"{kind} {size}" for size in SIZES for kind in KINDS)
 MODES = ("hardware", "flush")
 
@@ -39,6 +42,13 @@ async def _measure(url: str, n: int) -> dict[str, list[int]]:
     out: dict[str, list[int]] = {op: [] for op in OPS}
     clock = time.perf_counter_ns
     kv = await KVClient.connect(url)
+    leases: dict[int, tuple[int, int, int]] = {}  # per block size: (offset, size, version) of a get
+    leased = kv.pool.leased
+
+    def recorded(offset: int, size: int, version: int, owner: object, lease_id: int) -> object:
+        leases[size] = (offset, size, version)
+        return leased(offset, size, version, owner, lease_id)
+    kv.pool.leased = recorded
     try:
         for label, size in SIZES.items():
             values = [os.urandom(size) for _ in range(8)]
@@ -68,10 +78,29 @@ async def _measure(url: str, n: int) -> dict[str, list[int]]:
                 into = clock() - t0
                 if buf != want:
                     raise AssertionError(f"get_into {label}: wrong bytes")
+                with await kv.get(key) as held:  # the lease the block rows use is held meanwhile
+                    t0 = clock()
+                    block = leased(*leases[size], None, 0)
+                    view = block.view()
+                    view[0]
+                    t1 = clock()
+                    if view.tobytes() != want:
+                        raise AssertionError(f"block view {label}: wrong bytes")
+                    t2 = clock()
+                    block.release()
+                    alone = t1 - t0 + clock() - t2
+                    t0 = clock()
+                    with leased(*leases[size], None, 0) as block:
+                        block.copy_into(buf)
+                    copied = clock() - t0
+                    if buf != want or held.size != size:
+                        raise AssertionError(f"block copy {label}: wrong bytes")
                 if i >= n // 5:
                     out[f"get {label}"].append(get)
                     out[f"get+read {label}"].append(read)
                     out[f"get_into {label}"].append(into)
+                    out[f"block view {label}"].append(alone)
+                    out[f"block copy {label}"].append(copied)
     finally:
         await kv.close()
     return out

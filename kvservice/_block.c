@@ -20,7 +20,11 @@
  * line with a full fence, then loads it (BLOCK_VERSION). A writer: a copied value is streamed
  * into its block (non-temporal stores: nothing left to write back, BLOCK_STREAM) and one store
  * fence follows; a block written in place is written back with one store fence before its
- * commit (BLOCK_WRITE) or before it is given back unpublished (BLOCK_GIVEN_BACK). */
+ * commit (BLOCK_WRITE) or before it is given back unpublished (BLOCK_GIVEN_BACK). A read of a
+ * version whose block this mapping invalidated already (the Leaser's memo) invalidates only the
+ * version's line: lines it cached since were fetched after that version's commit, and the
+ * block's bytes change only with a new version (clflushopt drops a line from every cache of
+ * the host, so another process's copies are as fresh). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
@@ -36,6 +40,30 @@
 static PyObject *s_release, *s_owner_release, *s_holds, *s_lease_expired;
 static cxlrpc_flush_api *flush_api; /* cxlrpc._flush's C API, imported by the first flush Leaser */
 
+/* Flush mode: a block this mapping invalidated while it held ``version`` (under a lease, so after
+ * that version's commit): a copy of its lines cached since is that version's, which stays in the
+ * block until the version entry changes. A later read of the same version checks the entry
+ * (BLOCK_VERSION) and skips the block's invalidation. Direct-mapped by the block's unit. */
+#define MEMO_SLOTS 1024
+typedef struct {
+    uint64_t unit;       /* the block's first unit + 1 (0: an empty slot) */
+    uint64_t version;
+    Py_ssize_t size;     /* the bytes invalidated from the block's start */
+} memo_entry;
+
+typedef struct {
+    PyObject_HEAD
+    PyTypeObject *block_type;  /* BlockType or a subclass of it */
+    PyObject *readable;        /* the pool's data, read-only, a memoryview starting at data */
+    PyObject *pool;
+    PyObject *reference;       /* the pool's own leased(): takes every lease this refuses */
+    Py_ssize_t capacity, alignment;
+    Py_ssize_t table;          /* the version table's offset in the region */
+    Py_ssize_t data;           /* the data's offset in the region */
+    PyObject *lines;           /* flush mode: the region's cxlrpc._flush.Lines; NULL: coherent */
+    memo_entry *memo;          /* flush mode: MEMO_SLOTS of them; NULL: coherent */
+} Leaser;
+
 typedef struct {
     PyObject_HEAD
     PyObject *view;        /* the value, read-only; NULL once released */
@@ -48,6 +76,8 @@ typedef struct {
     Py_ssize_t entry;      /* the version entry's offset in the pool's region (pool.holds) */
     const uint64_t *word;  /* that entry in this mapping, read while view is held; NULL: ask pool */
     PyObject *lines;       /* flush mode: the region's cxlrpc._flush.Lines; NULL: coherent */
+    Leaser *leaser;        /* flush mode: its memo of invalidated blocks (a reference) */
+    uint64_t unit;         /* flush mode: the block's first unit in the pool */
     uint64_t version_u;
     int version_ok;        /* version fits a table entry; if not, it never matches one */
     int fresh;             /* flush mode: the block's lines were invalidated for a view */
@@ -63,6 +93,7 @@ static int block_traverse(BlockObject *self, visitproc visit, void *arg) {
     Py_VISIT(self->pool);
     Py_VISIT(self->version);
     Py_VISIT(self->lines);
+    Py_VISIT(self->leaser);
     return 0;
 }
 
@@ -74,6 +105,7 @@ static int block_clear(BlockObject *self) {
     Py_CLEAR(self->pool);
     Py_CLEAR(self->version);
     Py_CLEAR(self->lines);
+    Py_CLEAR(self->leaser);
     return 0;
 }
 
@@ -178,6 +210,27 @@ static inline cxlrpc_lines *open_lines(BlockObject *self) {
     return l != NULL && l->base != NULL ? l : NULL;
 }
 
+/* Flush mode: the memo's slot for this block, or NULL. */
+static inline memo_entry *memo_slot(BlockObject *self) {
+    return self->leaser != NULL && self->version_ok ? &self->leaser->memo[self->unit % MEMO_SLOTS] : NULL;
+}
+
+/* Whether this mapping invalidated the block's lines while it held this version already. */
+static inline int memo_fresh(BlockObject *self) {
+    memo_entry *m = memo_slot(self);
+    return m != NULL && m->unit == self->unit + 1 && m->version == self->version_u && m->size >= self->size;
+}
+
+/* Note that this block's lines were invalidated under its lease (its check since passed). */
+static inline void memo_note(BlockObject *self) {
+    memo_entry *m = memo_slot(self);
+    if (m != NULL) {
+        m->unit = self->unit + 1;
+        m->version = self->version_u;
+        m->size = self->size;
+    }
+}
+
 /* 1 if the pool still holds this block's value, 0 if not, -1 on error. */
 static int block_holds(BlockObject *self) {
     if (self->pool == Py_None)
@@ -241,16 +294,23 @@ static PyObject *block_view(BlockObject *self, PyObject *unused) {
         return NULL;
     }
     cxlrpc_lines *l;
+    int noted = 0;
     if (!self->fresh && (l = open_lines(self)) != NULL && view_live(self->view)) {
-        /* flush mode, a first view: drop any stale copy of the block's lines; the check's
-         * full fence orders it before the reads through the view */
-        if (lines_invalidate(l, CXLRPC_SITE_BLOCK_READ, PyMemoryView_GET_BUFFER(self->view)->buf,
-                             (size_t)self->size, CXLRPC_NO_FENCE) < 0)
-            return NULL;
+        /* flush mode, a first view: drop any stale copy of the block's lines (unless this
+         * mapping did for this version already); the check's full fence orders it before the
+         * reads through the view */
+        if (!memo_fresh(self)) {
+            if (lines_invalidate(l, CXLRPC_SITE_BLOCK_READ, PyMemoryView_GET_BUFFER(self->view)->buf,
+                                 (size_t)self->size, CXLRPC_NO_FENCE) < 0)
+                return NULL;
+            noted = 1;
+        }
         self->fresh = 1;
     }
     if (block_check_(self) < 0)
         return NULL;
+    if (noted)
+        memo_note(self);
     Py_INCREF(self->view);
     return self->view;
 }
@@ -275,15 +335,21 @@ static int lines_copy(BlockObject *self, char *dst) {
     if (PyObject_GetBuffer(self->view, &src, PyBUF_SIMPLE) < 0)
         return -1;
     const char *from = (const char *)src.buf;
-    int rc = 0;
-    for (Py_ssize_t at = 0, step; rc == 0 && at < self->size; at += step) {
+    int rc = 0, fresh = memo_fresh(self);
+    if (fresh)  /* this mapping invalidated the block for this version: what it caches since is it */
+        copy_span(dst, from, (size_t)self->size);
+    for (Py_ssize_t at = 0, step; !fresh && rc == 0 && at < self->size; at += step) {
         step = self->size - at < BLOCK_CHUNK ? self->size - at : BLOCK_CHUNK;
         rc = lines_invalidate(l, CXLRPC_SITE_BLOCK_READ, from + at, (size_t)step, CXLRPC_FULL_FENCE);
         if (rc == 0)
             copy_span(dst + at, from + at, (size_t)step);
     }
     PyBuffer_Release(&src);
-    return rc < 0 ? -1 : block_check_(self);
+    if (rc < 0 || block_check_(self) < 0)
+        return -1;
+    if (!fresh)
+        memo_note(self);
+    return 0;
 }
 
 /* _copy_into_lines(out): flush mode's copy_into (the value into the writable buffer out). */
@@ -436,18 +502,6 @@ static PyTypeObject BlockType = {
 
 /* ------------------------------------------------------------------------ the pool's leased() */
 
-typedef struct {
-    PyObject_HEAD
-    PyTypeObject *block_type;  /* BlockType or a subclass of it */
-    PyObject *readable;        /* the pool's data, read-only, a memoryview starting at data */
-    PyObject *pool;
-    PyObject *reference;       /* the pool's own leased(): takes every lease this refuses */
-    Py_ssize_t capacity, alignment;
-    Py_ssize_t table;          /* the version table's offset in the region */
-    Py_ssize_t data;           /* the data's offset in the region */
-    PyObject *lines;           /* flush mode: the region's cxlrpc._flush.Lines; NULL: coherent */
-} Leaser;
-
 static int leaser_traverse(Leaser *self, visitproc visit, void *arg) {
     Py_VISIT(self->block_type);
     Py_VISIT(self->readable);
@@ -469,6 +523,7 @@ static int leaser_clear(Leaser *self) {
 static void leaser_dealloc(Leaser *self) {
     PyObject_GC_UnTrack(self);
     leaser_clear(self);
+    PyMem_Free(self->memo);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -523,6 +578,10 @@ static PyObject *leaser_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
     self->table = table;
     self->data = data;
     if (lines != Py_None) {
+        if ((self->memo = PyMem_Calloc(MEMO_SLOTS, sizeof(memo_entry))) == NULL) {
+            Py_DECREF(self);
+            return PyErr_NoMemory();
+        }
         Py_INCREF(lines);
         self->lines = lines;
     }
@@ -568,6 +627,9 @@ static PyObject *leaser_lease(Leaser *self, PyObject *const *args, Py_ssize_t na
     if (self->lines != NULL) {
         Py_INCREF(self->lines);
         block->lines = self->lines;
+        Py_INCREF(self);
+        block->leaser = self;
+        block->unit = (uint64_t)unit;
     }
     return (PyObject *)block;
 reference:

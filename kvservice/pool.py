@@ -21,7 +21,8 @@ unpublished: ``Pool.given_back``), a reader invalidates them before reading them
 the server writes back each version entry it sets; blocks are whole lines, so no line has two
 writers. There kvservice._block does it in C (where it built): a copied value is streamed into
 its block (nothing left to write back), a copy out invalidates each chunk right before copying
-it, a zero-copy view invalidates the block once before it is first handed out (see _block.c).
+it, a zero-copy view invalidates the block once before it is first handed out; a version whose
+block this mapping invalidated already is read again with the version check alone (_block.c).
 """
 from __future__ import annotations
 

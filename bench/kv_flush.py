@@ -5,7 +5,10 @@ Each round runs, once per mode (order alternating), a process that starts ``pyth
 serve --coherence MODE`` (256 MiB pool) and times from a KVClient (asyncio), at 4 KiB, 64 KiB
 and 1 MiB: a zero-copy get (``get``: lease, ``view()``, read one byte, release, as the kv
 section of ``python -m bench`` does), the same reading the whole value (``get+read``: the
-view compared with what was put), and a copy into a preallocated buffer (``get_into``). Every
+view compared with what was put), and a copy into a preallocated buffer (``get_into``), of 8
+keys in turn; and ``get first`` / ``get_into first``, of a version just put (untimed), which
+this mapping never read: in flush mode a read of a version already read skips the block's
+invalidation (kvservice._block's memo), a first read pays it. Every
 read is verified against the value put (8 keys per size, each its own bytes): in ``get`` and
 ``get_into`` after the clock stops (the lease still held), in ``get+read`` on the clock. An
 untimed ``exists`` call precedes each timed one: a verification's gap (~100 us at 1 MiB) lets
@@ -34,7 +37,7 @@ from pool_connect import serving
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = {"4K": 4 * KiB, "64K": 64 * KiB, "1M": MiB}
-KINDS = ("get", "get+read", "get_into", "block view", "block copy")
+KINDS = ("get", "get+read", "get_into", "get first", "get_into first", "block view", "block copy")
 OPS = tuple(f"{kind} {size}" for size in SIZES for kind in KINDS)
 MODES = ("hardware", "flush")
 
@@ -84,6 +87,26 @@ async def _measure(url: str, n: int) -> dict[str, list[int]]:
                 into = clock() - t0
                 if buf != want:
                     raise AssertionError(f"get_into {label}: wrong bytes")
+                await kv.put(key, want)  # a new version: one this mapping never read
+                await kv.exists(key)
+                t0 = clock()
+                block = await kv.get(key)
+                view = block.view()
+                view[0]
+                t1 = clock()
+                if view.tobytes() != want:
+                    raise AssertionError(f"get first {label}: wrong bytes")
+                t2 = clock()
+                block.release()
+                first = t1 - t0 + clock() - t2
+                await kv.put(key, want)
+                await kv.exists(key)
+                t0 = clock()
+                if await kv.get_into(key, buf) != size:
+                    raise AssertionError(f"get_into first {label}: wrong size")
+                into_first = clock() - t0
+                if buf != want:
+                    raise AssertionError(f"get_into first {label}: wrong bytes")
                 with await kv.get(key) as held:  # the lease the block rows use is held meanwhile
                     t0 = clock()
                     block = leased(*leases[size], None, 0)
@@ -105,6 +128,8 @@ async def _measure(url: str, n: int) -> dict[str, list[int]]:
                     out[f"get {label}"].append(get)
                     out[f"get+read {label}"].append(read)
                     out[f"get_into {label}"].append(into)
+                    out[f"get first {label}"].append(first)
+                    out[f"get_into first {label}"].append(into_first)
                     out[f"block view {label}"].append(alone)
                     out[f"block copy {label}"].append(copied)
     finally:

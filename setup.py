@@ -9,7 +9,7 @@ from setuptools import Extension, setup
 
 setup(ext_modules=[Extension("cxlrpc._atomic", ["cxlrpc/_atomic.c"], optional=True),
                    Extension("cxlrpc._flush", ["cxlrpc/_flush.c"],
-                             depends=["cxlrpc/_follow.h", "cxlrpc/_copy.h", "cxlrpc/_flush_api.h"],
+                             depends=["cxlrpc/_follow.h", "cxlrpc/_copy.h", "cxlrpc/_flush_api.h", "cxlrpc/_stream.h"],
                              optional=True),
                    Extension("cxlrpc._ring", ["cxlrpc/_ring.c"],
                              depends=["cxlrpc/_ring_api.h", "cxlrpc/_copy.h", "cxlrpc/_flush_api.h"],
@@ -21,4 +21,6 @@ setup(ext_modules=[Extension("cxlrpc._atomic", ["cxlrpc/_atomic.c"], optional=Tr
                              depends=["cxlrpc/_dispatch.h", "cxlrpc/_ring_api.h", "cxlrpc/_follow.h",
                                       "cxlrpc/_copy.h", "cxlrpc/_flush_api.h"],
                              optional=True),
-                   Extension("kvservice._block", ["kvservice/_block.c"], optional=True)])
+                   Extension("kvservice._block", ["kvservice/_block.c"], include_dirs=["cxlrpc"],
+                             depends=["cxlrpc/_flush_api.h", "cxlrpc/_copy.h", "cxlrpc/_stream.h"],
+                             optional=True)])

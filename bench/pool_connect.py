@@ -111,12 +111,14 @@ def _wait_serving(server: subprocess.Popen, timeout: float = _DEADLINE_S) -> Non
 
 
 @contextlib.contextmanager
-def serving(prefix: str, pool_size: int | str, tree: str | None = None) -> Iterator[str]:
+def serving(prefix: str, pool_size: int | str, tree: str | None = None,
+            coherence: str = "hardware") -> Iterator[str]:
     """A ``python -m kvservice serve`` process (from ``tree`` if given) with a pool of
-    ``pool_size``, serving while the block runs: its URL. Ended and its segments removed after."""
+    ``pool_size`` (``coherence``: its --coherence), serving while the block runs: its URL.
+    Ended and its segments removed after."""
     name = f"{prefix}-{uuid.uuid4().hex[:8]}"
     server = subprocess.Popen([sys.executable, "-m", "kvservice", "serve", "--name", name,
-                               "--pool-size", str(pool_size)], env=_env(tree),
+                               "--pool-size", str(pool_size), "--coherence", coherence], env=_env(tree),
                               cwd=tree, stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         _wait_serving(server)

@@ -37,6 +37,7 @@
 #include "_copy.h"
 #include "_flush_api.h"
 #include "_follow.h"
+#include "_stream.h"
 
 #define LINE 64
 
@@ -89,26 +90,6 @@ static PyObject *invalidate(PyObject *self, PyObject *args) {
         line_invalidate((volatile char *)p);
     __asm__ volatile("mfence" ::: "memory");
     Py_RETURN_NONE;
-}
-
-static void copy_streaming(char *dst, const char *src, size_t n) {
-    size_t head = (16 - ((uintptr_t)dst & 15)) & 15;  /* streaming stores need 16-byte alignment */
-    if (head > n)
-        head = n;
-    memcpy(dst, src, head);
-    dst += head, src += head, n -= head;
-    for (; n >= 64; dst += 64, src += 64, n -= 64) {
-        __m128i a = _mm_loadu_si128((const __m128i *)src);
-        __m128i b = _mm_loadu_si128((const __m128i *)(src + 16));
-        __m128i c = _mm_loadu_si128((const __m128i *)(src + 32));
-        __m128i d = _mm_loadu_si128((const __m128i *)(src + 48));
-        _mm_stream_si128((__m128i *)dst, a);
-        _mm_stream_si128((__m128i *)(dst + 16), b);
-        _mm_stream_si128((__m128i *)(dst + 32), c);
-        _mm_stream_si128((__m128i *)(dst + 48), d);
-    }
-    memcpy(dst, src, n);
-    _mm_sfence();  /* streaming stores are weakly ordered: in memory before any later store */
 }
 
 typedef void (*copier)(char *dst, const char *src, size_t n);

@@ -29,7 +29,9 @@
     X(BLOCK_WRITE, "kv block: the block's lines written back before the put is committed")          \
     X(BLOCK_VERSION, "kv block: the block's version line invalidated before it is checked")           \
     X(BODY_WRITE, "heap body: the body's lines written back before its frame is published")           \
-    X(BODY_READ, "heap body: the body's lines invalidated before they are copied out")
+    X(BODY_READ, "heap body: the body's lines invalidated before they are copied out")                \
+    X(BLOCK_STREAM, "kv put: a copied value streamed to memory (skipped: plain stores, left cached)")  \
+    X(BLOCK_GIVEN_BACK, "kv put given back unpublished: the writer's lines written back before it is freed")
 
 #define CXLRPC_SITE_ENUM(name, what) CXLRPC_SITE_##name,
 enum { CXLRPC_SITE_NONE, CXLRPC_FLUSH_SITES(CXLRPC_SITE_ENUM) CXLRPC_SITE_COUNT };

@@ -3,7 +3,9 @@
 from collections.abc import Callable
 from typing import Generic, Protocol, TypeVar, final
 
-from typing_extensions import Self, disjoint_base
+from typing_extensions import Buffer, Self, disjoint_base
+
+from cxlrpc._flush import Lines
 
 class _Owner(Protocol):
     """What ends a lease: ``_release(lease_id, collected)``."""
@@ -31,6 +33,10 @@ class Block:
         """Raise LeaseExpired if the block no longer holds this value."""
     def view(self) -> memoryview: ...
     def _tracked_view(self) -> memoryview: ...
+    def _copy_into_lines(self, out: Buffer, /) -> int:
+        """Flush mode's copy_into: each chunk invalidated right before it is copied, checked after."""
+    def _tobytes_lines(self) -> bytes:
+        """Flush mode's tobytes: each chunk invalidated right before it is copied, checked after."""
     def release(self) -> None: ...
     def __enter__(self) -> Self: ...
     def __exit__(self, *exc: object) -> None: ...
@@ -41,10 +47,16 @@ _O = TypeVar("_O", bound=_Owner)
 
 @final
 class Leaser(Generic[_B, _O]):
-    """A coherent pool's ``leased()`` in C; ``reference`` takes what it refuses."""
+    """The pool's ``leased()`` in C (flush mode given ``lines``); ``reference`` takes what it refuses."""
 
     def __new__(cls, block_type: type[_B], readable: memoryview, pool: _Pool,
                 reference: Callable[[int, int, int, _O, int], _B], capacity: int, alignment: int, table: int,
-                data: int, /) -> Leaser[_B, _O]: ...
+                data: int, lines: Lines | None = None, /) -> Leaser[_B, _O]: ...
     def lease(self, offset: int, size: int, version: int, owner: _O, lease_id: int, /) -> _B:
         """The Block a lease names."""
+    def write(self, offset: int, data: Buffer, /) -> None:
+        """Flush mode: stream data into the pool at offset, then a store fence."""
+    def written(self, offset: int, size: int, /) -> None:
+        """Flush mode: write the block back before its commit (store fence)."""
+    def given_back(self, offset: int, size: int, /) -> None:
+        """Flush mode: write the block back before it is freed unpublished (store fence)."""

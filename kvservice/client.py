@@ -193,7 +193,8 @@ class _Ops:
                           lambda: driver(_single(_Call("abort", ids))),
                           lambda: pool.written(offset, size),
                           lambda: pool.claimed(offset, ticket_id),
-                          self._pending if pool.region.mem.flushing else None)
+                          self._pending if pool.region.mem.flushing else None,
+                          lambda: pool.given_back(offset, size))
 
     def _get(self, keys: Iterable[Key], ns: str, lease_s: float | None,
              hold_s: float = 0.0) -> _Steps[list[Block | None]]:

@@ -19,7 +19,10 @@ On memory without coherence (a ``"flush"`` region) a writer writes a block's lin
 the commit that publishes it (and before an abort, a failed put or a close gives it back
 unpublished: ``Pool.given_back``), a reader invalidates them before reading them in place, and
 the server writes back each version entry it sets; blocks are whole lines, so no line has two
-writers.
+writers. There kvservice._block does it in C (where it built): a copied value is streamed into
+its block (nothing left to write back), a copy out invalidates each chunk right before copying
+it, a zero-copy view invalidates the block once before it is first handed out; a version whose
+block this mapping invalidated already is read again with the version check alone (_block.c).
 """
 from __future__ import annotations
 
@@ -40,6 +43,9 @@ import numpy.typing as npt
 from cxlrpc.errors import Aborted
 from cxlrpc.memory import ACQUIRE, HARDWARE, RELEASE, copy_bytes, fence, to_bytes
 from cxlrpc.region import HEADER_SIZE, Region, RegionError, parse_url, prefault
+
+if TYPE_CHECKING:
+    from kvservice._block import Leaser
 
 _native: ModuleType | None
 try:  # the leased Block in C (CXLRPC_NO_NATIVE=1: the reference only)
@@ -259,12 +265,18 @@ class Pool:
         self._readable = self.data.toreadonly()  # what leased blocks are sliced from
         #: Client: ``leased(offset, size, version, owner, lease_id)``, the Block a lease names
         #: (RegionError for a range outside the pool); any stale cached copy of its lines is
-        #: dropped first (memory without coherence). Its release ends the lease through
-        #: ``owner``. In C (kvservice._block) over coherent memory: once per get.
+        #: dropped before it is read (memory without coherence). Its release ends the lease
+        #: through ``owner``. In C (kvservice._block): once per get.
         self.leased: Callable[[int, int, int, LeaseOwner, int], Block] = self._leased
-        if _native is not None and not region.mem.flushing:
-            self.leased = _native.Leaser(Block, self._readable, self, self._leased, capacity,
-                                         alignment, self._versions, self._data_offset).lease
+        #: kvservice._block's Leaser: leases, and in flush mode a put's copy and write-backs
+        #: too (None: the reference does them)
+        self._leaser: Leaser[Any, LeaseOwner] | None = None  # (Any: to mypy Block is the reference)
+        lines = region.mem.lines
+        if _native is not None and (not region.mem.flushing or lines is not None):
+            self._leaser = _native.Leaser(Block if lines is None else FlushBlock, self._readable, self,
+                                          self._leased, capacity, alignment, self._versions,
+                                          self._data_offset, lines)
+            self.leased = self._leaser.lease
         self._prefaulter: _Prefaulter | None = None  # a client's: see _Prefaulter
 
     @staticmethod
@@ -378,6 +390,9 @@ class Pool:
         and fence, before the commit that publishes them."""
         if self._mem.flushing:
             self.slice(offset, size).release()  # range check
+            if self._leaser is not None:  # (its store fence is the one the commit needs)
+                self._leaser.written(offset, size)
+                return
             self._mem.writeback(self._data_offset + offset, size)
         fence()
 
@@ -390,6 +405,9 @@ class Pool:
         which no check catches."""
         if self._mem.flushing:
             self.slice(offset, size).release()  # range check
+            if self._leaser is not None:
+                self._leaser.given_back(offset, size)
+                return
             self._mem.writeback(self._data_offset + offset, size)
             fence()
 
@@ -414,6 +432,10 @@ class Pool:
         bytes and raises PutFenced once the block is not its own."""
         size = len(data)
         dst = self.writable(offset, size)
+        if self._mem.flushing and self._leaser is not None:
+            dst.release()
+            self._stream(offset, data, ticket_id)
+            return
         try:
             if ticket_id is None:
                 copy_bytes(dst, data, cold=True)
@@ -426,6 +448,20 @@ class Pool:
         finally:
             dst.release()
         self.written(offset, size)
+
+    def _stream(self, offset: int, data: memoryview, ticket_id: int | None) -> None:
+        """``write`` in flush mode, in C: each stretch streamed into the block (nothing left to
+        write back) and a store fence, the claim checked before each as ``write`` does."""
+        assert self._leaser is not None
+        size = len(data)
+        if ticket_id is None:
+            self._leaser.write(offset, data)
+            return
+        for at in range(0, size, CLAIM_CHECK_EVERY):
+            if not self.claimed(offset, ticket_id):
+                raise PutFenced()
+            end = min(at + CLAIM_CHECK_EVERY, size)
+            self._leaser.write(offset + at, data[at:end])
 
     def close(self) -> None:
         """Unmap (a view a user still holds keeps the mapping alive until it is dropped)."""
@@ -582,20 +618,32 @@ class Block(_BlockBase, _Copies):
     __slots__ = ()
 
 
+class FlushBlock(Block):
+    """The Block a pool without coherence leases where kvservice._block built (its flush
+    mode): its copies invalidate each chunk right before copying it, in C."""
+
+    __slots__ = ()
+    if not TYPE_CHECKING and _native is not None:
+        copy_into = _native.Block._copy_into_lines
+        tobytes = _native.Block._tobytes_lines
+
+
 class PendingPut:
     """A reserved, still invisible block: fill ``view()``/``array()`` in place, then commit."""
 
     def __init__(self, view: memoryview, commit: Callable[[], Any], abort: Callable[[], Any],
                  written: Callable[[], None] = fence,
                  claimed: Callable[[], bool] = lambda: True,
-                 pending: "set[PendingPut] | None" = None) -> None:
+                 pending: "set[PendingPut] | None" = None,
+                 given_back: Callable[[], None] | None = None) -> None:
         self._view = view
         self.size = len(view)
         self._commit = commit
         self._abort = abort
-        #: writes the bytes back and fences (Pool.written): before the commit that publishes
-        #: them, and before an abort or a close frees the block (Pool.given_back says why)
+        #: writes the bytes back and fences (Pool.written): before the commit that publishes them
         self._written = written
+        #: the same before an abort or a close frees the block (Pool.given_back says why)
+        self._given_back = written if given_back is None else given_back
         self._claimed = claimed  # whether the block is still this put's (Pool.claimed)
         #: the client's puts still pending, which its close gives back (memory without
         #: coherence only: None where nothing is to be written back)
@@ -625,14 +673,14 @@ class PendingPut:
         """Drop the reservation (a coroutine on the asyncio client); the view is released,
         and what was written through it written back first (Pool.given_back)."""
         self._end()
-        self._written()
+        self._given_back()
         return self._abort()
 
     def _abandon(self) -> None:
         """The client closes with this put pending (the server frees its block as it departs):
         write back what was written (Pool.given_back) and release the view."""
         self._end()
-        self._written()
+        self._given_back()
 
     def _end(self) -> None:
         if self._pending is not None:

@@ -1,6 +1,6 @@
 """kvservice's leased Block, native (kvservice._block) and reference (Python), made by a pool's
-``leased`` on coherent memory and on memory without coherence (sim://, where the reference's
-``leased`` serves): reads in place, lapsed leases, release, collection, hostile leases."""
+``leased`` on coherent memory and on memory without coherence (sim://, the native one in its
+flush mode): reads in place, lapsed leases, release, collection, hostile leases."""
 from __future__ import annotations
 
 import gc
@@ -62,10 +62,12 @@ def pool(url: str, kind: str, monkeypatch):
 
 
 def test_the_kind_under_test_is_the_one_leased_made(pool, kind, scheme):
-    """Native blocks on every memory; the native leased only over coherent memory."""
+    """Native blocks and the native leased on every memory (without coherence: its flush mode,
+    whose blocks copy out in C)."""
     block = pool.leased(0, 2 * UNIT, 5, None, 1)
     assert isinstance(block, kvpool.Block) and isinstance(block, kvpool.ReferenceBlock) == (kind == "reference")
-    assert (pool.leased == pool._leased) == (kind == "reference" or scheme == "sim")
+    assert (pool.leased == pool._leased) == (kind == "reference")
+    assert isinstance(block, kvpool.FlushBlock) == (kind == "native" and scheme == "sim")
     block.release()
 
 

@@ -228,9 +228,21 @@ def kv_client(conn: Connection, backend: str, address: str, sizes: list[int], lo
 # ---- parent side ------------------------------------------------------------------------------
 
 class TalliedPair(Pair):
-    """A mode's pair whose client, before it stops, says how many replies it verified."""
+    """A mode's pair, paused between its turns from its first block on (not while the other
+    mode's processes start: seconds, and a server resumed after more than its client_timeout
+    reaps its client before that client beats again), whose client says, before it stops, how
+    many replies it verified."""
 
     sink: Callable[[str, dict], None] | None = None
+    timed = False  # no block yet: Pair.__init__ does not pause it
+
+    def block(self, unit: Hashable, n: int, warm: int) -> tuple[np.ndarray, int]:
+        self.timed = True
+        return super().block(unit, n, warm)
+
+    def _rest(self) -> None:
+        if self.timed:
+            super()._rest()
 
     def stop(self) -> None:
         sink, self.sink = self.sink, None

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import statistics
 import sys
 import time
 from collections.abc import Awaitable, Callable, Hashable
@@ -45,7 +44,7 @@ import numpy as np
 from . import report
 from .echo import start_server
 from .grpc_echo import run_loop
-from .kv import _start_server as start_kv_server
+from .kv import start_server as start_kv_server
 from .kv_backends import BY_KEY as KV_BY_KEY
 from .kv_backends import KV_FLUSH, KV_SHM, AsyncKV
 from .procs import Worker, WorkerError, cleanup, stop_on_signals, wait_readable
@@ -309,13 +308,17 @@ def _figures(rounds: list[tuple[np.ndarray, int]]) -> dict:
 
 
 def verdict(unit: Unit, hardware: dict, flush: dict, ok: bool) -> dict:
-    """One row of the table from both modes' median-of-rounds figures: ratio of p50s, target, pass."""
-    hw50, fl50 = hardware.get("p50"), flush.get("p50")
+    """One row of the table from both modes' figures (``rounds``: each round's summary;
+    ``median``: their medians): the ratio of the p50 medians, each round's own, target, pass."""
+    hw50, fl50 = hardware["median"].get("p50"), flush["median"].get("p50")
     ratio = fl50 / hw50 if hw50 and fl50 else float("nan")
+    paired = len(hardware["rounds"]) == len(flush["rounds"])  # (else a round failed: no pairs)
     target = TARGETS[unit]
     return {"row": row_name(unit), "op": unit[0], "size": unit[1], "target": target, "ratio_p50": ratio,
-            "hardware": {m: hardware.get(m) for m in ("p50", "p99")},
-            "flush": {m: flush.get(m) for m in ("p50", "p99")},
+            "round_ratios": [f["p50"] / h["p50"] for h, f in zip(hardware["rounds"], flush["rounds"])] if paired
+            else [],
+            "hardware": {m: hardware["median"].get(m) for m in ("p50", "p99")},
+            "flush": {m: flush["median"].get(m) for m in ("p50", "p99")},
             "pass": bool(ok and ratio <= target)}
 
 
@@ -335,10 +338,9 @@ def rows_of(measured: dict, cfg: dict) -> list[dict]:
             verified = {mode: sum(t.get(unit, 0) for t in tallies.get(mode, ())) for mode in modes}
             ok = all(len(raw[m][unit]) == cfg["rounds"] and verified[m] >= calls[m] > 0 and not errors.get(m)
                      for m in modes)
-            row = verdict(unit, figs[modes[0]]["median"], figs[modes[1]]["median"], ok)
-            per_round = [f["p50"] / h["p50"] for h, f in zip(figs[modes[0]]["rounds"], figs[modes[1]]["rounds"])]
-            row.update({"modes": dict(zip(("hardware", "flush"), modes)), "round_ratios": per_round,
-                        "timed_calls": calls, "verified": verified, "figures": figs})
+            row = verdict(unit, figs[modes[0]], figs[modes[1]], ok)
+            row.update({"modes": dict(zip(("hardware", "flush"), modes)), "timed_calls": calls,
+                        "verified": verified, "figures": figs})
             out.append(row)
     return out
 
@@ -357,9 +359,7 @@ def from_bench(data: dict) -> list[dict]:
         else:
             hw, fl = (kv.get(k, {}).get("items", {}).get(f"{op}:{size}", {}) for k in KV_MODES)
         if hw.get("median") and fl.get("median"):
-            row = verdict(unit, hw["median"], fl["median"], True)
-            per_round = [f["p50"] / h["p50"] for h, f in zip(hw["rounds"], fl["rounds"])]
-            out.append({**row, "round_ratios": per_round, "verified": None})
+            out.append({**verdict(unit, hw, fl, True), "verified": None})
     return out
 
 

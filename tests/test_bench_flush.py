@@ -113,3 +113,21 @@ def test_a_reply_wrong_in_one_byte_midway_fails_its_check(op: str) -> None:
     asyncio.run(run())
     if op == "get":
         assert [b.released for b in kv.blocks] == [True] * (bad - 1) + [False]
+
+
+def test_the_main_bench_table_pairs_each_flush_row_with_its_hardware_twin() -> None:
+    """``python -m bench`` derives the table from its echo and kv sections' rows (their JSON)."""
+    def fig(*p50s: float) -> dict:
+        return {"rounds": [{"p50": v, "p99": 2 * v} for v in p50s], "median": {"p50": p50s[0], "p99": 2 * p50s[0]}}
+
+    data = {"echo": {"transports": {"cxl-aio": {"sizes": {"64": fig(2.0, 2.0)}},
+                                    "cxl-aio-flush": {"sizes": {"64": fig(5.0, 7.0)}},
+                                    "grpc-aio-tcp": {"sizes": {"64": fig(90.0, 90.0)}}}},
+            "kv": {"ops": {"backends": {"kv-shm": {"items": {"get_into:65536": fig(4.0)}},
+                                        "kv-shm-flush": {"items": {"get_into:65536": fig(10.0)}}}}}}
+    rows = {r["row"]: r for r in flush.from_bench(data)}
+    assert sorted(rows) == ["echo 64 B", "kv get_into 64 KiB"]
+    echo, kv = rows["echo 64 B"], rows["kv get_into 64 KiB"]
+    assert (echo["ratio_p50"], echo["round_ratios"], echo["pass"]) == (2.5, [2.5, 3.5], True)
+    assert (kv["ratio_p50"], kv["round_ratios"], kv["pass"]) == (2.5, [2.5], False)
+    assert echo["verified"] is None

@@ -17,7 +17,8 @@ machine than the other mode did. Fresh processes per round: each round draws new
 memory placement, so no one placement decides the median. Between its turns a mode's
 processes are SIGSTOPped: an idle flush-mode server polls its request rings (no doorbell can
 wake it across hosts; ~6% of a core here), which would load the other mode's turns and flatter
-the ratio. A pause lasts one block of the other mode, far inside the heartbeat timeouts.
+the ratio. A pause lasts one block of the other mode (~0.1 s; past its 1 s client_timeout a
+server would reap its client: that round would fail, not mislead).
 
 Every reply is compared whole with what it must be (echo: the bytes sent; kv: the bytes put
 under that key), outside the timed window; each row cycles through 4 distinct values, so a
@@ -54,8 +55,10 @@ from .transports import Transport, resolve
 from .turns import BLOCKS, QUICK_BLOCKS, SETTLE_NS, Pair, run_rounds
 
 KIB, MIB = 1024, 1024 * 1024
-ECHO_SIZES = (64, 4 * KIB, 64 * KIB, MIB)
-KV_SIZES = (4 * KIB, 64 * KIB, MIB)
+#: Timed calls per row, round and mode (a hundredth with --quick): echo by payload, kv by value size.
+ECHO_CALLS = {64: 6000, 4 * KIB: 6000, 64 * KIB: 3000, MIB: 1000}
+KV_CALLS = {4 * KIB: 3000, 64 * KIB: 2000, MIB: 1000}
+KV_SIZES = tuple(KV_CALLS)
 KV_OPS = ("get", "get_into")
 #: The rows' hardware and flush twins (keys of bench.transports / bench.kv_backends).
 ECHO_MODES = ("cxl-aio", "cxl-aio-flush")
@@ -78,16 +81,13 @@ def row_name(unit: Unit) -> str:
 
 
 def plans(quick: bool) -> dict[str, list[tuple[Unit, int, int]]]:
-    """(row, timed calls, warm-up calls) per section, per round and mode: thousands of calls
-    (1 MiB: a thousand) in a full run, a few dozen in a quick one."""
-    echo = {64: 6000, 4 * KIB: 6000, 64 * KIB: 3000, MIB: 1000}
-    kv = {4 * KIB: 3000, 64 * KIB: 2000, MIB: 1000}
+    """(row, timed calls, warm-up calls) per section, per round and mode."""
     scale = 100 if quick else 1
 
     def plan(counts: dict[int, int], ops: tuple[str, ...]) -> list[tuple[Unit, int, int]]:
         return [((op, s), n // scale, max(3, n // scale // 10)) for s, n in counts.items() for op in ops]
 
-    return {"echo": plan(echo, ("echo",)), "kv": plan(kv, KV_OPS)}
+    return {"echo": plan(ECHO_CALLS, ("echo",)), "kv": plan(KV_CALLS, KV_OPS)}
 
 
 # ---- client side (in the client workers) -----------------------------------------------------

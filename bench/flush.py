@@ -412,6 +412,9 @@ def main(argv: list[str] | None = None) -> int:
                                                    f"alternated block by block, every reply verified"))
     for key, errs in measured["errors"].items():
         console.print(f"[red]{key}: {len(errs)} failed round(s): {errs[0].splitlines()[0]}")
+    env = data["env"]
+    console.print(f"load average {env['loadavg_start'][0]:.1f} at the start, {env['loadavg_end'][0]:.1f} at the end, "
+                  f"{env['affinity']} CPUs: anything else running makes the figures noise")
     console.print(f"raw figures: {args.json}  ({data['seconds']:.0f} s)")
     return 1 if measured["errors"] else 0
 

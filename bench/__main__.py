@@ -2,9 +2,7 @@
 from __future__ import annotations
 
 import argparse
-import glob
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -19,9 +17,12 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from . import report
-from .procs import RUN_ID, clean_shm, stop_all
+from .procs import clean_shm, cleanup, stop_on_signals
 
 SECTIONS = ("echo", "concurrency", "idle", "kv")
+#: The flush rows' table in this run: the acceptance measurement is ``python -m bench.flush``.
+FLUSH_TITLE = ("Flush vs hardware mode, the rows above vs issue 42's targets (indicative: first replies "
+               "verified; every one: python -m bench.flush)")
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -47,33 +48,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
-def _cleanup(console: Console) -> None:
-    """End every worker, unlink this run's shm segments and socket files."""
-    stop_all()
-    for name in clean_shm():
-        console.print(f"[yellow]removed leftover shm segment /dev/shm/{name}")
-    for path in glob.glob(f"/tmp/{RUN_ID}-*"):
-        try:
-            os.unlink(path)
-            console.print(f"[yellow]removed leftover socket {path}")
-        except OSError:
-            pass
-
-
-def _on_term(*_: object) -> None:
-    raise KeyboardInterrupt
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     console = Console() if sys.stdout.isatty() else Console(width=132)
-    signal.signal(signal.SIGTERM, _on_term)
-    signal.signal(signal.SIGHUP, _on_term)  # a closed terminal: workers (own groups) stopped too
+    stop_on_signals()
     cfg = {"quick": args.quick, "huge": args.huge, "rounds": args.rounds, "loop": args.loop,
            "transports": args.transports.split(",") if args.transports else None}
     data: dict[str, Any] = {"env": report.environment(args.loop), "config": {**cfg, "sections": list(args.sections)}}
     from .concurrency import run_concurrency
     from .echo import run_echo
+    from .flush import from_bench
     from .idle import run_idle
     from .kv import run_kv
 
@@ -97,12 +81,16 @@ def main(argv: list[str] | None = None) -> int:
                 data[name]["seconds"] = time.monotonic() - t0
                 progress.console.print(table(data[name]))
                 report.save_json(args.json, data)
+            if rows := from_bench(data):  # the echo and kv sections' flush rows vs issue 42's targets
+                data["flush_targets"] = rows
+                progress.console.print(report.flush_table(rows, FLUSH_TITLE))
+                report.save_json(args.json, data)
     except KeyboardInterrupt:
         console.print("[red]interrupted: stopping workers")
         data["interrupted"] = True
         status = 130
     finally:
-        _cleanup(console)
+        cleanup(console.print)
     data["env"]["loadavg_end"] = os.getloadavg()
     data["seconds"] = time.monotonic() - started
     data["shm_leftovers"] = clean_shm()

@@ -235,7 +235,8 @@ def ops_client(conn: Connection, backend: str, address: Any, items: list[dict], 
         kv.close()
 
 
-def _start_server(b: Backend, loop: str, pool_size: int, log: str) -> Worker:
+def start_server(b: Backend, loop: str, pool_size: int, log: str) -> Worker:
+    """Start ``b``'s server process (caller stops it); its ready info holds the address."""
     w = Worker(b.server, f"{b.key}-server", address=b.address(next_id()), pool_size=pool_size, loop=loop,
                log=log, rpc_options=b.rpc_options, coherence=b.coherence)
     try:
@@ -250,7 +251,7 @@ def _ops_pair(b: Backend, items: list[dict], pool_size: int, loop: str, logs: li
     """``b``'s server and (pre-populated) client processes, started, for a round of turns."""
     log = f"/tmp/{RUN_ID}-{b.key}-{next_id()}.log"
     logs.append(log)
-    server = _start_server(b, loop, pool_size, log)
+    server = start_server(b, loop, pool_size, log)
     client = Worker("bench.kv:ops_client", f"{b.key}-client", backend=b.key, address=server.info["address"],
                     items=items, pool_size=pool_size, loop=loop, log=log)
     return Pair.started(b.key, b.idle, server, client, 120)
@@ -455,7 +456,7 @@ def measure_pods_once(b: Backend, spec: dict, loop: str, on_turn: Callable[[], N
     """One round: a fresh server, ``pods`` client processes, turns in lock step."""
     pool = 256 * MIB
     with ExitStack() as stack:
-        srv = stack.enter_context(_start_server(b, loop, pool, ""))
+        srv = stack.enter_context(start_server(b, loop, pool, ""))
         pods = [stack.enter_context(Worker("bench.kv:pod_client", f"{b.key}-pod{i}", backend=b.key,
                                            address=srv.info["address"], pod=i, spec=spec, loop=loop))
                 for i in range(spec["pods"])]

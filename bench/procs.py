@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import atexit
+import glob
 import importlib
 import multiprocessing as mp
 import os
@@ -244,3 +245,27 @@ def clean_shm(prefix: str = RUN_ID) -> list[str]:
         except posix_ipc.ExistentialError:
             pass
     return gone
+
+
+def cleanup(say: Callable[[str], None]) -> None:
+    """End every worker, unlink this run's shm segments and socket files (saying what was left)."""
+    stop_all()
+    for name in clean_shm():
+        say(f"[yellow]removed leftover shm segment /dev/shm/{name}")
+    for path in glob.glob(f"/tmp/{RUN_ID}-*"):
+        try:
+            os.unlink(path)
+            say(f"[yellow]removed leftover socket {path}")
+        except OSError:
+            pass
+
+
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
+def stop_on_signals() -> None:
+    """A run's main process: SIGTERM and SIGHUP (a closed terminal) interrupt it as Ctrl-C does,
+    so it stops its workers (each in a group of its own, which the hang-up does not reach)."""
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGHUP, _interrupt)

@@ -280,3 +280,24 @@ def _pct(c: float | None) -> str:
     if c is None or c != c:
         return "-"
     return f"[{'green' if c < 0 else 'red'}]{c * 100:+.1f}%"
+
+
+def flush_table(rows: list[dict], title: str) -> Table:
+    """Flush mode vs hardware mode (bench.flush): per row both modes' p50 and p99 (medians of
+    rounds), the ratio of the p50s with the range of the rounds' own ratios, the target and
+    the verdict, and the replies verified against the calls timed (all modes)."""
+    t = Table(title=title)
+    for col in ("row", "hw p50 µs", "hw p99 µs", "flush p50 µs", "flush p99 µs", "flush/hw p50", "rounds",
+                "target", "", "verified / timed"):
+        t.add_column(col, justify="left" if col in ("row", "") else "right", no_wrap=col == "row")
+    for r in rows:
+        hw, fl, rr = r["hardware"], r["flush"], r["round_ratios"]
+        spread = f"{min(rr):.2f}-{max(rr):.2f}" if rr else "-"
+        checked = "-" if r["verified"] is None else (
+            f"{sum(r['verified'].values()):,} / {sum(r['timed_calls'].values()):,}")
+        t.add_row(r["row"], fmt_us(hw["p50"]), fmt_us(hw["p99"]), fmt_us(fl["p50"]), fmt_us(fl["p99"]),
+                  "-" if r["ratio_p50"] != r["ratio_p50"] else f"{r['ratio_p50']:.2f}x", spread,
+                  f"<= {r['target']:g}x", "[green]PASS" if r["pass"] else "[red]FAIL", checked)
+    t.caption = ("rounds: range of the rounds' own ratios; verified: replies checked whole (warm-up "
+                 "included), timed: calls timed, both modes")
+    return t

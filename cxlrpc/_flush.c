@@ -91,7 +91,9 @@ static PyObject *invalidate(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static void copy_streaming(char *dst, const char *src, size_t n) {
+/* Copy with streaming stores where the destination is 16-byte aligned and whole 64-byte runs
+ * remain, plain stores at either end; no fence (copy_streaming's). */
+static void stream_span(char *dst, const char *src, size_t n) {
     size_t head = (16 - ((uintptr_t)dst & 15)) & 15;  /* streaming stores need 16-byte alignment */
     if (head > n)
         head = n;
@@ -108,6 +110,10 @@ static void copy_streaming(char *dst, const char *src, size_t n) {
         _mm_stream_si128((__m128i *)(dst + 48), d);
     }
     memcpy(dst, src, n);
+}
+
+static void copy_streaming(char *dst, const char *src, size_t n) {
+    stream_span(dst, src, n);
     _mm_sfence();  /* streaming stores are weakly ordered: in memory before any later store */
 }
 
@@ -426,6 +432,70 @@ static int sim_invalidate(cxlrpc_lines *l, const volatile void *p, size_t n) {
     return hook(l, l->py_invalidate, p, n);
 }
 
+/* ------------------------------------------------------------------ bodies in one pass */
+
+static int body_write(cxlrpc_lines *l, int site, char *dst, const char *src, size_t n) {
+    if (n == 0)
+        return 0;
+    if (outside(l, dst, n))
+        return -1;
+    if (l->py_writeback != NULL) { /* a simulator: the stores land in this process's "cache" */
+        copy_span(dst, src, n);
+        return lines_writeback(l, site, dst, n, CXLRPC_STORE_FENCE);
+    }
+    if (l->skip == site) { /* (a mutation test: cached stores, nothing written back) */
+        copy_span(dst, src, n);
+        return 0;
+    }
+    l->writebacks++;
+    l->lines += line_count(dst, n);
+    l->fences++;
+    Py_BEGIN_ALLOW_THREADS
+    stream_span(dst, src, n);
+    /* the bytes stream_span stored plainly: the partial lines at either end */
+    if ((uintptr_t)dst & (LINE - 1))
+        line_writeback(dst);
+    if (((uintptr_t)dst + n) & (LINE - 1))
+        line_writeback(dst + n - 1);
+    _mm_sfence();
+    Py_END_ALLOW_THREADS
+    return 0;
+}
+
+static int body_read(cxlrpc_lines *l, int site, char *dst, const char *src, size_t n) {
+    if (n == 0)
+        return 0;
+    if (outside(l, src, n))
+        return -1;
+    if (l->py_writeback != NULL || l->skip == site) { /* a simulator's hooks (the GIL held) */
+        for (size_t done = 0, step; done < n; done += step) {
+            step = n - done < CXLRPC_BODY_CHUNK ? n - done : CXLRPC_BODY_CHUNK;
+            if (lines_invalidate(l, site, src + done, step, CXLRPC_FULL_FENCE) < 0)
+                return -1;
+            copy_span(dst + done, src + done, step);
+        }
+        return 0;
+    }
+    for (size_t done = 0, step; done < n; done += step) { /* counted first, with the GIL */
+        step = n - done < CXLRPC_BODY_CHUNK ? n - done : CXLRPC_BODY_CHUNK;
+        l->invalidates++;
+        l->fences++;
+        l->lines += line_count(src + done, step);
+    }
+    PyThreadState *ts = n >= NOGIL_FROM ? PyEval_SaveThread() : NULL;
+    for (size_t done = 0, step; done < n; done += step) {
+        step = n - done < CXLRPC_BODY_CHUNK ? n - done : CXLRPC_BODY_CHUNK;
+        for (uintptr_t a = (uintptr_t)(src + done) & ~(uintptr_t)(LINE - 1), end = (uintptr_t)(src + done + step);
+             a < end; a += LINE)
+            line_invalidate((volatile char *)a);
+        __asm__ volatile("mfence" ::: "memory");
+        copy_span(dst + done, src + done, step);
+    }
+    if (ts != NULL)
+        PyEval_RestoreThread(ts);
+    return 0;
+}
+
 static int Lines_init(cxlrpc_lines *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"address", "size", "writeback", "invalidate", NULL};
     unsigned long long address, size;
@@ -520,6 +590,39 @@ static PyObject *Lines_invalidate(cxlrpc_lines *self, PyObject *const *args, Py_
     Py_RETURN_NONE;
 }
 
+/* write_body(offset, src): body_write of buffer src at offset of the mapping (BODY_WRITE). */
+static PyObject *Lines_write_body(cxlrpc_lines *self, PyObject *args) {
+    Py_ssize_t offset;
+    Py_buffer src;
+    if (!PyArg_ParseTuple(args, "ny*", &offset, &src))
+        return NULL;
+    int rc = -1;
+    if (!PyBuffer_IsContiguous(&src, 'C'))
+        PyErr_SetString(PyExc_BufferError, "write_body needs a contiguous buffer");
+    else if (self->writeback == NULL || self->base == NULL)
+        PyErr_SetString(PyExc_ValueError, "operation on a closed AtomicMemory (its region was closed)");
+    else if (offset < 0 || (size_t)offset > self->size)
+        PyErr_Format(PyExc_ValueError, "offset %zd outside a %zu-byte mapping", offset, self->size);
+    else
+        rc = body_write(self, CXLRPC_SITE_BODY_WRITE, self->base + offset, (const char *)src.buf, (size_t)src.len);
+    PyBuffer_Release(&src);
+    if (rc < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* read_body(offset, length): a new bytes copy of the mapping's range, by body_read (BODY_READ). */
+static PyObject *Lines_read_body(cxlrpc_lines *self, PyObject *const *args, Py_ssize_t nargs) {
+    const char *p;
+    size_t n;
+    if (lines_args(self, args, nargs, &p, &n) < 0)
+        return NULL;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)n);
+    if (out != NULL && body_read(self, CXLRPC_SITE_BODY_READ, PyBytes_AS_STRING(out), p, n) < 0)
+        Py_CLEAR(out);
+    return out;
+}
+
 static PyObject *Lines_close(cxlrpc_lines *self, PyObject *unused) {
     self->base = NULL;
     self->size = 0;
@@ -561,6 +664,10 @@ static PyMethodDef Lines_methods[] = {
      "writeback(offset, length): write the range's lines back, then a store fence."},
     {"invalidate", (PyCFunction)(void (*)(void))Lines_invalidate, METH_FASTCALL,
      "invalidate(offset, length): drop the range's lines from this CPU's caches, then a full fence."},
+    {"write_body", (PyCFunction)Lines_write_body, METH_VARARGS,
+     "write_body(offset, src): copy src there with streaming stores (nothing to write back), then a store fence."},
+    {"read_body", (PyCFunction)(void (*)(void))Lines_read_body, METH_FASTCALL,
+     "read_body(offset, length): a bytes copy of the range, each chunk invalidated right before it is copied."},
     {"close", (PyCFunction)Lines_close, METH_NOARGS, "From here every operation raises ValueError (unmapped)."},
     {"counts", (PyCFunction)Lines_counts, METH_NOARGS, "Write-backs, invalidates, fences and lines so far."},
     {"reset", (PyCFunction)Lines_reset, METH_NOARGS, "Zero the counts."},
@@ -637,6 +744,8 @@ PyMODINIT_FUNC PyInit__flush(void) {
     if (PyType_Ready(&FollowerType) < 0 || PyType_Ready(&LinesType) < 0)
         return NULL;
     c_api.lines_type = &LinesType;
+    c_api.body_write = body_write;
+    c_api.body_read = body_read;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;

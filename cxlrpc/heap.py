@@ -98,12 +98,19 @@ class HeapAccess:
             raise ValueError(f"extent ({offset}, {length}) is not inside the {self.size}-byte heap")
 
     def write(self, offset: int, parts: Sequence[BytesLike]) -> int:
-        """Copy ``parts`` to ``offset`` and write them back (memory without coherence); the
-        bytes written. Plain stores on coherent memory, as publish_copy (streaming ones only
-        where lines must reach memory anyway)."""
+        """Copy ``parts`` to ``offset``; the bytes written. Plain stores on coherent memory, as
+        publish_copy; without coherence, streaming stores (``Lines.write_body``: nothing left
+        to write back, one store fence before the frame that publishes them), or where the
+        native module is missing a copy and its write-back."""
         length = sum(len(part) for part in parts)
         self.check(offset, length)
         at = self.start + offset
+        lines = self.mem.lines
+        if lines is not None:
+            for part in parts:
+                lines.write_body(at, part)
+                at += len(part)
+            return length
         for part in parts:
             n = len(part)
             if self.mem.flushing:
@@ -178,9 +185,13 @@ class HeapAccess:
         return self.buf[at:at + length].toreadonly()
 
     def read(self, offset: int, length: int) -> bytes:
-        """A copy of the extent (its lines invalidated first: another host wrote them)."""
+        """A copy of the extent (its lines invalidated first: another host wrote them; with
+        the native module, a chunk at a time right before it is copied: ``Lines.read_body``)."""
         self.check(offset, length)
         at = self.start + offset
+        lines = self.mem.lines
+        if lines is not None:
+            return lines.read_body(at, length)
         self.mem.invalidate(at, length)
         view = self.buf[at:at + length]
         return to_bytes(view) if self.mem.flushing else plain_bytes(view)

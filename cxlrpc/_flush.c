@@ -25,6 +25,8 @@
  * Lines(address, size[, writeback, invalidate]): write-back and invalidation over one mapping for
  * the native paths (cxlrpc/_flush_api.h, the capsule _C_API): the instructions above, or a
  * simulator's hooks; counted, and a site can be skipped (mutation tests). sites(): their names.
+ * Lines.write_body(offset, src) / read_body(offset, length): a big body into or out of the
+ * mapping in one pass (streaming stores; each BODY_CHUNK invalidated right before it is copied).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -752,7 +754,7 @@ PyMODINIT_FUNC PyInit__flush(void) {
     PyObject *api = PyCapsule_New(&c_api, CXLRPC_FLUSH_API_CAPSULE, NULL);
     if (PyModule_AddObjectRef(m, "Follower", (PyObject *)&FollowerType) < 0 ||
         PyModule_AddObjectRef(m, "Lines", (PyObject *)&LinesType) < 0 || api == NULL ||
-        PyModule_AddObject(m, "_C_API", api) < 0) {
+        PyModule_AddObject(m, "_C_API", api) < 0 || PyModule_AddIntConstant(m, "BODY_CHUNK", CXLRPC_BODY_CHUNK) < 0) {
         Py_XDECREF(api);
         Py_CLEAR(m);
     }

@@ -18,6 +18,9 @@ def follow_copy(src: Buffer, progress: Buffer, stall: float, limit: float, seal:
                 /) -> bytes | Literal[False] | None:
     """None: the writer stalled or ran out of time; False: the seal changed."""
 
+BODY_CHUNK: int
+"""Lines.read_body invalidates and copies a body this many bytes at a time."""
+
 def features() -> str: ...
 def sites() -> tuple[tuple[str, str], ...]:
     """The flush sites, by number (0: none): (name, what it protects)."""

@@ -131,6 +131,8 @@ class Codec:
             if bodies.follow_min <= len(body) <= bodies.follow_max:  # its bytes, not its items
                 large = bodies.out_of_line(flags, len(mb), prefix, body, "request")
                 return large._replace(follow=True)
+        if follow and bodies.heap_min <= len(body) <= bodies.heap_max and type(body) in (bytes, bytearray):
+            return bodies.out_of_line(flags, len(mb), prefix, body, "request")._replace(keep=True)
         if len(head) + len(prefix) + len(body) > conn.max_request:
             return bodies.out_of_line(flags, len(mb), prefix, body, "request")
         return head, prefix, body

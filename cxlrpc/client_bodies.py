@@ -15,7 +15,7 @@ from . import frame as fr
 from . import heap as heap_settings
 from .client_connection import Connection
 from .errors import InvalidArgument, ResourceExhausted, StatusCode, Unavailable
-from .heap import EXTENT, FOLLOW_HEADER, FOLLOW_MIN, GRANT, OFFSET, SEAL_BROKEN, HeapAccess, seal_word
+from .heap import EXTENT, FLUSH_HEAP_MIN, FOLLOW_HEADER, FOLLOW_MIN, GRANT, OFFSET, SEAL_BROKEN, HeapAccess, seal_word
 from .memory import BytesLike, SealBroken
 from .ring import ClaimRevoked
 from .transport import ClientTransport
@@ -33,6 +33,7 @@ class Large(NamedTuple):
     prefix: bytes  # the method name, then the metadata block if any
     body: BytesLike
     follow: bool = False  # written after its frame is sent, the server following (cxlrpc.heap)
+    keep: bool = False  # (memory without coherence) through an extent the client keeps as a spare
 
     @property
     def extent_size(self) -> int:
@@ -60,6 +61,9 @@ class Bodies:
         #: unary requests with bodies in [follow_min, follow_max] are followed (cxlrpc.heap):
         #: on coherent memory with a heap only
         self.follow_min, self.follow_max = sys.maxsize, 0
+        #: (memory without coherence) requests with bodies in [heap_min, heap_max] go through
+        #: the heap though the ring would take them, by the spare (cxlrpc.heap.FLUSH_HEAP_MIN)
+        self.heap_min, self.heap_max = sys.maxsize, 0
         self.followed: dict[int, bytes] = {}  # call id -> method name, of followed calls out
         self.in_place: set[bytes] = set()  # methods that read their bodies in place: not followed
         #: an extent the server granted as a spare (cxlrpc.heap), kept for the next followed
@@ -73,6 +77,8 @@ class Bodies:
         if following:
             self.follow_min = FOLLOW_MIN
             self.follow_max = min(geo.heap_size, geo.max_message_size) - FOLLOW_HEADER  # ALLOC's limit
+        elif geo.heap_size and region.mem.flushing:
+            self.heap_min, self.heap_max = FLUSH_HEAP_MIN, min(geo.heap_size, geo.max_message_size)
         # (our followed extents hold this seal while they are ours: cxlrpc.heap)
         self.heap = HeapAccess(region.buf, region.mem, geo.heap, geo.heap_size, seal_word(chan.slot, chan.gen))
         return following
@@ -130,10 +136,10 @@ class Bodies:
         return None
 
     def take_spare(self, large: Large) -> tuple[int, int] | None:
-        """The spare extent for a followed request if it is big enough (one too small is
+        """The spare extent for a followed (or kept) request if it is big enough (one too small is
         given back): (offset, size); None to ALLOC one."""
         spare = self.spare
-        if spare is None or not large.follow:
+        if spare is None or not (large.follow or large.keep):
             return None
         self.spare = None
         if spare[1] >= large.extent_size:

@@ -168,25 +168,27 @@ class Replies:
             (offset, size), spare = taken, True
         else:
             size = large.extent_size
-            alloc_id, alloc = bodies.alloc_request(size, timeout, large.follow)
+            alloc_id, alloc = bodies.alloc_request(size, timeout, large.follow or large.keep)
             reply = await self.granted(alloc_id, alloc, deadline)
             if conn.gone is not None or conn.chan is not chan:  # the extent is another server's
                 raise Unavailable(conn.gone or "the connection was lost while the call waited for heap space")
             offset, spare = grant(reply)
         parts = bodies.staged(large, offset, call_id, timeout, fr.REQUEST)
-        if not large.follow:
+        if not (large.follow or spare):
             return await self.roundtrip(call_id, parts, deadline, response_type, unsent=offset, late=late)
         method = large.prefix[:large.method_len]
-        bodies.followed[call_id] = method
+        if large.follow:
+            bodies.followed[call_id] = method
         answered = False
         try:
             result = await self.roundtrip(call_id, parts, deadline, response_type,
                                           unsent=None if spare else offset, late=late,
-                                          then=lambda: bodies.publish_body(offset, large.body))
+                                          then=(lambda: bodies.publish_body(offset, large.body)) if large.follow else None)
             answered = True
             return result
         finally:
-            del bodies.followed[call_id]
+            if large.follow:
+                del bodies.followed[call_id]
             if spare:  # (the server frees any other extent once it has read it)
                 bodies.settle(chan, offset, size, method, answered)
 

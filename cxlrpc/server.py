@@ -25,7 +25,7 @@ from .channel import KIND_RPC, FlushServerChannel, Geometry, ServerChannel, layo
 from .doorbell import WaitStrategy, resolve
 from .errors import RpcError
 from .fencing import Fences
-from .heap import FOLLOW_MIN, SPARE_SHARE, HeapAccess, ServerHeap
+from .heap import FLUSH_HEAP_MIN, FOLLOW_MIN, SPARE_SHARE, HeapAccess, ServerHeap
 from .memory import HARDWARE
 from .process_heap import keep_freed_heap
 from .region import Region, RegionError, coherence_for, parse_url
@@ -124,10 +124,10 @@ class Server:
             request_capacity = 4 << 20 if self.coherence == HARDWARE else 1 << 20
         #: Largest request or response body; bodies too big for a ring go through the heap
         #: (``heap_size`` bytes, by default ``max_message_size``: one such body at a time,
-        #: plus, with coherence, an eighth more for clients' spare extents: cxlrpc.heap).
+        #: plus an eighth more for clients' spare extents: cxlrpc.heap).
         self.max_message_size = max_message_size
         if heap_size is None:
-            heap_size = max_message_size + (max_message_size // SPARE_SHARE if self.coherence == HARDWARE else 0)
+            heap_size = max_message_size + max_message_size // SPARE_SHARE
         self.geometry = layout(slots, request_capacity, response_capacity, self.coherence,
                                heap_size, max_message_size)
         self.size = max(size or 0, self.geometry.size)
@@ -262,16 +262,20 @@ class Server:
         self._beater.start()
         geo = self.geometry
         heap, follow_min, body_limit = None, self._replies.follow_min, self.max_message_size
+        heap_min = self._replies.heap_min
         try:
             self._chan = chan = _transport(region, geo, self.poll_interval)
             if geo.heap_size:
                 following = not region.mem.flushing
-                # spares take what the heap has beyond one body of max_message_size
+                # spares take what the heap has beyond one body of max_message_size (without
+                # coherence they hold the big requests no ring takes in one pass: FLUSH_HEAP_MIN)
                 heap = ServerHeap(HeapAccess(region.buf, region.mem, geo.heap, geo.heap_size),
-                                  max(0, geo.heap_size - self.max_message_size) if following else 0)
+                                  max(0, geo.heap_size - self.max_message_size))
                 body_limit = min(self.max_message_size, geo.heap_size)
                 if following:
                     follow_min = FOLLOW_MIN
+                else:
+                    heap_min = FLUSH_HEAP_MIN
         except BaseException:
             self._stop_beating()
             region.mark_closed()
@@ -280,7 +284,7 @@ class Server:
             self._region = None
             raise
         region.publish()
-        self._replies.attach(chan, heap, follow_min, body_limit)
+        self._replies.attach(chan, heap, follow_min, body_limit, heap_min)
         self._bodies.attach(heap, follow_min, loop)
         self._streams.attach(chan)
         self._calls.attach(chan, heap, (geo.heap, geo.heap_size), follow_min, body_limit, loop)

@@ -136,10 +136,10 @@ class Bodies:
                                why.encode())
 
     def take_body(self, f: fr.Frame) -> int | None:
-        """Replace an out-of-line request's extent by its bytes and free the extent (-1), or,
-        for a method that lends its body (the frame's body is a view), by a read-only view of
-        the extent, kept until the handler is done (its offset); None (the request answered or
-        dropped) when the extent is not the sender's."""
+        """Replace an out-of-line request's extent by its bytes and free the extent (-1; a
+        spare is its client's again), or, for a method that lends its body (the frame's body
+        is a view), by a read-only view of the extent, kept until the handler is done (its
+        offset); None (the request answered or dropped) when the extent is not the sender's."""
         heap = self.heap
         if heap is not None and len(f.body) == EXTENT.size:
             offset: int
@@ -150,8 +150,9 @@ class Bodies:
                     f.body = heap.access.view(offset, length)
                     return offset
                 f.body = heap.access.read(offset, length)
-                heap.free(offset, f.slot, f.gen)
-                self.heap_freed()
+                if not heap.is_spare(offset):
+                    heap.free(offset, f.slot, f.gen)
+                    self.heap_freed()
                 return -1
         self.calls._drop()
         self._replies.error(f, StatusCode.INVALID_ARGUMENT, "request body is not in a heap extent of its own")

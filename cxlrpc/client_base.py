@@ -216,7 +216,7 @@ class _Base:
             conn.caller = caller_type(
                 weakref.proxy(self), self._codec.methods, native.requests, native.push_args,
                 native.ring_server, native.responses, fr.encode_body, fr.decode, chan.slot, chan.gen,
-                min(native.requests.max_payload, fr.HEADER_SIZE + bodies.follow_min - 1),
+                min(native.requests.max_payload, fr.HEADER_SIZE + min(bodies.follow_min, bodies.heap_min) - 1),
                 native.buf, native.parked_at, native.me, self._in_flight(), self._owed_turns(),
                 bodies.in_place, geo.heap, geo.heap_size, FOLLOW_CHUNK,
                 heap_settings.FOLLOW_STALL_S if following else 0.0, heap_settings.FOLLOW_MIN_RATE,

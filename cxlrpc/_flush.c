@@ -498,6 +498,167 @@ static int body_read(cxlrpc_lines *l, int site, char *dst, const char *src, size
     return 0;
 }
 
+/* ------------------------------------------------------------------ followed bodies, flushed */
+/* A followed body (cxlrpc.heap) over memory without coherence, through ``l``: the writer streams
+ * each chunk in (nothing left to write back), fences, stores the progress word and writes its
+ * line back; the reader invalidates the progress word's line before each look, and each run of
+ * bytes it announced right before copying it; the seal's line is invalidated before each check.
+ * Over real memory these run without the GIL (the CPU's instructions only: every range was
+ * checked to lie inside the mapping first); over a simulator with it (its hooks are Python).
+ * Return 0, or -1 with an error set (a hook raised); *sealed says whether the seal held. */
+
+static int seal_holds(cxlrpc_lines *l, const uint64_t *seal, uint64_t expected, int *held) {
+    if (lines_invalidate(l, CXLRPC_SITE_FOLLOW_SEAL, seal, 8, CXLRPC_FULL_FENCE) < 0)
+        return -1;
+    *held = __atomic_load_n(seal, __ATOMIC_ACQUIRE) == expected;
+    return 0;
+}
+
+static int publish_flushed_loop(cxlrpc_lines *l, char *dst, const char *src, size_t n, size_t chunk,
+                                uint64_t *progress, const uint64_t *seal, uint64_t expected, int *sealed) {
+    int sim = l->py_writeback != NULL;
+    *sealed = 1;
+    for (size_t done = 0, step; done < n; done += step) {
+        step = n - done < chunk ? n - done : chunk;
+        if (seal != NULL && (seal_holds(l, seal, expected, sealed) < 0 || !*sealed))
+            return *sealed ? -1 : 0;
+        if (sim || l->skip == CXLRPC_SITE_FOLLOW_WRITE) {
+            copy_span(dst + done, src + done, step);
+            if (lines_writeback(l, CXLRPC_SITE_FOLLOW_WRITE, dst + done, step, CXLRPC_STORE_FENCE) < 0)
+                return -1;
+        } else {
+            char *d = dst + done;
+            l->writebacks++;
+            l->lines += line_count(d, step);
+            stream_span(d, src + done, step);
+            if ((uintptr_t)d & (LINE - 1))
+                line_writeback(d);
+            if (((uintptr_t)d + step) & (LINE - 1))
+                line_writeback(d + step - 1);
+            lines_fence(l, CXLRPC_STORE_FENCE);
+        }
+        if (seal != NULL && (seal_holds(l, seal, expected, sealed) < 0 || !*sealed))
+            return *sealed ? -1 : 0;
+        __atomic_store_n(progress, (uint64_t)(done + step), __ATOMIC_RELEASE);
+        if (lines_writeback(l, CXLRPC_SITE_FOLLOW_PROGRESS, progress, 8, CXLRPC_NO_FENCE) < 0)
+            return -1;
+    }
+    return 0;
+}
+
+/* follow_loop's, each look and each copy preceded by its invalidate: 0; 1 when the word is
+ * garbage (*seen); -1 with an error set. */
+static int follow_flushed_loop(cxlrpc_lines *l, char *dst, const char *src, uint64_t *word, uint64_t n,
+                               uint64_t *done, double stall, double limit, uint64_t *seen) {
+    double end = follow_clock() + limit, since = 0.0;
+    for (unsigned spins = 1; *done < n; spins++) {
+        if (lines_invalidate(l, CXLRPC_SITE_FOLLOW_POLL, word, 8, CXLRPC_FULL_FENCE) < 0)
+            return -1;
+        uint64_t p = __atomic_load_n(word, __ATOMIC_ACQUIRE);
+        if (p > n || p < *done) {
+            *seen = p;
+            return 1;
+        }
+        if (p > *done) {
+            if (lines_invalidate(l, CXLRPC_SITE_FOLLOW_READ, src + *done, (size_t)(p - *done), CXLRPC_FULL_FENCE) < 0)
+                return -1;
+            copy_span(dst + *done, src + *done, (size_t)(p - *done));
+            *done = p;
+            since = 0.0;
+            continue;
+        }
+        if ((spins & 255) == 0) {
+            double now = follow_clock();
+            if (now > end)
+                break;
+            if (since == 0.0)
+                since = now;
+            else if (now - since > stall)
+                break;
+        }
+        __builtin_ia32_pause();
+    }
+    return 0;
+}
+
+/* The Lines object of argument ``o``, its ranges (offset, length) checked: NULL with an error set. */
+static cxlrpc_lines *lines_arg(PyObject *o, const Py_ssize_t *ranges, int count);
+
+/* publish_flushed(lines, at, src, progress_at, chunk[, seal_at, expected]): publish_copy over
+ * memory without coherence (offsets in the mapping; seal_at -1: none). False: the seal changed. */
+static PyObject *publish_flushed(PyObject *self, PyObject *args) {
+    PyObject *lo;
+    Py_ssize_t at, progress_at, chunk, seal_at = -1;
+    unsigned long long expected = 0;
+    Py_buffer src;
+    if (!PyArg_ParseTuple(args, "Ony*nn|nK", &lo, &at, &src, &progress_at, &chunk, &seal_at, &expected))
+        return NULL;
+    Py_ssize_t ranges[] = {at, src.len, progress_at, 8, seal_at < 0 ? 0 : seal_at, seal_at < 0 ? 0 : 8};
+    cxlrpc_lines *l = lines_arg(lo, ranges, 3);
+    int rc = -1, sealed = 1;
+    if (l == NULL) {
+    } else if (!PyBuffer_IsContiguous(&src, 'C') || chunk < 64 || (progress_at & 7) || (seal_at >= 0 && (seal_at & 7))) {
+        PyErr_SetString(PyExc_ValueError, "publish_flushed: a contiguous source, chunks of 64 bytes or more, aligned words");
+    } else {
+        uint64_t *progress = (uint64_t *)(l->base + progress_at);
+        const uint64_t *seal = seal_at < 0 ? NULL : (const uint64_t *)(l->base + seal_at);
+        if (l->py_writeback != NULL) {
+            rc = publish_flushed_loop(l, l->base + at, (const char *)src.buf, (size_t)src.len, (size_t)chunk, progress,
+                                      seal, (uint64_t)expected, &sealed);
+        } else {
+            Py_BEGIN_ALLOW_THREADS
+            rc = publish_flushed_loop(l, l->base + at, (const char *)src.buf, (size_t)src.len, (size_t)chunk, progress,
+                                      seal, (uint64_t)expected, &sealed);
+            Py_END_ALLOW_THREADS
+        }
+    }
+    PyBuffer_Release(&src);
+    if (rc < 0)
+        return NULL;
+    return PyBool_FromLong(sealed);
+}
+
+/* follow_flushed(lines, at, length, progress_at, stall, limit[, seal_at, expected]): follow_copy
+ * over memory without coherence (offsets in the mapping; seal_at -1: none). */
+static PyObject *follow_flushed(PyObject *self, PyObject *args) {
+    PyObject *lo, *out = NULL;
+    Py_ssize_t at, length, progress_at, seal_at = -1;
+    double stall, limit;
+    unsigned long long expected = 0;
+    if (!PyArg_ParseTuple(args, "Onnndd|nK", &lo, &at, &length, &progress_at, &stall, &limit, &seal_at, &expected))
+        return NULL;
+    Py_ssize_t ranges[] = {at, length, progress_at, 8, seal_at < 0 ? 0 : seal_at, seal_at < 0 ? 0 : 8};
+    cxlrpc_lines *l = lines_arg(lo, ranges, 3);
+    if (l == NULL)
+        return NULL;
+    if ((progress_at & 7) || (seal_at >= 0 && (seal_at & 7))) {
+        PyErr_SetString(PyExc_ValueError, "follow_flushed: aligned words");
+        return NULL;
+    }
+    if ((out = PyBytes_FromStringAndSize(NULL, length)) == NULL)
+        return NULL;
+    uint64_t *word = (uint64_t *)(l->base + progress_at), done = 0, seen = 0;
+    const uint64_t *seal = seal_at < 0 ? NULL : (const uint64_t *)(l->base + seal_at);
+    int rc = 0, sealed = 1, sim = l->py_writeback != NULL;
+    PyThreadState *ts = sim ? NULL : PyEval_SaveThread();
+    rc = follow_flushed_loop(l, PyBytes_AS_STRING(out), l->base + at, word, (uint64_t)length, &done, stall, limit, &seen);
+    if (rc == 0 && done == (uint64_t)length && seal != NULL && seal_holds(l, seal, (uint64_t)expected, &sealed) < 0)
+        rc = -1;
+    if (ts != NULL)
+        PyEval_RestoreThread(ts);
+    if (rc < 0) {
+        Py_CLEAR(out);
+    } else if (rc > 0) {
+        garbage_progress(seen, done, (uint64_t)length);
+        Py_CLEAR(out);
+    } else if (done < (uint64_t)length) {
+        Py_SETREF(out, Py_NewRef(Py_None));
+    } else if (!sealed) {
+        Py_SETREF(out, Py_NewRef(Py_False));
+    }
+    return out;
+}
+
 static int Lines_init(cxlrpc_lines *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"address", "size", "writeback", "invalidate", NULL};
     unsigned long long address, size;
@@ -697,6 +858,26 @@ static PyTypeObject LinesType = {
     .tp_getset = Lines_getset,
 };
 
+static cxlrpc_lines *lines_arg(PyObject *o, const Py_ssize_t *ranges, int count) {
+    if (!PyObject_TypeCheck(o, &LinesType)) {
+        PyErr_SetString(PyExc_TypeError, "a cxlrpc._flush.Lines");
+        return NULL;
+    }
+    cxlrpc_lines *l = (cxlrpc_lines *)o;
+    if (l->writeback == NULL || l->base == NULL) {
+        PyErr_SetString(PyExc_ValueError, "operation on a closed AtomicMemory (its region was closed)");
+        return NULL;
+    }
+    for (int i = 0; i < count; i++) {
+        Py_ssize_t off = ranges[2 * i], len = ranges[2 * i + 1];
+        if (off < 0 || len < 0 || (size_t)off > l->size || (size_t)len > l->size - (size_t)off) {
+            PyErr_Format(PyExc_ValueError, "range (%zd, %zd) outside a %zu-byte mapping", off, len, l->size);
+            return NULL;
+        }
+    }
+    return l;
+}
+
 #define SITE_ENTRY(name, what) {#name, what},
 static const struct { const char *name, *what; } site_table[] = {{"NONE", "no site (skip = 0)"},
                                                                   CXLRPC_FLUSH_SITES(SITE_ENTRY)};
@@ -728,6 +909,8 @@ static PyMethodDef methods[] = {
     {"stream_bytes", stream_bytes, METH_VARARGS, "A new bytes copy of src, made with streaming stores."},
     {"publish_copy", publish_copy, METH_VARARGS, "Copy src into dst by chunks, publishing the count copied into progress."},
     {"follow_copy", follow_copy, METH_VARARGS, "A bytes copy of src, taken as progress says it was written; None on a stall."},
+    {"publish_flushed", publish_flushed, METH_VARARGS, "publish_copy over memory without coherence, through a Lines."},
+    {"follow_flushed", follow_flushed, METH_VARARGS, "follow_copy over memory without coherence, through a Lines."},
     {"copy", copy, METH_VARARGS, "Copy src into the start of dst with plain stores."},
     {"copied", copied, METH_VARARGS, "A new bytes copy of src."},
     {"features", features, METH_NOARGS, "The flush instructions this CPU offers."},

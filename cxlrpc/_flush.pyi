@@ -21,6 +21,14 @@ def follow_copy(src: Buffer, progress: Buffer, stall: float, limit: float, seal:
 BODY_CHUNK: int
 """Lines.read_body invalidates and copies a body this many bytes at a time."""
 
+def publish_flushed(lines: Lines, at: int, src: Buffer, progress_at: int, chunk: int, seal_at: int = ...,
+                    expected: int = ..., /) -> bool:
+    """publish_copy without coherence (offsets in the mapping; seal_at -1: none). False: the seal changed."""
+
+def follow_flushed(lines: Lines, at: int, length: int, progress_at: int, stall: float, limit: float,
+                   seal_at: int = ..., expected: int = ..., /) -> bytes | Literal[False] | None:
+    """follow_copy without coherence. None: the writer stalled or ran out of time; False: the seal changed."""
+
 def features() -> str: ...
 def sites() -> tuple[tuple[str, str], ...]:
     """The flush sites, by number (0: none): (name, what it protects)."""

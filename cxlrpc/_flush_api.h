@@ -29,7 +29,12 @@
     X(BLOCK_WRITE, "kv block: the block's lines written back before the put is committed")          \
     X(BLOCK_VERSION, "kv block: the block's version line invalidated before it is checked")           \
     X(BODY_WRITE, "heap body: the body's lines written back before its frame is published")           \
-    X(BODY_READ, "heap body: the body's lines invalidated before they are copied out")
+    X(BODY_READ, "heap body: the body's lines invalidated before they are copied out")                \
+    X(FOLLOW_WRITE, "followed body: each chunk streamed in (its partial lines written back) before its progress") \
+    X(FOLLOW_PROGRESS, "followed body: the progress word's line written back after each store")       \
+    X(FOLLOW_POLL, "followed body: the progress word's line invalidated before each load")            \
+    X(FOLLOW_READ, "followed body: each run of bytes progress announced invalidated before it is copied") \
+    X(FOLLOW_SEAL, "followed body: the seal's line invalidated before the seal is checked")
 
 #define CXLRPC_SITE_ENUM(name, what) CXLRPC_SITE_##name,
 enum { CXLRPC_SITE_NONE, CXLRPC_FLUSH_SITES(CXLRPC_SITE_ENUM) CXLRPC_SITE_COUNT };

@@ -140,15 +140,20 @@ class HeapAccess:
         """Zero the progress word of a followed extent, before its frame is sent (a client's
         only while the extent holds its seal: else SealBroken, nothing stored)."""
         self.check(offset, FOLLOW_HEADER)
-        if self.own_seal is not None and self.mem.load(self.start + offset + SEAL_AT, ACQUIRE) != self.own_seal:
-            raise SealBroken("the extent's seal is not this client's")
-        self.mem.store(self.start + offset, 0, RELEASE)
+        at = self.start + offset
+        if self.own_seal is not None:
+            self.mem.invalidate(at + SEAL_AT, 8)
+            if self.mem.load(at + SEAL_AT, ACQUIRE) != self.own_seal:
+                raise SealBroken("the extent's seal is not this client's")
+        self.mem.store(at, 0, RELEASE)
+        self.mem.writeback(at, 8)  # (before the frame's push, which fences)
 
     def seal(self, offset: int, word: int) -> None:
         """Set the seal of the followed extent at ``offset`` (the server, handing it out or
-        taking it back). Coherent memory only, as following is (nothing to write back)."""
+        taking it back; written back: the frame that hands it out is pushed after)."""
         self.check(offset, FOLLOW_HEADER)
         self.mem.store(self.start + offset + SEAL_AT, word, RELEASE)
+        self.mem.writeback(self.start + offset + SEAL_AT, 8)
 
     def publish(self, offset: int, body: BytesLike) -> None:
         """Write ``body`` into the followed extent at ``offset``, publishing its progress; if
@@ -246,7 +251,7 @@ class ServerHeap:
         if offset is None:
             return None
         self._owners[offset] = (slot, gen, length)
-        if keep:  # asked by a client for a followed request: its header is sealed
+        if keep and not self.access.mem.flushing:  # asked for a followed request: its header is sealed
             self._seal(offset, slot, gen, length)
         if keep and length <= SPARE_MAX and self.kept_bytes + length <= self._spare_budget:
             self._kept[offset] = length
@@ -254,25 +259,31 @@ class ServerHeap:
         return offset
 
     def _seal(self, offset: int, slot: int, gen: int, length: int) -> None:
-        if length >= FOLLOW_HEADER and not self.access.mem.flushing:  # (no body is followed there)
+        if length >= FOLLOW_HEADER:
             self.access.seal(offset, seal_word(slot, gen))
             self._sealed.add(offset)
 
-    def alloc_reply(self, slot: int, gen: int, length: int) -> int | None:
-        """An extent for a followed reply of ``length`` bytes: the one the connection gave back
-        last when it holds them without doubling them, else a new one (None while the heap is
-        full)."""
+    def alloc_reply(self, slot: int, gen: int, length: int, followed: bool = True) -> int | None:
+        """An extent for a followed reply of ``length`` bytes (or, without coherence, a reply
+        written whole: not ``followed``, its header not sealed, the body in its place): the
+        one the connection gave back last when it holds them without doubling them, else a new
+        one (None while the heap is full)."""
         offset = self._parked.get((slot, gen))
         if offset is not None:
             self._unpark(offset)
             if length <= self._alloc.size_of(offset) <= 2 * max(length, UNIT):
                 self._owners[offset] = (slot, gen, length)
-                return offset  # (sealed for the connection already)
+                if not followed:
+                    self._sealed.discard(offset)
+                elif offset not in self._sealed:  # (else sealed for the connection already)
+                    self._seal(offset, slot, gen, length)
+                return offset
             self._drop(offset)
         offset = self.alloc(slot, gen, length)
         if offset is not None:
             self._replies.add(offset)
-            self._seal(offset, slot, gen, length)
+            if followed:
+                self._seal(offset, slot, gen, length)
         return offset
 
     def is_spare(self, offset: int) -> bool:

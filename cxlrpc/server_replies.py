@@ -36,7 +36,6 @@ class Replies:
         self._chan: ServerTransport
         self._heap: ServerHeap | None = None
         #: replies of this many bytes and more are followed (cxlrpc.heap); never without a heap
-        #: or on memory without coherence, where each chunk would need a write-back
         self.follow_min = sys.maxsize
         #: replies of this many bytes and more go through the heap though the ring would take
         #: them (memory without coherence: cxlrpc.heap.FLUSH_HEAP_MIN); else never
@@ -120,7 +119,7 @@ class Replies:
         heap = self._heap
         assert heap is not None  # (send refused a body too big for the ring without one)
         if fits:  # (memory without coherence: one pass each way, its extent parked when FREEd)
-            offset = heap.alloc_reply(slot, gen, len(body))
+            offset = heap.alloc_reply(slot, gen, len(body), followed=False)
             if offset is None:
                 return ring.try_push_parts((head, body))
         else:

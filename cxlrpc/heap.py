@@ -141,10 +141,8 @@ class HeapAccess:
         only while the extent holds its seal: else SealBroken, nothing stored)."""
         self.check(offset, FOLLOW_HEADER)
         at = self.start + offset
-        if self.own_seal is not None:
-            self.mem.invalidate(at + SEAL_AT, 8)
-            if self.mem.load(at + SEAL_AT, ACQUIRE) != self.own_seal:
-                raise SealBroken("the extent's seal is not this client's")
+        if self.own_seal is not None and self.mem.load(at + SEAL_AT, ACQUIRE) != self.own_seal:
+            raise SealBroken("the extent's seal is not this client's")  # (coherent: requests follow there only)
         self.mem.store(at, 0, RELEASE)
         self.mem.writeback(at, 8)  # (before the frame's push, which fences)
 

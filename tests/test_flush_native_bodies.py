@@ -398,3 +398,62 @@ def test_followed_flush_counts_over_real_memory():
         lines.close()
     finally:
         m.close()
+
+
+# ---------------------------------------------------------------- HeapAccess's own write-backs
+def _heap_accesses(two: _TwoCaches):
+    """The server's HeapAccess over the writer's cache, a client's (its seal SEALED) over the reader's."""
+    from cxlrpc.heap import HeapAccess
+    from cxlrpc.memory import AtomicMemory
+
+    out = []
+    for sim, seal in zip(two.sims, (None, SEALED)):
+        mem = AtomicMemory(sim.cache)
+        mem.use_flushes(sim.writeback, sim.invalidate)
+        out.append((HeapAccess(memoryview(sim.cache), mem, 0, len(sim.cache), seal), mem))
+    return out
+
+
+def _heap_site(method: str):
+    from test_heap import HEAP_SITES
+    (site,) = [s for s in HEAP_SITES if s[0] == method]
+    return site
+
+
+@pytest.mark.parametrize("mutate", [False, True], ids=["whole", "mutated"])
+@pytest.mark.parametrize("method", ["begin_publish", "seal"])
+def test_a_reused_extent_is_not_read_stale(caches, monkeypatch, method, mutate):
+    """A parked extent followed again: its zeroed progress word written back before the frame
+    (else the reader takes the last body's progress, and its bytes, for the new one's); its seal
+    taken back and written back (else a reader of an extent no longer its own passes the check)."""
+    from cxlrpc import heap
+    from cxlrpc.heap import SEAL_REVOKED
+    from cxlrpc.memory import SealBroken
+    from test_heap import mutated
+
+    monkeypatch.setattr(heap, "FOLLOW_STALL_S", 0.05)
+    if mutate:
+        monkeypatch.setattr(heap.HeapAccess, method, mutated(_heap_site(method)))
+    (server, smem), (client, cmem) = _heap_accesses(caches)
+    try:
+        first = os.urandom(LENGTH)
+        server.seal(0, SEALED)
+        server.begin_publish(0)
+        server.publish(0, first)
+        assert client.follow(0, LENGTH) == first
+        try:
+            if method == "begin_publish":
+                server.begin_publish(0)  # the next reply's frame would be pushed now
+                with pytest.raises(TimeoutError):
+                    client.follow(0, LENGTH)
+            else:
+                server.seal(0, SEAL_REVOKED)  # its owner departed
+                with pytest.raises(SealBroken):
+                    client.follow(0, LENGTH)
+            caught = True
+        except pytest.fail.Exception:
+            caught = False
+        assert caught != mutate, f"removing {method}'s write-back went unnoticed" if mutate else "failed whole"
+    finally:
+        smem.close()
+        cmem.close()

@@ -36,9 +36,9 @@ def published(monkeypatch) -> list[int]:
     lengths: list[int] = []
     real = ServerHeap.alloc_reply
 
-    def spy(self, slot, gen, length):
-        offset = real(self, slot, gen, length)
-        if offset is not None:
+    def spy(self, slot, gen, length, followed=True):
+        offset = real(self, slot, gen, length, followed)
+        if offset is not None and followed:
             lengths.append(length - FOLLOW_HEADER)
         return offset
 
@@ -337,7 +337,7 @@ async def test_a_request_claiming_the_follow_flag_is_dropped(name):
             client._replies.pending.pop(4242, None)
 
 
-async def test_no_heap_room_or_no_coherence_sends_big_replies_the_plain_way(name, published):
+async def test_no_heap_room_sends_big_replies_the_plain_way_and_no_coherence_follows_them_too(name, published):
     url = f"shm://{name}"
     # a reply the size of the whole heap leaves no room for a progress word: into the ring
     async with _server(url, heap_size=512 << 10, max_message_size=512 << 10) as server, \
@@ -348,11 +348,11 @@ async def test_no_heap_room_or_no_coherence_sends_big_replies_the_plain_way(name
     sim = f"sim://{name}s"
     async with _server(sim, request_capacity=64 << 10, response_capacity=64 << 10,
                        max_message_size=2 * MiB) as server, cxlrpc.connect(sim) as client:
-        assert server._replies.follow_min == sys.maxsize
+        assert server._replies.follow_min == FOLLOW_MIN  # (flushed: cxlrpc._flush.publish_flushed)
         for size in (FOLLOW_MIN, MiB + 1):
             assert await client.call("make", [size, 4], timeout=30) == _made(size, 4)
         assert await _heap_empty(server)
-    assert published == []
+    assert published == [FOLLOW_MIN, MiB + 1]
 
 
 async def test_replies_leave_the_heap_to_requests_that_wait_for_it(name, published):

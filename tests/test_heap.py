@@ -201,30 +201,41 @@ def _heap_flush_sites() -> list[tuple[str, int]]:
 
 
 HEAP_SITES = _heap_flush_sites()
+#: Sites the scenario below cannot show (in one process the followed reply's progress stores
+#: write the same line back): the zeroed progress word's and the seal's write-backs, mutated in
+#: a scenario of their own (tests/test_flush_native_bodies.py, two caches).
+OWN_SCENARIO = ("begin_publish", "seal")
+
+
+def mutated(site: tuple[str, int]):
+    """HeapAccess's method ``site[0]`` with the call at line ``site[1]`` of cxlrpc/heap.py removed."""
+    import inspect
+
+    import cxlrpc.heap as heap
+    lines = inspect.getsource(heap).splitlines()
+    code = lines[site[1] - 1]
+    lines[site[1] - 1] = code[:len(code) - len(code.lstrip())] + "pass"
+    namespace: dict = {"__name__": "cxlrpc.heap_mutated", "__package__": "cxlrpc"}
+    exec(compile("\n".join(lines), heap.__file__, "exec"), namespace)
+    return getattr(namespace["HeapAccess"], site[0])
 
 
 def test_the_heap_mutation_test_sees_both_sites():
-    assert sorted(m for m, _ in HEAP_SITES) == ["read", "view", "write"], HEAP_SITES
+    assert sorted(m for m, _ in HEAP_SITES) == ["begin_publish", "read", "seal", "view", "write"], HEAP_SITES
 
 
-@pytest.mark.parametrize("site", HEAP_SITES, ids=[f"{m}:{n}" for m, n in HEAP_SITES])
+@pytest.mark.parametrize("site", [s for s in HEAP_SITES if s[0] not in OWN_SCENARIO],
+                         ids=[f"{m}:{n}" for m, n in HEAP_SITES if m not in OWN_SCENARIO])
 async def test_removing_a_heap_flush_or_invalidate_breaks_big_bodies(name, site, monkeypatch):
     """The simulator catches a forgotten write-back or invalidate of a heap extent. Copies in
     and out of the heap take these sites only without the native module (with it they are
     Lines.write_body / read_body, whose sites tests/test_flush_native_bodies.py mutates): the
     regions are opened without it here."""
-    import inspect
-
     import cxlrpc.heap as heap
     import cxlrpc.memory as memory
     if site[0] in ("read", "write"):
         monkeypatch.setattr(memory, "_native", None)
-    lines = inspect.getsource(heap).splitlines()
-    code = lines[site[1] - 1]
-    lines[site[1] - 1] = code[:len(code) - len(code.lstrip())] + "pass"
-    mutated: dict = {"__name__": "cxlrpc.heap_mutated", "__package__": "cxlrpc"}
-    exec(compile("\n".join(lines), heap.__file__, "exec"), mutated)
-    monkeypatch.setattr(heap.HeapAccess, site[0], getattr(mutated["HeapAccess"], site[0]))
+    monkeypatch.setattr(heap.HeapAccess, site[0], mutated(site))
     url = f"sim://{name}"
     async with _server(url), cxlrpc.connect(url) as client:
         payload = os.urandom(300_000)

@@ -274,6 +274,10 @@ static PyObject *follow_copy(PyObject *self, PyObject *args) {
     return out;
 }
 
+static int follow_flushed_loop(cxlrpc_lines *l, char *dst, const char *src, uint64_t *word, uint64_t n,
+                               uint64_t *done, double stall, double limit, uint64_t *seen);
+static cxlrpc_lines *lines_arg(PyObject *o, const Py_ssize_t *ranges, int count);
+
 /* Follower(length, copy): a followed body taken a step at a time, so a reader that serves
  * others (the server's loop) never waits for one writer; with ``copy``, into a bytes object
  * nobody sees before take(). */
@@ -337,6 +341,49 @@ static PyObject *Follower_step(Follower *self, PyObject *args) {
     return PyLong_FromUnsignedLongLong(self->done);
 }
 
+/* step_flushed(lines, at, progress_at, spin, budget): step over memory without coherence, through
+ * a Lines (offsets in its mapping): the progress word's line invalidated before each look, each
+ * run of bytes right before it is copied (follow_flushed's). */
+static PyObject *Follower_step_flushed(Follower *self, PyObject *args) {
+    PyObject *lo;
+    Py_ssize_t at, progress_at;
+    double spin, budget;
+    if (!PyArg_ParseTuple(args, "Onndd", &lo, &at, &progress_at, &spin, &budget))
+        return NULL;
+    Py_ssize_t ranges[] = {at, (Py_ssize_t)self->length, progress_at, 8};
+    cxlrpc_lines *l = lines_arg(lo, ranges, 2);
+    if (l == NULL)
+        return NULL;
+    if (progress_at & 7) {
+        PyErr_SetString(PyExc_ValueError, "Follower.step_flushed: an aligned progress word");
+        return NULL;
+    }
+    if (self->taken) {
+        PyErr_SetString(PyExc_ValueError, "Follower.step_flushed: the body was taken");
+        return NULL;
+    }
+    char *d = self->body != NULL ? PyBytes_AS_STRING(self->body) : NULL;
+    uint64_t done = self->done, seen = 0;
+    int rc;
+    if (l->py_writeback != NULL) {
+        rc = follow_flushed_loop(l, d, l->base + at, (uint64_t *)(l->base + progress_at), self->length, &done, spin,
+                                 budget, &seen);
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        rc = follow_flushed_loop(l, d, l->base + at, (uint64_t *)(l->base + progress_at), self->length, &done, spin,
+                                 budget, &seen);
+        Py_END_ALLOW_THREADS
+    }
+    self->done = done;
+    if (rc < 0)
+        return NULL;
+    if (rc > 0) {
+        garbage_progress(seen, done, self->length);
+        return NULL;
+    }
+    return PyLong_FromUnsignedLongLong(self->done);
+}
+
 /* take(): the completed copy (once; None when not copying). */
 static PyObject *Follower_take(Follower *self, PyObject *unused) {
     if (self->done < self->length || self->taken) {
@@ -355,6 +402,8 @@ static PyObject *Follower_get_done(Follower *self, void *closure) {
 
 static PyMethodDef Follower_methods[] = {
     {"step", (PyCFunction)Follower_step, METH_VARARGS, "Follow while progress moves (spin, budget): the bytes done."},
+    {"step_flushed", (PyCFunction)Follower_step_flushed, METH_VARARGS,
+     "step without coherence, through a Lines: step_flushed(lines, at, progress_at, spin, budget)."},
     {"take", (PyCFunction)Follower_take, METH_NOARGS, "The completed copy (None when not copying)."},
     {NULL, NULL, 0, NULL},
 };
@@ -560,9 +609,11 @@ static int follow_flushed_loop(cxlrpc_lines *l, char *dst, const char *src, uint
             return 1;
         }
         if (p > *done) {
-            if (lines_invalidate(l, CXLRPC_SITE_FOLLOW_READ, src + *done, (size_t)(p - *done), CXLRPC_FULL_FENCE) < 0)
-                return -1;
-            copy_span(dst + *done, src + *done, (size_t)(p - *done));
+            if (dst != NULL) { /* (NULL: only waited for; its reader invalidates it whole) */
+                if (lines_invalidate(l, CXLRPC_SITE_FOLLOW_READ, src + *done, (size_t)(p - *done), CXLRPC_FULL_FENCE) < 0)
+                    return -1;
+                copy_span(dst + *done, src + *done, (size_t)(p - *done));
+            }
             *done = p;
             since = 0.0;
             continue;

@@ -130,9 +130,8 @@ class Codec:
                 body = body.cast("B") if body.c_contiguous else body.tobytes()
             if bodies.follow_min <= len(body) <= bodies.follow_max:  # its bytes, not its items
                 large = bodies.out_of_line(flags, len(mb), prefix, body, "request")
-                return large._replace(follow=True)
-        if follow and bodies.heap_min <= len(body) <= bodies.heap_max and type(body) in (bytes, bytearray):
-            return bodies.out_of_line(flags, len(mb), prefix, body, "request")._replace(keep=True)
+                assert bodies.heap is not None  # (follow_min is finite only with a heap)
+                return large._replace(follow=True, header=bodies.heap.header)
         if len(head) + len(prefix) + len(body) > conn.max_request:
             return bodies.out_of_line(flags, len(mb), prefix, body, "request")
         return head, prefix, body
@@ -216,7 +215,7 @@ class _Base:
             conn.caller = caller_type(
                 weakref.proxy(self), self._codec.methods, native.requests, native.push_args,
                 native.ring_server, native.responses, fr.encode_body, fr.decode, chan.slot, chan.gen,
-                min(native.requests.max_payload, fr.HEADER_SIZE + min(bodies.follow_min, bodies.heap_min) - 1),
+                min(native.requests.max_payload, fr.HEADER_SIZE + bodies.follow_min - 1),
                 native.buf, native.parked_at, native.me, self._in_flight(), self._owed_turns(),
                 bodies.in_place, geo.heap, geo.heap_size, FOLLOW_CHUNK,
                 heap_settings.FOLLOW_STALL_S if following else 0.0, heap_settings.FOLLOW_MIN_RATE,

@@ -33,12 +33,12 @@ class Large(NamedTuple):
     prefix: bytes  # the method name, then the metadata block if any
     body: BytesLike
     follow: bool = False  # written after its frame is sent, the server following (cxlrpc.heap)
-    keep: bool = False  # (memory without coherence) through an extent the client keeps as a spare
+    header: int = FOLLOW_HEADER  # a followed extent's header (cxlrpc.heap.HeapAccess.header)
 
     @property
     def extent_size(self) -> int:
         """The heap bytes to ALLOC: a followed body's progress word comes first."""
-        return FOLLOW_HEADER + len(self.body) if self.follow else len(self.body)
+        return self.header + len(self.body) if self.follow else len(self.body)
 
 
 def grant(reply: bytes) -> tuple[int, bool]:
@@ -59,11 +59,8 @@ class Bodies:
         self.frees: list[int] = []  # heap extents of replies read, to give back
         self.allocs: set[int] = set()  # call ids of ALLOCs whose reply may still come
         #: unary requests with bodies in [follow_min, follow_max] are followed (cxlrpc.heap):
-        #: on coherent memory with a heap only
+        #: with a heap only; without coherence from FLUSH_HEAP_MIN, by the Python paths only
         self.follow_min, self.follow_max = sys.maxsize, 0
-        #: (memory without coherence) requests with bodies in [heap_min, heap_max] go through
-        #: the heap though the ring would take them, by the spare (cxlrpc.heap.FLUSH_HEAP_MIN)
-        self.heap_min, self.heap_max = sys.maxsize, 0
         self.followed: dict[int, bytes] = {}  # call id -> method name, of followed calls out
         self.in_place: set[bytes] = set()  # methods that read their bodies in place: not followed
         #: an extent the server granted as a spare (cxlrpc.heap), kept for the next followed
@@ -71,17 +68,17 @@ class Bodies:
         self.spare: tuple[int, int] | None = None
 
     def open(self, chan: ClientTransport) -> bool:
-        """Use ``chan``'s heap; whether its bodies are followed (coherent memory with a heap)."""
+        """Use ``chan``'s heap; whether the native caller may follow bodies (coherent memory
+        with a heap: it has no write-backs; without coherence the Python paths follow them)."""
         geo, region = chan.geo, chan.region
-        following = geo.heap_size > FOLLOW_HEADER and not region.mem.flushing
-        if following:
-            self.follow_min = FOLLOW_MIN
-            self.follow_max = min(geo.heap_size, geo.max_message_size) - FOLLOW_HEADER  # ALLOC's limit
-        elif geo.heap_size and region.mem.flushing:
-            self.heap_min, self.heap_max = FLUSH_HEAP_MIN, min(geo.heap_size, geo.max_message_size)
         # (our followed extents hold this seal while they are ours: cxlrpc.heap)
-        self.heap = HeapAccess(region.buf, region.mem, geo.heap, geo.heap_size, seal_word(chan.slot, chan.gen))
-        return following
+        self.heap = heap = HeapAccess(region.buf, region.mem, geo.heap, geo.heap_size, seal_word(chan.slot, chan.gen))
+        # (without coherence bodies are followed through the native module's flushed copies only)
+        following = geo.heap_size > heap.header and (not region.mem.flushing or region.mem.lines is not None)
+        if following:
+            self.follow_min = FLUSH_HEAP_MIN if region.mem.flushing else FOLLOW_MIN
+            self.follow_max = min(geo.heap_size, geo.max_message_size) - heap.header  # ALLOC's limit
+        return following and not region.mem.flushing
 
     def reset(self) -> None:
         """The connection is gone, and its server's heap with it."""
@@ -131,15 +128,16 @@ class Bodies:
         """The spare extent, if ``arg`` is a body to follow: the native caller sends it through
         the spare, with no Python before the frame is out (and the server reading)."""
         spare = self.spare
-        if spare is not None and type(arg) is bytes and self.follow_min <= len(arg) <= self.follow_max:
+        if (spare is not None and type(arg) is bytes and self.follow_min <= len(arg) <= self.follow_max
+                and not self._heap().mem.flushing):
             return spare
         return None
 
     def take_spare(self, large: Large) -> tuple[int, int] | None:
-        """The spare extent for a followed (or kept) request if it is big enough (one too small is
+        """The spare extent for a followed request if it is big enough (one too small is
         given back): (offset, size); None to ALLOC one."""
         spare = self.spare
-        if spare is None or not (large.follow or large.keep):
+        if spare is None or not large.follow:
             return None
         self.spare = None
         if spare[1] >= large.extent_size:
@@ -206,7 +204,7 @@ class Bodies:
                 body = b""
             elif f.flags & fr.FOLLOW:
                 heap = self._heap()
-                heap.check(offset, FOLLOW_HEADER + length)
+                heap.check(offset, heap.header + length)
                 try:
                     body = heap.follow(offset, length)
                 except SealBroken:

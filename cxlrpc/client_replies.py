@@ -168,27 +168,25 @@ class Replies:
             (offset, size), spare = taken, True
         else:
             size = large.extent_size
-            alloc_id, alloc = bodies.alloc_request(size, timeout, large.follow or large.keep)
+            alloc_id, alloc = bodies.alloc_request(size, timeout, large.follow)
             reply = await self.granted(alloc_id, alloc, deadline)
             if conn.gone is not None or conn.chan is not chan:  # the extent is another server's
                 raise Unavailable(conn.gone or "the connection was lost while the call waited for heap space")
             offset, spare = grant(reply)
         parts = bodies.staged(large, offset, call_id, timeout, fr.REQUEST)
-        if not (large.follow or spare):
+        if not large.follow:
             return await self.roundtrip(call_id, parts, deadline, response_type, unsent=offset, late=late)
         method = large.prefix[:large.method_len]
-        if large.follow:
-            bodies.followed[call_id] = method
+        bodies.followed[call_id] = method
         answered = False
         try:
             result = await self.roundtrip(call_id, parts, deadline, response_type,
                                           unsent=None if spare else offset, late=late,
-                                          then=(lambda: bodies.publish_body(offset, large.body)) if large.follow else None)
+                                          then=lambda: bodies.publish_body(offset, large.body))
             answered = True
             return result
         finally:
-            if large.follow:
-                del bodies.followed[call_id]
+            del bodies.followed[call_id]
             if spare:  # (the server frees any other extent once it has read it)
                 bodies.settle(chan, offset, size, method, answered)
 

@@ -145,7 +145,7 @@ class SyncClient(_Base):
                     (offset, size), spare = taken, True
                 else:
                     size = large.extent_size
-                    alloc_id, alloc = bodies.alloc_request(size, timeout or 0.0, large.follow or large.keep)
+                    alloc_id, alloc = bodies.alloc_request(size, timeout or 0.0, large.follow)
                     try:
                         reply = codec.decode_reply(self._roundtrip(alloc_id, alloc, deadline), None)
                     except DeadlineExceeded:

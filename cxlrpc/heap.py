@@ -56,6 +56,11 @@ GRANT = struct.Struct("<QQ")   # ALLOC's size and whether a spare is asked; its 
 UNIT = 4096
 FOLLOW_HEADER = 64  # a followed extent: its progress word (u64), its seal (u64), from here its body
 SEAL_AT = 8  # a followed extent's seal word, after its progress word
+#: Without coherence a followed extent's progress word (its writer's: a client's, for a request)
+#: has a line of its own, apart from the seal's (the server's): the seal at SEAL_AT, the progress
+#: word at FLUSH_PROGRESS_AT, the body from FLUSH_FOLLOW_HEADER.
+FLUSH_PROGRESS_AT = 64
+FLUSH_FOLLOW_HEADER = 128
 SEAL_REVOKED = 0  # the seal of an extent whose owner departed (no seal_word is 0)
 #: what a client says when a followed body's seal is not its own (the native caller's words too)
 SEAL_BROKEN = "the extent's seal is not this client's: the server reaped it (the bytes may be another's)"
@@ -91,7 +96,7 @@ FOLLOW_IDLE_MAX_S = 10e-3
 #: 1/SPARE_SHARE of it: 8 MiB to the default 64 MiB), so that a body of max_message_size still
 #: fits. A spare is its client's again once the server has read its body, to write its next
 #: followed request into at once.
-SPARE_MAX = (2 << 20) + FOLLOW_HEADER
+SPARE_MAX = (2 << 20) + FLUSH_FOLLOW_HEADER
 SPARE_SHARE = 8
 
 
@@ -110,6 +115,8 @@ class HeapAccess:
                  seal: int | None = None) -> None:
         self.buf, self.mem, self.start, self.size = buf, mem, start, size
         self.own_seal = seal
+        #: a followed extent's header (its body starts there) and where its progress word is
+        self.header, self.progress_at = (FLUSH_FOLLOW_HEADER, FLUSH_PROGRESS_AT) if mem.flushing else (FOLLOW_HEADER, 0)
 
     def check(self, offset: int, length: int) -> None:
         """Raise ValueError unless ``[offset, offset+length)`` lies inside the heap."""
@@ -143,17 +150,19 @@ class HeapAccess:
     def begin_publish(self, offset: int) -> None:
         """Zero the progress word of a followed extent, before its frame is sent (a client's
         only while the extent holds its seal: else SealBroken, nothing stored)."""
-        self.check(offset, FOLLOW_HEADER)
+        self.check(offset, self.header)
         at = self.start + offset
-        if self.own_seal is not None and self.mem.load(at + SEAL_AT, ACQUIRE) != self.own_seal:
-            raise SealBroken("the extent's seal is not this client's")  # (coherent: requests follow there only)
-        self.mem.store(at, 0, RELEASE)
-        self.mem.writeback(at, 8)  # (before the frame's push, which fences)
+        if self.own_seal is not None:
+            self.mem.invalidate(at + SEAL_AT, 8)
+            if self.mem.load(at + SEAL_AT, ACQUIRE) != self.own_seal:
+                raise SealBroken("the extent's seal is not this client's")
+        self.mem.store(at + self.progress_at, 0, RELEASE)
+        self.mem.writeback(at + self.progress_at, 8)  # (before the frame's push, which fences)
 
     def seal(self, offset: int, word: int) -> None:
         """Set the seal of the followed extent at ``offset`` (the server, handing it out or
         taking it back; written back: the frame that hands it out is pushed after)."""
-        self.check(offset, FOLLOW_HEADER)
+        self.check(offset, self.header)
         self.mem.store(self.start + offset + SEAL_AT, word, RELEASE)
         self.mem.writeback(self.start + offset + SEAL_AT, 8)
 
@@ -162,17 +171,19 @@ class HeapAccess:
         the copy fails, a progress word no writer stores tells the reader at once. A client's
         extent must hold its seal before each chunk, else the copy stops there and SealBroken
         is raised, the extent no longer touched: it is not ours."""
-        self.check(offset, FOLLOW_HEADER + len(body))
+        self.check(offset, self.header + len(body))
         at, seal = self.start + offset, self.own_seal
+        progress = at + self.progress_at
         try:
             if seal is None:
-                publish_copy(self.mem, self.buf, at, at + FOLLOW_HEADER, body)
+                publish_copy(self.mem, self.buf, progress, at + self.header, body)
             else:
-                publish_copy(self.mem, self.buf, at, at + FOLLOW_HEADER, body, at + SEAL_AT, seal)
+                publish_copy(self.mem, self.buf, progress, at + self.header, body, at + SEAL_AT, seal)
         except SealBroken:
             raise
         except BaseException:
-            self.mem.store(at, FOLLOW_ABORTED, RELEASE)
+            self.mem.store(progress, FOLLOW_ABORTED, RELEASE)
+            self.mem.writeback(progress, 8)
             raise
 
     def follow(self, offset: int, length: int) -> bytes:
@@ -180,23 +191,32 @@ class HeapAccess:
         for a bad extent or progress word, TimeoutError if the writer stops for FOLLOW_STALL_S
         or is slower than FOLLOW_MIN_RATE; for a client, SealBroken when, once copied, the
         extent's seal is not its own: the copy may hold another's bytes)."""
-        self.check(offset, FOLLOW_HEADER + length)
+        self.check(offset, self.header + length)
         at, seal = self.start + offset, self.own_seal
         stall, limit = FOLLOW_STALL_S, FOLLOW_STALL_S + length / FOLLOW_MIN_RATE
+        progress, body = at + self.progress_at, at + self.header
         if seal is None:
-            return follow_copy(self.mem, self.buf, at, at + FOLLOW_HEADER, length, stall, limit)
-        return follow_copy(self.mem, self.buf, at, at + FOLLOW_HEADER, length, stall, limit, at + SEAL_AT, seal)
+            return follow_copy(self.mem, self.buf, progress, body, length, stall, limit)
+        return follow_copy(self.mem, self.buf, progress, body, length, stall, limit, at + SEAL_AT, seal)
 
     def follower(self, offset: int, length: int, copy: bool) -> FollowedBody:
         """The followed extent's body, to take a step at a time (ValueError for a bad extent)."""
-        self.check(offset, FOLLOW_HEADER + length)
+        self.check(offset, self.header + length)
         at = self.start + offset
-        return FollowedBody(self.mem, self.buf, at, at + FOLLOW_HEADER, length, copy)
+        return FollowedBody(self.mem, self.buf, at + self.progress_at, at + self.header, length, copy)
+
+    def progress(self, offset: int) -> int:
+        """The progress word of the followed extent at ``offset`` (its line invalidated first)."""
+        at = self.start + offset + self.progress_at
+        self.mem.invalidate(at, 8)
+        return int(self.mem.load(at, ACQUIRE))
 
     def followed_view(self, offset: int, length: int) -> memoryview:
-        """A read-only view of a complete followed extent's body, in place (coherent memory)."""
-        self.check(offset, FOLLOW_HEADER + length)
-        at = self.start + offset + FOLLOW_HEADER
+        """A read-only view of a complete followed extent's body, in place (its lines
+        invalidated first: without coherence its follower only waited for it)."""
+        self.check(offset, self.header + length)
+        at = self.start + offset + self.header
+        self.mem.invalidate(at, length)
         return self.buf[at:at + length].toreadonly()
 
     def view(self, offset: int, length: int) -> memoryview:
@@ -253,7 +273,7 @@ class ServerHeap:
         if offset is None:
             return None
         self._owners[offset] = (slot, gen, length)
-        if keep and not self.access.mem.flushing:  # asked for a followed request: its header is sealed
+        if keep:  # asked by a client for a followed request: its header is sealed
             self._seal(offset, slot, gen, length)
         if keep and length <= SPARE_MAX and self.kept_bytes + length <= self._spare_budget:
             self._kept[offset] = length
@@ -261,7 +281,7 @@ class ServerHeap:
         return offset
 
     def _seal(self, offset: int, slot: int, gen: int, length: int) -> None:
-        if length >= FOLLOW_HEADER:
+        if length >= self.access.header:
             self.access.seal(offset, seal_word(slot, gen))
             self._sealed.add(offset)
 
@@ -356,8 +376,7 @@ class ServerHeap:
     def free_abandoned(self) -> int:
         """Free the abandoned extents whose writers stopped (their progress word at or past
         the length: done, or given up); how many (from housekeeping: O(abandoned))."""
-        done = [offset for offset, length in self.abandoned.items()
-                if self.access.mem.load(self.access.start + offset, ACQUIRE) >= length]
+        done = [offset for offset, length in self.abandoned.items() if self.access.progress(offset) >= length]
         for offset in done:
             self._drop(offset)
         return len(done)

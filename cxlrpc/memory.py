@@ -362,8 +362,12 @@ class FollowedBody:
         whether the body is complete. ValueError if the progress word is garbage."""
         at, buf = self._at, self._buf
         if self._native is not None:
-            self.done = self._native.step(buf[at:at + self.length],
-                                          buf[self._progress_at:self._progress_at + 8], spin, budget)
+            lines = self._mem.lines
+            if lines is not None:  # (without coherence: each look and each run invalidated first)
+                self.done = self._native.step_flushed(lines, at, self._progress_at, spin, budget)
+            else:
+                self.done = self._native.step(buf[at:at + self.length],
+                                              buf[self._progress_at:self._progress_at + 8], spin, budget)
             return self.done == self.length
         since = start = time.monotonic()
         while self.done < self.length:

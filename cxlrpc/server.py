@@ -16,7 +16,6 @@ replies and their backlog (``cxlrpc.server_replies``), out-of-line bodies
 from __future__ import annotations
 
 import asyncio
-import sys
 import threading
 from typing import Any, Callable, Sequence
 
@@ -263,18 +262,17 @@ class Server:
         self._beater.start()
         geo = self.geometry
         heap, follow_min, body_limit = None, self._replies.follow_min, self.max_message_size
-        heap_min, following = self._replies.heap_min, False
+        heap_min = self._replies.heap_min
         try:
             self._chan = chan = _transport(region, geo, self.poll_interval)
             if geo.heap_size:
-                following = not region.mem.flushing
-                # spares take what the heap has beyond one body of max_message_size (without
-                # coherence they hold the big requests no ring takes in one pass: FLUSH_HEAP_MIN)
+                # spares take what the heap has beyond one body of max_message_size
                 heap = ServerHeap(HeapAccess(region.buf, region.mem, geo.heap, geo.heap_size),
                                   max(0, geo.heap_size - self.max_message_size))
                 body_limit = min(self.max_message_size, geo.heap_size)
-                follow_min = FOLLOW_MIN  # (replies are followed without coherence too; requests not)
-                if not following:
+                if not region.mem.flushing or region.mem.lines is not None:
+                    follow_min = FOLLOW_MIN  # (without coherence through the native module's flushed copies)
+                if region.mem.flushing:
                     heap_min = FLUSH_HEAP_MIN
         except BaseException:
             self._stop_beating()
@@ -285,7 +283,7 @@ class Server:
             raise
         region.publish()
         self._replies.attach(chan, heap, follow_min, body_limit, heap_min)
-        self._bodies.attach(heap, follow_min if following else sys.maxsize, loop)
+        self._bodies.attach(heap, follow_min, loop)
         self._streams.attach(chan)
         self._calls.attach(chan, heap, (geo.heap, geo.heap_size), follow_min, body_limit, loop)
         self._reader = loop.create_task(ServeLoop(

@@ -12,7 +12,7 @@ from typing import Any
 from . import frame as fr
 from .bounds import Limits, PerConnection
 from .errors import StatusCode
-from .heap import (EXTENT, FOLLOW_HEADER, FOLLOW_IDLE_MAX_S, FOLLOW_SPIN_S, FOLLOW_STALL_S,
+from .heap import (EXTENT, FOLLOW_IDLE_MAX_S, FOLLOW_SPIN_S, FOLLOW_STALL_S,
                    FOLLOW_STEP_S, GRANT, ServerHeap)
 from .memory import FollowedBody
 from .server_context import CallKey
@@ -136,10 +136,10 @@ class Bodies:
                                why.encode())
 
     def take_body(self, f: fr.Frame) -> int | None:
-        """Replace an out-of-line request's extent by its bytes and free the extent (-1; a
-        spare is its client's again), or, for a method that lends its body (the frame's body
-        is a view), by a read-only view of the extent, kept until the handler is done (its
-        offset); None (the request answered or dropped) when the extent is not the sender's."""
+        """Replace an out-of-line request's extent by its bytes and free the extent (-1), or,
+        for a method that lends its body (the frame's body is a view), by a read-only view of
+        the extent, kept until the handler is done (its offset); None (the request answered or
+        dropped) when the extent is not the sender's."""
         heap = self.heap
         if heap is not None and len(f.body) == EXTENT.size:
             offset: int
@@ -150,9 +150,8 @@ class Bodies:
                     f.body = heap.access.view(offset, length)
                     return offset
                 f.body = heap.access.read(offset, length)
-                if not heap.is_spare(offset):
-                    heap.free(offset, f.slot, f.gen)
-                    self.heap_freed()
+                heap.free(offset, f.slot, f.gen)
+                self.heap_freed()
                 return -1
         self.calls._drop()
         self._replies.error(f, StatusCode.INVALID_ARGUMENT, "request body is not in a heap extent of its own")
@@ -199,7 +198,7 @@ class Bodies:
         if heap is not None and self.follow_min != sys.maxsize and len(f.body) == EXTENT.size:
             offset, length = EXTENT.unpack(f.body)
             key = (f.slot, f.gen, f.call_id)
-            if heap.owned(offset, FOLLOW_HEADER + length, f.slot, f.gen) and key not in self.following:
+            if heap.owned(offset, heap.access.header + length, f.slot, f.gen) and key not in self.following:
                 lends = type(f.body) is memoryview
                 f.body = b""  # (a view of the ring's record, which is reused once we return)
                 heap.lend(offset)

@@ -12,7 +12,7 @@ from . import frame as fr
 from .memory import BytesLike
 from .bounds import HELD, SHED, HeldReplies, Limits
 from .errors import RpcError, StatusCode
-from .heap import EXTENT, FOLLOW_HEADER, ServerHeap
+from .heap import EXTENT, ServerHeap
 from .transport import ReplySink, ServerTransport
 
 logger = logging.getLogger("cxlrpc.server")
@@ -147,7 +147,7 @@ class Replies:
             body = memoryview(body).cast("B")
         except TypeError:
             return None
-        size = FOLLOW_HEADER + len(body)
+        size = heap.access.header + len(body)
         if self._heap_waiting or size > heap.access.size:
             return None
         offset = heap.alloc_reply(slot, gen, size)

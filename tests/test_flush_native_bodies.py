@@ -141,11 +141,12 @@ async def test_big_bodies_are_exact_across_processes(name, eviction, monkeypatch
             assert client._bodies.spare is not None  # (requests go through an extent kept for the next)
 
 
-#: (site, the process that owns it here): the writer of a request's body is the client, of a
-#: reply's the server (followed replies only: requests are not followed without coherence)
-OWNED = [("BODY_WRITE", "client"), ("BODY_WRITE", "server"), ("BODY_READ", "client"), ("BODY_READ", "server"),
-         ("FOLLOW_WRITE", "server"), ("FOLLOW_PROGRESS", "server"), ("FOLLOW_POLL", "client"),
-         ("FOLLOW_READ", "client")]
+#: (site, a process that owns it here): requests from FLUSH_HEAP_MIN are followed (the client
+#: writes, the server reads), replies from FOLLOW_MIN too (the server writes, the client reads);
+#: replies in between go whole (BODY_*)
+OWNED = [("BODY_WRITE", "server"), ("BODY_READ", "client")] + [
+    (site, side) for site in ("FOLLOW_WRITE", "FOLLOW_PROGRESS", "FOLLOW_POLL", "FOLLOW_READ")
+    for side in ("client", "server")]
 
 
 def test_every_body_site_has_its_mutation_test():
@@ -185,27 +186,36 @@ def _check_whole(size: int, flushes: list, who: str) -> None:
         assert [off for off, _ in reads] == [reads[0][0] + d for d in range(0, size, chunk)], flushes
 
 
-def _check_followed(size: int, flushes: list, who: str) -> None:
-    """A followed body of ``size``: its writer's write-back of the zeroed progress word, then per
-    FOLLOW_CHUNK the chunk's and the progress word's; its reader's invalidates of the progress
-    word (each look), of each run of bytes it announced (the body once, in order) and last of the
-    seal (one line each)."""
-    from cxlrpc.heap import FOLLOW_HEADER, SEAL_AT
+def _check_followed(size: int, flushes: list, who: str, sealed: bool) -> None:
+    """A followed body of ``size`` (cxlrpc.heap: without coherence its seal at +8, its progress
+    word at +64, its body from +128). Its writer: the zeroed progress word written back, then
+    per FOLLOW_CHUNK the chunk's write-back and the progress word's (a sealed extent's writer, a
+    client, invalidates the seal's line before that and before each chunk and each progress
+    store). Its reader: the progress word's line invalidated at each look, each run of bytes it
+    announced once (the body whole, in order), a sealed one's seal line last."""
+    from cxlrpc.heap import FLUSH_FOLLOW_HEADER, FLUSH_PROGRESS_AT, SEAL_AT
     from cxlrpc.memory import FOLLOW_CHUNK
 
+    seal = [("inv", SEAL_AT, 8)] if sealed else []
     if who == "writer":
-        chunks = [min(FOLLOW_CHUNK, size - d) for d in range(0, size, FOLLOW_CHUNK)]
-        assert [k for k, _, _ in flushes] == ["wb"] * (1 + 2 * len(chunks)), flushes
-        assert [n for _, _, n in flushes] == [8] + [n for c in chunks for n in (c, 8)], flushes
+        base = flushes[0][1] - (SEAL_AT if sealed else FLUSH_PROGRESS_AT)
+        want = seal + [("wb", FLUSH_PROGRESS_AT, 8)]
+        for d in range(0, size, FOLLOW_CHUNK):
+            want += seal + [("wb", FLUSH_FOLLOW_HEADER + d, min(FOLLOW_CHUNK, size - d))] + seal + \
+                [("wb", FLUSH_PROGRESS_AT, 8)]
+        assert [(k, off - base, n) for k, off, n in flushes] == want, flushes
         return
-    assert {k for k, _, _ in flushes} == {"inv"}, flushes
-    at = flushes[0][1]  # (the first look at the progress word: the extent's start)
-    polls = [n for _, off, n in flushes if off == at]
-    runs = [(off, n) for _, off, n in flushes if off >= at + FOLLOW_HEADER]
-    assert polls and set(polls) == {8} and len(polls) >= len(runs), flushes
-    assert sum(n for _, n in runs) == size and [off for off, _ in runs] == \
-        [at + FOLLOW_HEADER + sum(n for _, n in runs[:i]) for i in range(len(runs))], flushes
-    assert flushes[-1][1:] == (at + SEAL_AT, 8), flushes
+    base = flushes[0][1] - FLUSH_PROGRESS_AT
+    got = [(k, off - base, n) for k, off, n in flushes]
+    assert {k for k, _, _ in got} == {"inv"}, flushes
+    if sealed:
+        assert got[-1] == seal[0], flushes
+        got = got[:-1]
+    polls = [n for _, off, n in got if off == FLUSH_PROGRESS_AT]
+    runs = [(off, n) for _, off, n in got if off >= FLUSH_FOLLOW_HEADER]
+    assert len(polls) + len(runs) == len(got) and set(polls) == {8} and len(polls) >= len(runs), flushes
+    assert [off for off, _ in runs] == [FLUSH_FOLLOW_HEADER + sum(n for _, n in runs[:i]) for i in range(len(runs))]
+    assert sum(n for _, n in runs) == size, flushes
 
 
 async def test_flush_counts_per_call(name, monkeypatch):
@@ -235,13 +245,20 @@ async def test_flush_counts_per_call(name, monkeypatch):
                     assert await client.call("echo", payload, timeout=20) == payload
                     mine = list(noted)
                     theirs = [tuple(n) for n in await client.call("flushes", b"", timeout=20)]
-                    # the request: written whole by the client, read by the server
-                    _check_whole(size, [f for f in mine if f[0] == "wb"], "writer")
-                    _check_whole(size, [f for f in theirs if f[0] == "inv"], "reader")
-                    # the reply: followed from FOLLOW_MIN, else whole
-                    reply = _check_followed if size >= FOLLOW_MIN else _check_whole
-                    reply(size, [f for f in theirs if f[0] == "wb"], "writer")
-                    reply(size, [f for f in mine if f[0] == "inv"], "reader")
+                    # the request: followed, through the client's spare (sealed: the client checks)
+                    spare, extent = client._bodies.spare, span[0]
+                    assert spare is not None
+                    ours = range(span[0] + spare[0], span[0] + spare[0] + spare[1])
+                    _check_followed(size, [f for f in mine if f[1] in ours], "writer", sealed=True)
+                    _check_followed(size, [f for f in theirs if f[0] == "inv"], "reader", sealed=False)
+                    # the reply: followed from FOLLOW_MIN (its writer, the server, checks no seal), else whole
+                    reply = [f for f in mine if f[1] not in ours]
+                    if size >= FOLLOW_MIN:
+                        _check_followed(size, [f for f in theirs if f[0] == "wb"], "writer", sealed=False)
+                        _check_followed(size, reply, "reader", sealed=True)
+                    else:
+                        _check_whole(size, [f for f in theirs if f[0] == "wb"], "writer")
+                        _check_whole(size, reply, "reader")
 
 
 @pytest.mark.parametrize("size", [64 * KiB, MiB, 100_003])
@@ -400,9 +417,9 @@ def test_followed_flush_counts_over_real_memory():
         m.close()
 
 
-# ---------------------------------------------------------------- HeapAccess's own write-backs
+# ---------------------------------------------------------------- HeapAccess's own flushes
 def _heap_accesses(two: _TwoCaches):
-    """The server's HeapAccess over the writer's cache, a client's (its seal SEALED) over the reader's."""
+    """The server's HeapAccess over the first cache, a client's (its seal SEALED) over the second."""
     from cxlrpc.heap import HeapAccess
     from cxlrpc.memory import AtomicMemory
 
@@ -414,46 +431,86 @@ def _heap_accesses(two: _TwoCaches):
     return out
 
 
-def _heap_site(method: str):
-    from test_heap import HEAP_SITES
-    (site,) = [s for s in HEAP_SITES if s[0] == method]
-    return site
+def _own_sites() -> list[tuple[str, int, str]]:
+    """HeapAccess's flush calls test_heap leaves to this module: (method, line, call)."""
+    import inspect
+
+    import cxlrpc.heap as heap
+    from test_heap import HEAP_SITES, OWN_SCENARIO
+    source = inspect.getsource(heap).splitlines()
+    return [(m, n, "invalidate" if ".invalidate(" in source[n - 1] else "writeback")
+            for m, n in HEAP_SITES if m in OWN_SCENARIO]
+
+
+def _held(two: _TwoCaches, server, client, method: str, call: str) -> bool:
+    """Run the scenario that needs ``method``'s ``call``: whether the protocol held."""
+    from cxlrpc.heap import SEAL_REVOKED
+    from cxlrpc.memory import SealBroken
+
+    body = os.urandom(LENGTH)
+    two.seal(SEALED)  # (as the server's seal() does, whatever the mutation)
+    if (method, call) == ("begin_publish", "invalidate"):  # a client whose seal was taken back
+        client.mem.invalidate(0, 64)  # (the client saw its seal: its cache holds the line)
+        client.begin_publish(0)
+        server.seal(0, SEAL_REVOKED)
+        try:
+            client.begin_publish(0)
+        except SealBroken:
+            return True
+        return False
+    if method == "progress":  # the server looks at an abandoned request's progress
+        assert server.progress(0) == 0
+        client.begin_publish(0)
+        client.publish(0, body)
+        return server.progress(0) == LENGTH
+    if method == "followed_view":  # a lent body the server only waited for
+        client.begin_publish(0)
+        client.publish(0, body)
+        waited = server.follower(0, LENGTH, copy=False)
+        assert waited.step(0.05, 0.5)
+        return bytes(server.followed_view(0, LENGTH)) == body
+    server.begin_publish(0)
+    server.publish(0, body)
+    assert client.follow(0, LENGTH) == body
+    try:
+        if method == "begin_publish":  # the extent reused: the next reply's frame is out now
+            server.begin_publish(0)
+            client.follow(0, LENGTH)
+        elif method == "seal":  # its owner departed
+            server.seal(0, SEAL_REVOKED)
+            client.follow(0, LENGTH)
+        else:  # publish: the writer gave up (a copy that raised)
+            server.begin_publish(0)
+            with pytest.raises(TypeError):
+                server.publish(0, [0] * 16)  # type: ignore[arg-type]
+            client.follow(0, 16)
+    except TimeoutError:
+        return method == "begin_publish"
+    except SealBroken:
+        return method == "seal"
+    except ValueError:
+        return method == "publish"
+    return False
 
 
 @pytest.mark.parametrize("mutate", [False, True], ids=["whole", "mutated"])
-@pytest.mark.parametrize("method", ["begin_publish", "seal"])
-def test_a_reused_extent_is_not_read_stale(caches, monkeypatch, method, mutate):
-    """A parked extent followed again: its zeroed progress word written back before the frame
-    (else the reader takes the last body's progress, and its bytes, for the new one's); its seal
-    taken back and written back (else a reader of an extent no longer its own passes the check)."""
+@pytest.mark.parametrize("site", _own_sites(), ids=[f"{m}:{c}" for m, _, c in _own_sites()])
+def test_heap_access_flushes_between_two_caches(caches, monkeypatch, site, mutate):
+    """HeapAccess's write-backs and invalidates that test_heap's one-process scenario cannot
+    show (there the progress word's stores write the same line back): the zeroed progress word
+    (else a reused extent's reader takes the last body for the new one), the seal and its check
+    (else a client goes on with an extent no longer its own), a given-up writer's progress (else
+    its reader waits out the stall), an abandoned request's progress and a lent followed body (else
+    the server reads its own stale lines). Each holds whole and fails with its call removed."""
     from cxlrpc import heap
-    from cxlrpc.heap import SEAL_REVOKED
-    from cxlrpc.memory import SealBroken
     from test_heap import mutated
 
     monkeypatch.setattr(heap, "FOLLOW_STALL_S", 0.05)
     if mutate:
-        monkeypatch.setattr(heap.HeapAccess, method, mutated(_heap_site(method)))
+        monkeypatch.setattr(heap.HeapAccess, site[0], mutated(site[:2]))
     (server, smem), (client, cmem) = _heap_accesses(caches)
     try:
-        first = os.urandom(LENGTH)
-        server.seal(0, SEALED)
-        server.begin_publish(0)
-        server.publish(0, first)
-        assert client.follow(0, LENGTH) == first
-        try:
-            if method == "begin_publish":
-                server.begin_publish(0)  # the next reply's frame would be pushed now
-                with pytest.raises(TimeoutError):
-                    client.follow(0, LENGTH)
-            else:
-                server.seal(0, SEAL_REVOKED)  # its owner departed
-                with pytest.raises(SealBroken):
-                    client.follow(0, LENGTH)
-            caught = True
-        except pytest.fail.Exception:
-            caught = False
-        assert caught != mutate, f"removing {method}'s write-back went unnoticed" if mutate else "failed whole"
+        assert _held(caches, server, client, site[0], site[2]) != mutate
     finally:
         smem.close()
         cmem.close()

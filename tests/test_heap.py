@@ -201,10 +201,10 @@ def _heap_flush_sites() -> list[tuple[str, int]]:
 
 
 HEAP_SITES = _heap_flush_sites()
-#: Sites the scenario below cannot show (in one process the followed reply's progress stores
-#: write the same line back): the zeroed progress word's and the seal's write-backs, mutated in
-#: a scenario of their own (tests/test_flush_native_bodies.py, two caches).
-OWN_SCENARIO = ("begin_publish", "seal")
+#: Sites of followed bodies without coherence the scenario below cannot show (in one process
+#: the progress word's stores write the same lines back, the server never reads stale ones):
+#: mutated in scenarios of their own (tests/test_flush_native_bodies.py, two caches).
+OWN_SCENARIO = ("begin_publish", "seal", "publish", "progress", "followed_view")
 
 
 def mutated(site: tuple[str, int]):
@@ -221,7 +221,8 @@ def mutated(site: tuple[str, int]):
 
 
 def test_the_heap_mutation_test_sees_both_sites():
-    assert sorted(m for m, _ in HEAP_SITES) == ["begin_publish", "read", "seal", "view", "write"], HEAP_SITES
+    assert sorted(m for m, _ in HEAP_SITES) == ["begin_publish", "begin_publish", "followed_view", "progress", "publish",
+                                                "read", "seal", "view", "write"], HEAP_SITES
 
 
 @pytest.mark.parametrize("site", [s for s in HEAP_SITES if s[0] not in OWN_SCENARIO],
@@ -229,11 +230,11 @@ def test_the_heap_mutation_test_sees_both_sites():
 async def test_removing_a_heap_flush_or_invalidate_breaks_big_bodies(name, site, monkeypatch):
     """The simulator catches a forgotten write-back or invalidate of a heap extent. Copies in
     and out of the heap take these sites only without the native module (with it they are
-    Lines.write_body / read_body, whose sites tests/test_flush_native_bodies.py mutates): the
-    regions are opened without it here."""
+    Lines.write_body / read_body, and big requests are followed, whose sites
+    tests/test_flush_native_bodies.py mutates): the regions are opened without it here."""
     import cxlrpc.heap as heap
     import cxlrpc.memory as memory
-    if site[0] in ("read", "write"):
+    if site[0] in ("read", "write", "view"):
         monkeypatch.setattr(memory, "_native", None)
     monkeypatch.setattr(heap.HeapAccess, site[0], mutated(site))
     url = f"sim://{name}"

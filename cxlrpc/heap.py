@@ -22,17 +22,19 @@ A followed reply's extent that its client FREEs is *parked* for that connection'
 reply (no allocator work on either side of a big call: 5.5 us a pair here), and freed when a
 bigger one is needed, when the heap has no room for another extent, or when the client leaves.
 
-On memory without coherence (flush mode) a body from FLUSH_HEAP_MIN goes through the heap, though
-a ring would take it, because there each side copies it once (streaming stores in, then a store
-fence before its frame is pushed; out a chunk at a time, each chunk invalidated right before it is
-copied: ``Lines.write_body`` / ``read_body``) where a ring record is copied and written back, then
-invalidated and copied out. A unary request's extent is kept by its client as a spare (the server
-reads it and leaves it the client's: no ALLOC round trip after the first); a reply's is parked as
-a followed reply's is. Replies from FOLLOW_MIN are followed there too, each chunk streamed in and
-the progress word written back after each store, its reader invalidating the progress word's
-line before each look and each run of bytes before copying it (``memory.publish_copy`` /
-``follow_copy``). Requests are not followed there: their progress word (the client's) and seal
-(the server's) share a line, which two hosts may not both write.
+On memory without coherence (flush mode) bodies from FLUSH_HEAP_MIN go through the heap, though a
+ring would take them, because there each side copies a body once, where a ring record is copied
+and written back, then invalidated and copied out: unary requests are followed from there (through
+the client's spare), replies from FOLLOW_MIN, and replies in between are written whole (streaming
+stores, then a store fence before the frame is pushed) and copied out a chunk at a time, each chunk
+invalidated right before it is copied (``Lines.write_body`` / ``read_body``; their extents parked
+as followed replies' are). A followed body there is streamed in a chunk at a time, the progress
+word stored and its line written back after each; its reader invalidates the progress word's line
+before each look and each run of bytes right before copying it (``memory.publish_copy`` /
+``follow_copy`` / ``FollowedBody``), the seal's line before each check. The progress word then has
+a line of its own (FLUSH_PROGRESS_AT; the body from FLUSH_FOLLOW_HEADER), apart from the seal's:
+a request's progress word is its client's, its seal the server's, and no line has two writers.
+The native caller and dispatcher follow nothing there (they have no write-backs).
 
 A followed extent is *sealed*: the word after its progress word (SEAL_AT) holds its owner's
 ``seal_word`` from when the server hands it out (a followed reply's, an ALLOC asked for a

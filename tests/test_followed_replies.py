@@ -20,7 +20,7 @@ import cxlrpc.client_bodies
 import cxlrpc.heap
 from cxlrpc import frame as fr
 from cxlrpc import memory
-from cxlrpc.heap import FOLLOW_HEADER, FOLLOW_MIN, UNIT, HeapAccess, ServerHeap
+from cxlrpc.heap import FOLLOW_MIN, UNIT, HeapAccess, ServerHeap
 from cxlrpc.memory import FOLLOW_CHUNK, AtomicMemory, follow_copy, publish_copy
 from procs import echo_server, followed_server, made as _made
 
@@ -39,7 +39,7 @@ def published(monkeypatch) -> list[int]:
     def spy(self, slot, gen, length, followed=True):
         offset = real(self, slot, gen, length, followed)
         if offset is not None and followed:
-            lengths.append(length - FOLLOW_HEADER)
+            lengths.append(length - self.access.header)
         return offset
 
     monkeypatch.setattr(ServerHeap, "alloc_reply", spy)

@@ -70,12 +70,12 @@ SEAL_BROKEN = "the extent's seal is not this client's: the server reaped it (the
 #: than the overlap gains (echo p50 here: 64 KiB 11-18 against 26 us followed, 128 KiB 20-30
 #: against 37-41, 256 KiB 66-68 against 58).
 FOLLOW_MIN = 256 << 10
-#: Without coherence, bodies from this size go through the heap though a ring would take them:
-#: written once with streaming stores (nothing left to write back) and copied out once, each
-#: chunk invalidated right before it is copied (``Lines.write_body`` / ``read_body``), where a
-#: ring record is copied, then written back, then invalidated, then copied out. 64 KiB, one way,
-#: here: 3.3 + 12 against 10 + 15 us; 1 MiB: 50 + 165 against 140 + 190. A request's extent is
-#: kept by its client as a spare (no ALLOC round trip after the first), a reply's parked.
+#: Without coherence, bodies from this size go through the heap though a ring would take them
+#: (requests followed, replies followed from FOLLOW_MIN, written whole below it): each side copies
+#: a body once, streaming stores in (nothing left to write back), each chunk invalidated right
+#: before it is copied out, where a ring record is copied, then written back, then invalidated,
+#: then copied. 64 KiB, one way, in one process here: 3.3 + 12 against 10 + 15 us; 1 MiB: 50 +
+#: 165 against 140 + 190 (followed between two processes: 176 against 273 written whole).
 FLUSH_HEAP_MIN = 64 << 10
 #: A followed body whose writer makes no progress for this long is given up (the server died
 #: or froze mid-copy; about when its missing heartbeat would tell), as is one that takes longer

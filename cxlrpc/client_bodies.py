@@ -15,7 +15,7 @@ from . import frame as fr
 from . import heap as heap_settings
 from .client_connection import Connection
 from .errors import InvalidArgument, ResourceExhausted, StatusCode, Unavailable
-from .heap import EXTENT, FLUSH_HEAP_MIN, FOLLOW_HEADER, FOLLOW_MIN, GRANT, OFFSET, SEAL_BROKEN, HeapAccess, seal_word
+from .heap import EXTENT, FOLLOW_HEADER, FOLLOW_MIN, GRANT, OFFSET, SEAL_BROKEN, HeapAccess, seal_word
 from .memory import BytesLike, SealBroken
 from .ring import ClaimRevoked
 from .transport import ClientTransport
@@ -59,7 +59,7 @@ class Bodies:
         self.frees: list[int] = []  # heap extents of replies read, to give back
         self.allocs: set[int] = set()  # call ids of ALLOCs whose reply may still come
         #: unary requests with bodies in [follow_min, follow_max] are followed (cxlrpc.heap):
-        #: with a heap only; without coherence from FLUSH_HEAP_MIN, by the Python paths only
+        #: with a heap only (without coherence by the Python paths only)
         self.follow_min, self.follow_max = sys.maxsize, 0
         self.followed: dict[int, bytes] = {}  # call id -> method name, of followed calls out
         self.in_place: set[bytes] = set()  # methods that read their bodies in place: not followed
@@ -76,7 +76,7 @@ class Bodies:
         # (without coherence bodies are followed through the native module's flushed copies only)
         following = geo.heap_size > heap.header and (not region.mem.flushing or region.mem.lines is not None)
         if following:
-            self.follow_min = FLUSH_HEAP_MIN if region.mem.flushing else FOLLOW_MIN
+            self.follow_min = FOLLOW_MIN
             self.follow_max = min(geo.heap_size, geo.max_message_size) - heap.header  # ALLOC's limit
         return following and not region.mem.flushing
 

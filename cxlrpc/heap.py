@@ -22,19 +22,19 @@ A followed reply's extent that its client FREEs is *parked* for that connection'
 reply (no allocator work on either side of a big call: 5.5 us a pair here), and freed when a
 bigger one is needed, when the heap has no room for another extent, or when the client leaves.
 
-On memory without coherence (flush mode) bodies from FLUSH_HEAP_MIN go through the heap, though a
-ring would take them, because there each side copies a body once, where a ring record is copied
-and written back, then invalidated and copied out: unary requests are followed from there (through
-the client's spare), replies from FOLLOW_MIN, and replies in between are written whole (streaming
-stores, then a store fence before the frame is pushed) and copied out a chunk at a time, each chunk
-invalidated right before it is copied (``Lines.write_body`` / ``read_body``; their extents parked
-as followed replies' are). A followed body there is streamed in a chunk at a time, the progress
-word stored and its line written back after each; its reader invalidates the progress word's line
-before each look and each run of bytes right before copying it (``memory.publish_copy`` /
-``follow_copy`` / ``FollowedBody``), the seal's line before each check. The progress word then has
-a line of its own (FLUSH_PROGRESS_AT; the body from FLUSH_FOLLOW_HEADER), apart from the seal's:
-a request's progress word is its client's, its seal the server's, and no line has two writers.
-The native caller and dispatcher follow nothing there (they have no write-backs).
+On memory without coherence (flush mode) each side copies a body through the heap once: one
+written whole is streamed in (nothing left to write back; a store fence before its frame is
+pushed) and copied out a chunk at a time, each chunk invalidated right before it is copied
+(``Lines.write_body`` / ``read_body``); a followed one (from FOLLOW_MIN, both ways, as on coherent
+memory) is streamed in a chunk at a time, the progress word stored and its line written back after
+each, while its reader invalidates the progress word's line before each look and each run of
+bytes right before copying it, the seal's line before each check (``memory.publish_copy`` /
+``follow_copy`` / ``FollowedBody``). The progress word there has a line of its own
+(FLUSH_PROGRESS_AT; the body from FLUSH_FOLLOW_HEADER), apart from the seal's: a request's
+progress word is its client's, its seal the server's, and no line has two writers. The native
+caller and dispatcher follow nothing there (they have no write-backs). Below FOLLOW_MIN bodies stay
+in the rings, whose native paths copy them (1 MiB echo here: 1010 us through the rings, 497
+followed; 64 KiB: 58 us through the rings, 125-175 followed by the Python paths).
 
 A followed extent is *sealed*: the word after its progress word (SEAL_AT) holds its owner's
 ``seal_word`` from when the server hands it out (a followed reply's, an ALLOC asked for a
@@ -70,13 +70,6 @@ SEAL_BROKEN = "the extent's seal is not this client's: the server reaped it (the
 #: than the overlap gains (echo p50 here: 64 KiB 11-18 against 26 us followed, 128 KiB 20-30
 #: against 37-41, 256 KiB 66-68 against 58).
 FOLLOW_MIN = 256 << 10
-#: Without coherence, bodies from this size go through the heap though a ring would take them
-#: (requests followed, replies followed from FOLLOW_MIN, written whole below it): each side copies
-#: a body once, streaming stores in (nothing left to write back), each chunk invalidated right
-#: before it is copied out, where a ring record is copied, then written back, then invalidated,
-#: then copied. 64 KiB, one way, in one process here: 3.3 + 12 against 10 + 15 us; 1 MiB: 50 +
-#: 165 against 140 + 190 (followed between two processes: 176 against 273 written whole).
-FLUSH_HEAP_MIN = 64 << 10
 #: A followed body whose writer makes no progress for this long is given up (the server died
 #: or froze mid-copy; about when its missing heartbeat would tell), as is one that takes longer
 #: than that plus its length at FOLLOW_MIN_RATE bytes/s (a writer dripping bytes to hold the
@@ -287,27 +280,21 @@ class ServerHeap:
             self.access.seal(offset, seal_word(slot, gen))
             self._sealed.add(offset)
 
-    def alloc_reply(self, slot: int, gen: int, length: int, followed: bool = True) -> int | None:
-        """An extent for a followed reply of ``length`` bytes (or, without coherence, a reply
-        written whole: not ``followed``, its header not sealed, the body in its place): the
-        one the connection gave back last when it holds them without doubling them, else a new
-        one (None while the heap is full)."""
+    def alloc_reply(self, slot: int, gen: int, length: int) -> int | None:
+        """An extent for a followed reply of ``length`` bytes: the one the connection gave back
+        last when it holds them without doubling them, else a new one (None while the heap is
+        full)."""
         offset = self._parked.get((slot, gen))
         if offset is not None:
             self._unpark(offset)
             if length <= self._alloc.size_of(offset) <= 2 * max(length, UNIT):
                 self._owners[offset] = (slot, gen, length)
-                if not followed:
-                    self._sealed.discard(offset)
-                elif offset not in self._sealed:  # (else sealed for the connection already)
-                    self._seal(offset, slot, gen, length)
-                return offset
+                return offset  # (sealed for the connection already)
             self._drop(offset)
         offset = self.alloc(slot, gen, length)
         if offset is not None:
             self._replies.add(offset)
-            if followed:
-                self._seal(offset, slot, gen, length)
+            self._seal(offset, slot, gen, length)
         return offset
 
     def is_spare(self, offset: int) -> bool:

@@ -25,7 +25,7 @@ from .channel import KIND_RPC, FlushServerChannel, Geometry, ServerChannel, layo
 from .doorbell import WaitStrategy, resolve
 from .errors import RpcError
 from .fencing import Fences
-from .heap import FLUSH_HEAP_MIN, FOLLOW_MIN, SPARE_SHARE, HeapAccess, ServerHeap
+from .heap import FOLLOW_MIN, SPARE_SHARE, HeapAccess, ServerHeap
 from .memory import HARDWARE
 from .process_heap import keep_freed_heap
 from .region import Region, RegionError, coherence_for, parse_url
@@ -262,7 +262,6 @@ class Server:
         self._beater.start()
         geo = self.geometry
         heap, follow_min, body_limit = None, self._replies.follow_min, self.max_message_size
-        heap_min = self._replies.heap_min
         try:
             self._chan = chan = _transport(region, geo, self.poll_interval)
             if geo.heap_size:
@@ -272,8 +271,6 @@ class Server:
                 body_limit = min(self.max_message_size, geo.heap_size)
                 if not region.mem.flushing or region.mem.lines is not None:
                     follow_min = FOLLOW_MIN  # (without coherence through the native module's flushed copies)
-                if region.mem.flushing:
-                    heap_min = FLUSH_HEAP_MIN
         except BaseException:
             self._stop_beating()
             region.mark_closed()
@@ -282,7 +279,7 @@ class Server:
             self._region = None
             raise
         region.publish()
-        self._replies.attach(chan, heap, follow_min, body_limit, heap_min)
+        self._replies.attach(chan, heap, follow_min, body_limit)
         self._bodies.attach(heap, follow_min, loop)
         self._streams.attach(chan)
         self._calls.attach(chan, heap, (geo.heap, geo.heap_size), follow_min, body_limit, loop)

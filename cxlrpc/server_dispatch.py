@@ -90,7 +90,6 @@ class Dispatch:
         self._event_loop: asyncio.AbstractEventLoop
         self._heap: ServerHeap | None = None
         self._follow_min = sys.maxsize
-        self._inline_below = sys.maxsize  # replies this big and more are followed or go through the heap
 
     # ------------------------------------------------------------------ the method table
     def register(self, name: str, fn: Handler, blocking: bool = False,
@@ -109,7 +108,6 @@ class Dispatch:
                follow_min: int, body_limit: int, loop: asyncio.AbstractEventLoop) -> None:
         """Serve ``chan`` from ``loop``, natively where it can (start())."""
         self._chan, self._heap, self._follow_min, self._event_loop = chan, heap, follow_min, loop
-        self._inline_below = min(follow_min, self._replies.heap_min)
         self._fast = self._dispatcher(heap_span, body_limit)
 
     def _dispatcher(self, heap_span: tuple[int, int], body_limit: int) -> NativeDispatcher | None:
@@ -439,7 +437,7 @@ class Dispatch:
         head = fr.HEADER.pack(fr.RESPONSE, flags | hint, 0, slot, f.gen, f.call_id, 0.0, 0)
         if slot not in self._backlog and (held or chan.slot_generation(slot) == f.gen):
             ring = chan.responses[slot]
-            if (fr.HEADER_SIZE + len(body) <= ring.max_payload and len(body) < self._inline_below
+            if (fr.HEADER_SIZE + len(body) <= ring.max_payload and len(body) < self._follow_min
                     and ring.try_push_parts((head, body))):
                 chan.ring_client(slot, f.gen)
                 return

@@ -36,18 +36,15 @@ class Replies:
         self._chan: ServerTransport
         self._heap: ServerHeap | None = None
         #: replies of this many bytes and more are followed (cxlrpc.heap); never without a heap
+        #: (nor without coherence where the native module is missing: no flushed copies then)
         self.follow_min = sys.maxsize
-        #: replies of this many bytes and more go through the heap though the ring would take
-        #: them (memory without coherence: cxlrpc.heap.FLUSH_HEAP_MIN); else never
-        self.heap_min = sys.maxsize
         #: the largest body through the heap: max_message_size, or a smaller heap's size
         self.body_limit = max_message_size
 
     def attach(self, chan: ServerTransport, heap: ServerHeap | None, follow_min: int,
-               body_limit: int, heap_min: int = sys.maxsize) -> None:
+               body_limit: int) -> None:
         """Serve ``chan``, with ``heap`` for bodies too big for its rings (start())."""
         self._chan, self._heap, self.follow_min, self.body_limit = chan, heap, follow_min, body_limit
-        self.heap_min = heap_min if heap is not None else sys.maxsize
 
     def limit_setting(self) -> str:
         """The setting that bounds a body through the heap, to name in errors."""
@@ -58,7 +55,7 @@ class Replies:
     def reply_limit(self) -> int:
         """The longest reply record pushed straight into a response ring (bigger ones are
         followed, or go through the heap)."""
-        return min(self._chan.responses[0].max_payload, fr.HEADER_SIZE + min(self.follow_min, self.heap_min) - 1)
+        return min(self._chan.responses[0].max_payload, fr.HEADER_SIZE + self.follow_min - 1)
 
     def error(self, f: fr.Frame, code: int, message: str) -> None:
         """Answer ``f`` with status ``code`` (a one-way call's INTERNAL failure is logged)."""
@@ -111,19 +108,13 @@ class Replies:
             pushed = self.push_followed(slot, gen, ring, head, body)
             if pushed is not None:
                 return pushed
-        fits = len(head) + len(body) <= ring.max_payload
-        if fits and len(body) < self.heap_min:
+        if len(head) + len(body) <= ring.max_payload:
             return ring.try_push_parts((head, body))
         if self._chan.slot_generation(slot) != gen:
             return True  # the caller left (its extents were freed): nobody would free this one
         heap = self._heap
         assert heap is not None  # (send refused a body too big for the ring without one)
-        if fits:  # (memory without coherence: one pass each way, its extent parked when FREEd)
-            offset = heap.alloc_reply(slot, gen, len(body), followed=False)
-            if offset is None:
-                return ring.try_push_parts((head, body))
-        else:
-            offset = heap.alloc(slot, gen, len(body))
+        offset = heap.alloc(slot, gen, len(body))
         if offset is None:
             return False
         heap.access.write(offset, (body,))

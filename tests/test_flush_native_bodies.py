@@ -1,7 +1,8 @@
-"""Big bodies in flush mode, in one pass each way (cxlrpc.heap.FLUSH_HEAP_MIN): written into the
-heap with streaming stores (``Lines.write_body``, site BODY_WRITE) and copied out a chunk at a time,
-each chunk invalidated right before it is copied (``Lines.read_body``, site BODY_READ); replies from
-FOLLOW_MIN followed (``cxlrpc._flush.publish_flushed`` / ``follow_flushed``, sites FOLLOW_*).
+"""Big bodies in flush mode, in one pass each way (cxlrpc.heap): a body too big for its ring is
+written into the heap with streaming stores (``Lines.write_body``, site BODY_WRITE) and copied out
+a chunk at a time, each chunk invalidated right before it is copied (``Lines.read_body``, site
+BODY_READ); bodies from FOLLOW_MIN are followed, both ways (``cxlrpc._flush.publish_flushed`` /
+``follow_flushed`` / ``Follower.step_flushed``, sites FOLLOW_*).
 
 Across processes on ``sim://`` (each process its own cache): bodies of 64 KiB, 1 MiB and odd sizes,
 both directions, exact with random evictions and without; removing any of those sites in the
@@ -20,7 +21,7 @@ import pytest
 
 import cxlrpc
 from cxlrpc import simulator
-from cxlrpc.heap import FLUSH_HEAP_MIN
+from cxlrpc.heap import FOLLOW_MIN
 from cxlrpc.memory import _native
 from procs import CTX
 
@@ -29,8 +30,10 @@ pytestmark = [pytest.mark.timeout(180),
 
 KiB, MiB = 1 << 10, 1 << 20
 LINE = 64
-#: body sizes that go through the heap (and one just below, through the ring)
-SIZES = (64 * KiB, MiB, 64 * KiB + 1, 300_001, MiB + 13, 3 * MiB - 7)
+#: the servers' rings: 256 KiB, whose records hold up to 128 KiB (smaller bodies go through them)
+RING = 256 * KiB
+#: body sizes through the heap: whole (over the ring's limit, under FOLLOW_MIN) and followed
+SIZES = (150_000, 200 * KiB + 1, MiB, 300_001, MiB + 13, 3 * MiB - 7)
 SITES = {name: number for number, (name, _) in enumerate(_native.sites())} if _native else {}
 
 
@@ -63,7 +66,7 @@ def _serve(url: str, eviction: float | None, skip: int, ready, done) -> None:
 
     async def main() -> None:
         server = cxlrpc.Server(url, slots=2, coherence="flush", max_message_size=4 * MiB,
-                               heap_size=16 * MiB, request_capacity=1 * MiB, response_capacity=4 * MiB, client_timeout=5.0)
+                               heap_size=16 * MiB, request_capacity=RING, response_capacity=RING, client_timeout=5.0)
 
         @server.method("echo")
         async def echo(payload: bytes) -> bytes:
@@ -115,17 +118,20 @@ class _Peer:
 
 async def _scenario(client: cxlrpc.Client) -> None:
     """Every size each way, twice (the second time into extents that held other bytes: a
-    request's spare, a reply's parked extent), and one just below FLUSH_HEAP_MIN."""
+    request's spare, a reply's parked extent), and one through the rings. A request alone is
+    big first, then a reply alone, then both (an echo whose reply reuses its request's extent
+    would hide a request never written back: its reader's invalidate writes the writer's dirty
+    lines back first, as clflushopt does)."""
     import hashlib
 
-    for size in (*SIZES, *SIZES, FLUSH_HEAP_MIN - 1):
+    for size in (*SIZES, *SIZES, 64 * KiB):
         payload = os.urandom(size)
-        assert await client.call("echo", payload, timeout=20) == payload, f"echo of {size}"
         assert await client.call("digest", payload, timeout=20) == hashlib.sha256(payload).digest(), \
             f"request of {size}"
         tag = payload[0]
         assert await client.call("make", [size, tag], timeout=20) == hashlib.shake_256(bytes([tag])).digest(size), \
             f"reply of {size}"
+        assert await client.call("echo", payload, timeout=20) == payload, f"echo of {size}"
 
 
 @pytest.mark.parametrize("eviction", [None, 0.0], ids=["evictions", "no-evictions"])
@@ -136,17 +142,15 @@ async def test_big_bodies_are_exact_across_processes(name, eviction, monkeypatch
     async with _Peer(url, eviction):
         async with cxlrpc.connect(url) as client:
             await _scenario(client)
-            payload = os.urandom(64 * KiB)
+            payload = os.urandom(MiB)
             assert await client.call("echo", payload, timeout=20) == payload
-            assert client._bodies.spare is not None  # (requests go through an extent kept for the next)
+            assert client._bodies.spare is not None  # (followed requests go through an extent kept for the next)
 
 
-#: (site, a process that owns it here): requests from FLUSH_HEAP_MIN are followed (the client
-#: writes, the server reads), replies from FOLLOW_MIN too (the server writes, the client reads);
-#: replies in between go whole (BODY_*)
-OWNED = [("BODY_WRITE", "server"), ("BODY_READ", "client")] + [
-    (site, side) for site in ("FOLLOW_WRITE", "FOLLOW_PROGRESS", "FOLLOW_POLL", "FOLLOW_READ")
-    for side in ("client", "server")]
+#: (site, a process that owns it here): each side writes and reads bodies (a request's writer is
+#: the client, a reply's the server), whole below FOLLOW_MIN (BODY_*), followed from it (FOLLOW_*)
+OWNED = [(site, side) for site in ("BODY_WRITE", "BODY_READ", "FOLLOW_WRITE", "FOLLOW_PROGRESS", "FOLLOW_POLL",
+                                   "FOLLOW_READ") for side in ("client", "server")]
 
 
 def test_every_body_site_has_its_mutation_test():
@@ -237,7 +241,7 @@ async def test_flush_counts_per_call(name, monkeypatch):
             async with cxlrpc.connect(url) as client:
                 geo = client._conn.chan.geo
                 span[:] = [geo.heap, geo.heap + geo.heap_size]
-                for size in (64 * KiB, MiB, 100_003):
+                for size in (150_000, 200 * KiB, MiB, 300_001):
                     payload = os.urandom(size)
                     assert await client.call("echo", payload, timeout=20) == payload  # (the extents exist now)
                     await client.call("flushes", b"", timeout=20)
@@ -245,20 +249,20 @@ async def test_flush_counts_per_call(name, monkeypatch):
                     assert await client.call("echo", payload, timeout=20) == payload
                     mine = list(noted)
                     theirs = [tuple(n) for n in await client.call("flushes", b"", timeout=20)]
+                    if size < FOLLOW_MIN:  # whole both ways: each side writes one body, reads the other
+                        for flushes in (mine, theirs):
+                            _check_whole(size, [f for f in flushes if f[0] == "wb"], "writer")
+                            _check_whole(size, [f for f in flushes if f[0] == "inv"], "reader")
+                        continue
                     # the request: followed, through the client's spare (sealed: the client checks)
-                    spare, extent = client._bodies.spare, span[0]
+                    spare = client._bodies.spare
                     assert spare is not None
                     ours = range(span[0] + spare[0], span[0] + spare[0] + spare[1])
                     _check_followed(size, [f for f in mine if f[1] in ours], "writer", sealed=True)
                     _check_followed(size, [f for f in theirs if f[0] == "inv"], "reader", sealed=False)
-                    # the reply: followed from FOLLOW_MIN (its writer, the server, checks no seal), else whole
-                    reply = [f for f in mine if f[1] not in ours]
-                    if size >= FOLLOW_MIN:
-                        _check_followed(size, [f for f in theirs if f[0] == "wb"], "writer", sealed=False)
-                        _check_followed(size, reply, "reader", sealed=True)
-                    else:
-                        _check_whole(size, [f for f in theirs if f[0] == "wb"], "writer")
-                        _check_whole(size, reply, "reader")
+                    # the reply: followed (its writer, the server, checks no seal; its reader does)
+                    _check_followed(size, [f for f in theirs if f[0] == "wb"], "writer", sealed=False)
+                    _check_followed(size, [f for f in mine if f[1] not in ours], "reader", sealed=True)
 
 
 @pytest.mark.parametrize("size", [64 * KiB, MiB, 100_003])

@@ -36,9 +36,9 @@ def published(monkeypatch) -> list[int]:
     lengths: list[int] = []
     real = ServerHeap.alloc_reply
 
-    def spy(self, slot, gen, length, followed=True):
-        offset = real(self, slot, gen, length, followed)
-        if offset is not None and followed:
+    def spy(self, slot, gen, length):
+        offset = real(self, slot, gen, length)
+        if offset is not None:
             lengths.append(length - self.access.header)
         return offset
 

@@ -148,9 +148,7 @@ async def test_async_handler_copies_a_ring_body_and_keeps_a_heap_one(url: str) -
         assert got == bodies * 2
         assert all(seen.readonly)
         owners = dict(zip(seen.sizes, seen.owners))
-        # (without coherence a body from FLUSH_HEAP_MIN goes through the heap though the ring takes it)
-        middle = mmap.mmap if url.startswith("sim://") else bytes
-        assert owners == {64: bytes, 100_000: middle, len(bodies[2]): mmap.mmap}, owners
+        assert owners == {64: bytes, 100_000: bytes, len(bodies[2]): mmap.mmap}, owners
         assert await until(lambda: held(server, client) == 0, 5), held(server, client)
         for view, size in zip(seen.views, seen.sizes):  # ended with their handlers
             if size == len(bodies[2]):

@@ -25,6 +25,8 @@
  * Lines(address, size[, writeback, invalidate]): write-back and invalidation over one mapping for
  * the native paths (cxlrpc/_flush_api.h, the capsule _C_API): the instructions above, or a
  * simulator's hooks; counted, and a site can be skipped (mutation tests). sites(): their names.
+ * Lines.write_body(offset, src) / read_body(offset, length): a big body into or out of the
+ * mapping in one pass (streaming stores; each BODY_CHUNK invalidated right before it is copied).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -247,6 +249,10 @@ static PyObject *follow_copy(PyObject *self, PyObject *args) {
     return out;
 }
 
+static int follow_flushed_loop(cxlrpc_lines *l, char *dst, const char *src, uint64_t *word, uint64_t n,
+                               uint64_t *done, double stall, double limit, uint64_t *seen);
+static cxlrpc_lines *lines_arg(PyObject *o, const Py_ssize_t *ranges, int count);
+
 /* Follower(length, copy): a followed body taken a step at a time, so a reader that serves
  * others (the server's loop) never waits for one writer; with ``copy``, into a bytes object
  * nobody sees before take(). */
@@ -310,6 +316,49 @@ static PyObject *Follower_step(Follower *self, PyObject *args) {
     return PyLong_FromUnsignedLongLong(self->done);
 }
 
+/* step_flushed(lines, at, progress_at, spin, budget): step over memory without coherence, through
+ * a Lines (offsets in its mapping): the progress word's line invalidated before each look, each
+ * run of bytes right before it is copied (follow_flushed's). */
+static PyObject *Follower_step_flushed(Follower *self, PyObject *args) {
+    PyObject *lo;
+    Py_ssize_t at, progress_at;
+    double spin, budget;
+    if (!PyArg_ParseTuple(args, "Onndd", &lo, &at, &progress_at, &spin, &budget))
+        return NULL;
+    Py_ssize_t ranges[] = {at, (Py_ssize_t)self->length, progress_at, 8};
+    cxlrpc_lines *l = lines_arg(lo, ranges, 2);
+    if (l == NULL)
+        return NULL;
+    if (progress_at & 7) {
+        PyErr_SetString(PyExc_ValueError, "Follower.step_flushed: an aligned progress word");
+        return NULL;
+    }
+    if (self->taken) {
+        PyErr_SetString(PyExc_ValueError, "Follower.step_flushed: the body was taken");
+        return NULL;
+    }
+    char *d = self->body != NULL ? PyBytes_AS_STRING(self->body) : NULL;
+    uint64_t done = self->done, seen = 0;
+    int rc;
+    if (l->py_writeback != NULL) {
+        rc = follow_flushed_loop(l, d, l->base + at, (uint64_t *)(l->base + progress_at), self->length, &done, spin,
+                                 budget, &seen);
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        rc = follow_flushed_loop(l, d, l->base + at, (uint64_t *)(l->base + progress_at), self->length, &done, spin,
+                                 budget, &seen);
+        Py_END_ALLOW_THREADS
+    }
+    self->done = done;
+    if (rc < 0)
+        return NULL;
+    if (rc > 0) {
+        garbage_progress(seen, done, self->length);
+        return NULL;
+    }
+    return PyLong_FromUnsignedLongLong(self->done);
+}
+
 /* take(): the completed copy (once; None when not copying). */
 static PyObject *Follower_take(Follower *self, PyObject *unused) {
     if (self->done < self->length || self->taken) {
@@ -328,6 +377,8 @@ static PyObject *Follower_get_done(Follower *self, void *closure) {
 
 static PyMethodDef Follower_methods[] = {
     {"step", (PyCFunction)Follower_step, METH_VARARGS, "Follow while progress moves (spin, budget): the bytes done."},
+    {"step_flushed", (PyCFunction)Follower_step_flushed, METH_VARARGS,
+     "step without coherence, through a Lines: step_flushed(lines, at, progress_at, spin, budget)."},
     {"take", (PyCFunction)Follower_take, METH_NOARGS, "The completed copy (None when not copying)."},
     {NULL, NULL, 0, NULL},
 };
@@ -405,6 +456,239 @@ static int sim_writeback(cxlrpc_lines *l, const volatile void *p, size_t n) {
 
 static int sim_invalidate(cxlrpc_lines *l, const volatile void *p, size_t n) {
     return hook(l, l->py_invalidate, p, n);
+}
+
+/* ------------------------------------------------------------------ bodies in one pass */
+
+static int body_write(cxlrpc_lines *l, int site, char *dst, const char *src, size_t n) {
+    if (n == 0)
+        return 0;
+    if (outside(l, dst, n))
+        return -1;
+    if (l->py_writeback != NULL) { /* a simulator: the stores land in this process's "cache" */
+        copy_span(dst, src, n);
+        return lines_writeback(l, site, dst, n, CXLRPC_STORE_FENCE);
+    }
+    if (l->skip == site) { /* (a mutation test: cached stores, nothing written back) */
+        copy_span(dst, src, n);
+        return 0;
+    }
+    l->writebacks++;
+    l->lines += line_count(dst, n);
+    l->fences++;
+    l->site_calls[site]++;
+    l->site_fences[site]++;
+    Py_BEGIN_ALLOW_THREADS
+    stream_span(dst, src, n);
+    /* the bytes stream_span stored plainly: the partial lines at either end */
+    if ((uintptr_t)dst & (LINE - 1))
+        line_writeback(dst);
+    if (((uintptr_t)dst + n) & (LINE - 1))
+        line_writeback(dst + n - 1);
+    _mm_sfence();
+    Py_END_ALLOW_THREADS
+    return 0;
+}
+
+static int body_read(cxlrpc_lines *l, int site, char *dst, const char *src, size_t n) {
+    if (n == 0)
+        return 0;
+    if (outside(l, src, n))
+        return -1;
+    if (l->py_writeback != NULL || l->skip == site) { /* a simulator's hooks (the GIL held) */
+        for (size_t done = 0, step; done < n; done += step) {
+            step = n - done < CXLRPC_BODY_CHUNK ? n - done : CXLRPC_BODY_CHUNK;
+            if (lines_invalidate(l, site, src + done, step, CXLRPC_FULL_FENCE) < 0)
+                return -1;
+            copy_span(dst + done, src + done, step);
+        }
+        return 0;
+    }
+    for (size_t done = 0, step; done < n; done += step) { /* counted first, with the GIL */
+        step = n - done < CXLRPC_BODY_CHUNK ? n - done : CXLRPC_BODY_CHUNK;
+        l->invalidates++;
+        l->fences++;
+        l->lines += line_count(src + done, step);
+        l->site_calls[site]++;
+        l->site_fences[site]++;
+    }
+    PyThreadState *ts = n >= NOGIL_FROM ? PyEval_SaveThread() : NULL;
+    for (size_t done = 0, step; done < n; done += step) {
+        step = n - done < CXLRPC_BODY_CHUNK ? n - done : CXLRPC_BODY_CHUNK;
+        for (uintptr_t a = (uintptr_t)(src + done) & ~(uintptr_t)(LINE - 1), end = (uintptr_t)(src + done + step);
+             a < end; a += LINE)
+            line_invalidate((volatile char *)a);
+        __asm__ volatile("mfence" ::: "memory");
+        copy_span(dst + done, src + done, step);
+    }
+    if (ts != NULL)
+        PyEval_RestoreThread(ts);
+    return 0;
+}
+
+/* ------------------------------------------------------------------ followed bodies, flushed */
+/* A followed body (cxlrpc.heap) over memory without coherence, through ``l``: the writer streams
+ * each chunk in (nothing left to write back), fences, stores the progress word and writes its
+ * line back; the reader invalidates the progress word's line before each look, and each run of
+ * bytes it announced right before copying it; the seal's line is invalidated before each check.
+ * Over real memory these run without the GIL (the CPU's instructions only: every range was
+ * checked to lie inside the mapping first); over a simulator with it (its hooks are Python).
+ * Return 0, or -1 with an error set (a hook raised); *sealed says whether the seal held. */
+
+static int seal_holds(cxlrpc_lines *l, const uint64_t *seal, uint64_t expected, int *held) {
+    if (lines_invalidate(l, CXLRPC_SITE_FOLLOW_SEAL, seal, 8, CXLRPC_FULL_FENCE) < 0)
+        return -1;
+    *held = __atomic_load_n(seal, __ATOMIC_ACQUIRE) == expected;
+    return 0;
+}
+
+static int publish_flushed_loop(cxlrpc_lines *l, char *dst, const char *src, size_t n, size_t chunk,
+                                uint64_t *progress, const uint64_t *seal, uint64_t expected, int *sealed) {
+    int sim = l->py_writeback != NULL;
+    *sealed = 1;
+    for (size_t done = 0, step; done < n; done += step) {
+        step = n - done < chunk ? n - done : chunk;
+        if (seal != NULL && (seal_holds(l, seal, expected, sealed) < 0 || !*sealed))
+            return *sealed ? -1 : 0;
+        if (sim || l->skip == CXLRPC_SITE_FOLLOW_WRITE) {
+            copy_span(dst + done, src + done, step);
+            if (lines_writeback(l, CXLRPC_SITE_FOLLOW_WRITE, dst + done, step, CXLRPC_STORE_FENCE) < 0)
+                return -1;
+        } else {
+            char *d = dst + done;
+            l->writebacks++;
+            l->lines += line_count(d, step);
+            l->site_calls[CXLRPC_SITE_FOLLOW_WRITE]++;
+            l->site_fences[CXLRPC_SITE_FOLLOW_WRITE]++;
+            stream_span(d, src + done, step);
+            if ((uintptr_t)d & (LINE - 1))
+                line_writeback(d);
+            if (((uintptr_t)d + step) & (LINE - 1))
+                line_writeback(d + step - 1);
+            lines_fence(l, CXLRPC_STORE_FENCE);
+        }
+        if (seal != NULL && (seal_holds(l, seal, expected, sealed) < 0 || !*sealed))
+            return *sealed ? -1 : 0;
+        __atomic_store_n(progress, (uint64_t)(done + step), __ATOMIC_RELEASE);
+        if (lines_writeback(l, CXLRPC_SITE_FOLLOW_PROGRESS, progress, 8, CXLRPC_NO_FENCE) < 0)
+            return -1;
+    }
+    return 0;
+}
+
+/* follow_loop's, each look and each copy preceded by its invalidate: 0; 1 when the word is
+ * garbage (*seen); -1 with an error set. */
+static int follow_flushed_loop(cxlrpc_lines *l, char *dst, const char *src, uint64_t *word, uint64_t n,
+                               uint64_t *done, double stall, double limit, uint64_t *seen) {
+    double end = follow_clock() + limit, since = 0.0;
+    for (unsigned spins = 1; *done < n; spins++) {
+        if (lines_invalidate(l, CXLRPC_SITE_FOLLOW_POLL, word, 8, CXLRPC_FULL_FENCE) < 0)
+            return -1;
+        uint64_t p = __atomic_load_n(word, __ATOMIC_ACQUIRE);
+        if (p > n || p < *done) {
+            *seen = p;
+            return 1;
+        }
+        if (p > *done) {
+            if (dst != NULL) { /* (NULL: only waited for; its reader invalidates it whole) */
+                if (lines_invalidate(l, CXLRPC_SITE_FOLLOW_READ, src + *done, (size_t)(p - *done), CXLRPC_FULL_FENCE) < 0)
+                    return -1;
+                copy_span(dst + *done, src + *done, (size_t)(p - *done));
+            }
+            *done = p;
+            since = 0.0;
+            continue;
+        }
+        if ((spins & 255) == 0) {
+            double now = follow_clock();
+            if (now > end)
+                break;
+            if (since == 0.0)
+                since = now;
+            else if (now - since > stall)
+                break;
+        }
+        __builtin_ia32_pause();
+    }
+    return 0;
+}
+
+/* The Lines object of argument ``o``, its ranges (offset, length) checked: NULL with an error set. */
+static cxlrpc_lines *lines_arg(PyObject *o, const Py_ssize_t *ranges, int count);
+
+/* publish_flushed(lines, at, src, progress_at, chunk[, seal_at, expected]): publish_copy over
+ * memory without coherence (offsets in the mapping; seal_at -1: none). False: the seal changed. */
+static PyObject *publish_flushed(PyObject *self, PyObject *args) {
+    PyObject *lo;
+    Py_ssize_t at, progress_at, chunk, seal_at = -1;
+    unsigned long long expected = 0;
+    Py_buffer src;
+    if (!PyArg_ParseTuple(args, "Ony*nn|nK", &lo, &at, &src, &progress_at, &chunk, &seal_at, &expected))
+        return NULL;
+    Py_ssize_t ranges[] = {at, src.len, progress_at, 8, seal_at < 0 ? 0 : seal_at, seal_at < 0 ? 0 : 8};
+    cxlrpc_lines *l = lines_arg(lo, ranges, 3);
+    int rc = -1, sealed = 1;
+    if (l == NULL) {
+    } else if (!PyBuffer_IsContiguous(&src, 'C') || chunk < 64 || (progress_at & 7) || (seal_at >= 0 && (seal_at & 7))) {
+        PyErr_SetString(PyExc_ValueError, "publish_flushed: a contiguous source, chunks of 64 bytes or more, aligned words");
+    } else {
+        uint64_t *progress = (uint64_t *)(l->base + progress_at);
+        const uint64_t *seal = seal_at < 0 ? NULL : (const uint64_t *)(l->base + seal_at);
+        if (l->py_writeback != NULL) {
+            rc = publish_flushed_loop(l, l->base + at, (const char *)src.buf, (size_t)src.len, (size_t)chunk, progress,
+                                      seal, (uint64_t)expected, &sealed);
+        } else {
+            Py_BEGIN_ALLOW_THREADS
+            rc = publish_flushed_loop(l, l->base + at, (const char *)src.buf, (size_t)src.len, (size_t)chunk, progress,
+                                      seal, (uint64_t)expected, &sealed);
+            Py_END_ALLOW_THREADS
+        }
+    }
+    PyBuffer_Release(&src);
+    if (rc < 0)
+        return NULL;
+    return PyBool_FromLong(sealed);
+}
+
+/* follow_flushed(lines, at, length, progress_at, stall, limit[, seal_at, expected]): follow_copy
+ * over memory without coherence (offsets in the mapping; seal_at -1: none). */
+static PyObject *follow_flushed(PyObject *self, PyObject *args) {
+    PyObject *lo, *out = NULL;
+    Py_ssize_t at, length, progress_at, seal_at = -1;
+    double stall, limit;
+    unsigned long long expected = 0;
+    if (!PyArg_ParseTuple(args, "Onnndd|nK", &lo, &at, &length, &progress_at, &stall, &limit, &seal_at, &expected))
+        return NULL;
+    Py_ssize_t ranges[] = {at, length, progress_at, 8, seal_at < 0 ? 0 : seal_at, seal_at < 0 ? 0 : 8};
+    cxlrpc_lines *l = lines_arg(lo, ranges, 3);
+    if (l == NULL)
+        return NULL;
+    if ((progress_at & 7) || (seal_at >= 0 && (seal_at & 7))) {
+        PyErr_SetString(PyExc_ValueError, "follow_flushed: aligned words");
+        return NULL;
+    }
+    if ((out = PyBytes_FromStringAndSize(NULL, length)) == NULL)
+        return NULL;
+    uint64_t *word = (uint64_t *)(l->base + progress_at), done = 0, seen = 0;
+    const uint64_t *seal = seal_at < 0 ? NULL : (const uint64_t *)(l->base + seal_at);
+    int rc = 0, sealed = 1, sim = l->py_writeback != NULL;
+    PyThreadState *ts = sim ? NULL : PyEval_SaveThread();
+    rc = follow_flushed_loop(l, PyBytes_AS_STRING(out), l->base + at, word, (uint64_t)length, &done, stall, limit, &seen);
+    if (rc == 0 && done == (uint64_t)length && seal != NULL && seal_holds(l, seal, (uint64_t)expected, &sealed) < 0)
+        rc = -1;
+    if (ts != NULL)
+        PyEval_RestoreThread(ts);
+    if (rc < 0) {
+        Py_CLEAR(out);
+    } else if (rc > 0) {
+        garbage_progress(seen, done, (uint64_t)length);
+        Py_CLEAR(out);
+    } else if (done < (uint64_t)length) {
+        Py_SETREF(out, Py_NewRef(Py_None));
+    } else if (!sealed) {
+        Py_SETREF(out, Py_NewRef(Py_False));
+    }
+    return out;
 }
 
 static int Lines_init(cxlrpc_lines *self, PyObject *args, PyObject *kwds) {
@@ -501,6 +785,39 @@ static PyObject *Lines_invalidate(cxlrpc_lines *self, PyObject *const *args, Py_
     Py_RETURN_NONE;
 }
 
+/* write_body(offset, src): body_write of buffer src at offset of the mapping (BODY_WRITE). */
+static PyObject *Lines_write_body(cxlrpc_lines *self, PyObject *args) {
+    Py_ssize_t offset;
+    Py_buffer src;
+    if (!PyArg_ParseTuple(args, "ny*", &offset, &src))
+        return NULL;
+    int rc = -1;
+    if (!PyBuffer_IsContiguous(&src, 'C'))
+        PyErr_SetString(PyExc_BufferError, "write_body needs a contiguous buffer");
+    else if (self->writeback == NULL || self->base == NULL)
+        PyErr_SetString(PyExc_ValueError, "operation on a closed AtomicMemory (its region was closed)");
+    else if (offset < 0 || (size_t)offset > self->size)
+        PyErr_Format(PyExc_ValueError, "offset %zd outside a %zu-byte mapping", offset, self->size);
+    else
+        rc = body_write(self, CXLRPC_SITE_BODY_WRITE, self->base + offset, (const char *)src.buf, (size_t)src.len);
+    PyBuffer_Release(&src);
+    if (rc < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* read_body(offset, length): a new bytes copy of the mapping's range, by body_read (BODY_READ). */
+static PyObject *Lines_read_body(cxlrpc_lines *self, PyObject *const *args, Py_ssize_t nargs) {
+    const char *p;
+    size_t n;
+    if (lines_args(self, args, nargs, &p, &n) < 0)
+        return NULL;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)n);
+    if (out != NULL && body_read(self, CXLRPC_SITE_BODY_READ, PyBytes_AS_STRING(out), p, n) < 0)
+        Py_CLEAR(out);
+    return out;
+}
+
 static PyObject *Lines_close(cxlrpc_lines *self, PyObject *unused) {
     self->base = NULL;
     self->size = 0;
@@ -546,6 +863,10 @@ static PyMethodDef Lines_methods[] = {
      "writeback(offset, length): write the range's lines back, then a store fence."},
     {"invalidate", (PyCFunction)(void (*)(void))Lines_invalidate, METH_FASTCALL,
      "invalidate(offset, length): drop the range's lines from this CPU's caches, then a full fence."},
+    {"write_body", (PyCFunction)Lines_write_body, METH_VARARGS,
+     "write_body(offset, src): copy src there with streaming stores (nothing to write back), then a store fence."},
+    {"read_body", (PyCFunction)(void (*)(void))Lines_read_body, METH_FASTCALL,
+     "read_body(offset, length): a bytes copy of the range, each chunk invalidated right before it is copied."},
     {"close", (PyCFunction)Lines_close, METH_NOARGS, "From here every operation raises ValueError (unmapped)."},
     {"counts", (PyCFunction)Lines_counts, METH_NOARGS, "Write-backs, invalidates, fences and lines so far."},
     {"reset", (PyCFunction)Lines_reset, METH_NOARGS, "Zero the counts."},
@@ -574,6 +895,26 @@ static PyTypeObject LinesType = {
     .tp_methods = Lines_methods,
     .tp_getset = Lines_getset,
 };
+
+static cxlrpc_lines *lines_arg(PyObject *o, const Py_ssize_t *ranges, int count) {
+    if (!PyObject_TypeCheck(o, &LinesType)) {
+        PyErr_SetString(PyExc_TypeError, "a cxlrpc._flush.Lines");
+        return NULL;
+    }
+    cxlrpc_lines *l = (cxlrpc_lines *)o;
+    if (l->writeback == NULL || l->base == NULL) {
+        PyErr_SetString(PyExc_ValueError, "operation on a closed AtomicMemory (its region was closed)");
+        return NULL;
+    }
+    for (int i = 0; i < count; i++) {
+        Py_ssize_t off = ranges[2 * i], len = ranges[2 * i + 1];
+        if (off < 0 || len < 0 || (size_t)off > l->size || (size_t)len > l->size - (size_t)off) {
+            PyErr_Format(PyExc_ValueError, "range (%zd, %zd) outside a %zu-byte mapping", off, len, l->size);
+            return NULL;
+        }
+    }
+    return l;
+}
 
 #define SITE_ENTRY(name, what) {#name, what},
 static const struct { const char *name, *what; } site_table[] = {{"NONE", "no site (skip = 0)"},
@@ -619,6 +960,8 @@ static PyMethodDef methods[] = {
     {"stream_bytes", stream_bytes, METH_VARARGS, "A new bytes copy of src, made with streaming stores."},
     {"publish_copy", publish_copy, METH_VARARGS, "Copy src into dst by chunks, publishing the count copied into progress."},
     {"follow_copy", follow_copy, METH_VARARGS, "A bytes copy of src, taken as progress says it was written; None on a stall."},
+    {"publish_flushed", publish_flushed, METH_VARARGS, "publish_copy over memory without coherence, through a Lines."},
+    {"follow_flushed", follow_flushed, METH_VARARGS, "follow_copy over memory without coherence, through a Lines."},
     {"copy", copy, METH_VARARGS, "Copy src into the start of dst with plain stores."},
     {"copied", copied, METH_VARARGS, "A new bytes copy of src."},
     {"features", features, METH_NOARGS, "The flush instructions this CPU offers."},
@@ -637,13 +980,15 @@ PyMODINIT_FUNC PyInit__flush(void) {
     if (PyType_Ready(&FollowerType) < 0 || PyType_Ready(&LinesType) < 0)
         return NULL;
     c_api.lines_type = &LinesType;
+    c_api.body_write = body_write;
+    c_api.body_read = body_read;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
     PyObject *api = PyCapsule_New(&c_api, CXLRPC_FLUSH_API_CAPSULE, NULL);
     if (PyModule_AddObjectRef(m, "Follower", (PyObject *)&FollowerType) < 0 ||
         PyModule_AddObjectRef(m, "Lines", (PyObject *)&LinesType) < 0 || api == NULL ||
-        PyModule_AddObject(m, "_C_API", api) < 0) {
+        PyModule_AddObject(m, "_C_API", api) < 0 || PyModule_AddIntConstant(m, "BODY_CHUNK", CXLRPC_BODY_CHUNK) < 0) {
         Py_XDECREF(api);
         Py_CLEAR(m);
     }

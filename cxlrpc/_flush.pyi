@@ -18,6 +18,17 @@ def follow_copy(src: Buffer, progress: Buffer, stall: float, limit: float, seal:
                 /) -> bytes | Literal[False] | None:
     """None: the writer stalled or ran out of time; False: the seal changed."""
 
+BODY_CHUNK: int
+"""Lines.read_body invalidates and copies a body this many bytes at a time."""
+
+def publish_flushed(lines: Lines, at: int, src: Buffer, progress_at: int, chunk: int, seal_at: int = ...,
+                    expected: int = ..., /) -> bool:
+    """publish_copy without coherence (offsets in the mapping; seal_at -1: none). False: the seal changed."""
+
+def follow_flushed(lines: Lines, at: int, length: int, progress_at: int, stall: float, limit: float,
+                   seal_at: int = ..., expected: int = ..., /) -> bytes | Literal[False] | None:
+    """follow_copy without coherence. None: the writer stalled or ran out of time; False: the seal changed."""
+
 def features() -> str: ...
 def sites() -> tuple[tuple[str, str], ...]:
     """The flush sites, by number (0: none): (name, what it protects)."""
@@ -31,6 +42,12 @@ class Lines:
                  invalidate: Callable[[int, int], object] | None = None) -> None: ...
     def writeback(self, offset: int, length: int, /) -> None: ...
     def invalidate(self, offset: int, length: int, /) -> None: ...
+    def write_body(self, offset: int, src: Buffer, /) -> None:
+        """Copy ``src`` to ``offset`` with streaming stores (one write-back and fence counted)."""
+
+    def read_body(self, offset: int, length: int, /) -> bytes:
+        """A copy of the range, each chunk invalidated right before it is copied (counted)."""
+
     def close(self) -> None: ...
     def counts(self) -> dict[str, int]: ...
     def reset(self) -> None: ...
@@ -46,6 +63,9 @@ class Follower:
 
     def __init__(self, length: int, copy: bool) -> None: ...
     def step(self, src: Buffer, progress: Buffer, spin: float, budget: float, /) -> int: ...
+    def step_flushed(self, lines: Lines, at: int, progress_at: int, spin: float, budget: float, /) -> int:
+        """step without coherence, through ``lines`` (offsets in its mapping)."""
+
     def take(self) -> bytes | None: ...
     @property
     def done(self) -> int: ...

@@ -31,7 +31,12 @@
     X(BODY_WRITE, "heap body: the body's lines written back before its frame is published")           \
     X(BODY_READ, "heap body: the body's lines invalidated before they are copied out")                \
     X(BLOCK_STREAM, "kv put: a copied value streamed to memory (skipped: plain stores, left cached)")  \
-    X(BLOCK_GIVEN_BACK, "kv put given back unpublished: the writer's lines written back before it is freed")
+    X(BLOCK_GIVEN_BACK, "kv put given back unpublished: the writer's lines written back before it is freed") \
+    X(FOLLOW_WRITE, "followed body: each chunk streamed in (its partial lines written back) before its progress") \
+    X(FOLLOW_PROGRESS, "followed body: the progress word's line written back after each store")       \
+    X(FOLLOW_POLL, "followed body: the progress word's line invalidated before each load")            \
+    X(FOLLOW_READ, "followed body: each run of bytes progress announced invalidated before it is copied") \
+    X(FOLLOW_SEAL, "followed body: the seal's line invalidated before the seal is checked")
 
 #define CXLRPC_SITE_ENUM(name, what) CXLRPC_SITE_##name,
 enum { CXLRPC_SITE_NONE, CXLRPC_FLUSH_SITES(CXLRPC_SITE_ENUM) CXLRPC_SITE_COUNT };
@@ -60,8 +65,23 @@ struct cxlrpc_lines {
     unsigned long long site_calls[CXLRPC_SITE_COUNT], site_fences[CXLRPC_SITE_COUNT];
 };
 
+/* A big body's copy into or out of the mapping in one pass (what cxlrpc.heap's out-of-line bodies
+ * use in flush mode), at ``site``. Called with the GIL held; over real memory they release it
+ * for big copies (other threads may run meanwhile: hold nothing the GIL protects across them).
+ * ``body_write``: copy ``n`` bytes of ``src`` to ``dst`` (in the mapping) with streaming stores,
+ * which leave nothing to write back (partial lines at either end written back), then a store
+ * fence: the store that publishes the body may follow. Counted as one write-back of the lines
+ * and one fence (over a simulator: a plain copy and its write-back hook).
+ * ``body_read``: copy ``n`` bytes of ``src`` (in the mapping) to ``dst`` a CXLRPC_BODY_CHUNK at
+ * a time, each chunk's lines invalidated and a full fence right before it is copied (counted:
+ * one invalidate and one fence per chunk). Both: 0, or -1 with an error set (a range outside
+ * the mapping, a simulator's hook that raised). */
+#define CXLRPC_BODY_CHUNK (64 << 10)
+typedef int (*cxlrpc_body_fn)(cxlrpc_lines *l, int site, char *dst, const char *src, size_t n);
+
 typedef struct {
     PyTypeObject *lines_type;
+    cxlrpc_body_fn body_write, body_read;
 } cxlrpc_flush_api;
 
 #define CXLRPC_FLUSH_API_CAPSULE "cxlrpc._flush._C_API"

@@ -130,7 +130,8 @@ class Codec:
                 body = body.cast("B") if body.c_contiguous else body.tobytes()
             if bodies.follow_min <= len(body) <= bodies.follow_max:  # its bytes, not its items
                 large = bodies.out_of_line(flags, len(mb), prefix, body, "request")
-                return large._replace(follow=True)
+                assert bodies.heap is not None  # (follow_min is finite only with a heap)
+                return large._replace(follow=True, header=bodies.heap.header)
         if len(head) + len(prefix) + len(body) > conn.max_request:
             return bodies.out_of_line(flags, len(mb), prefix, body, "request")
         return head, prefix, body

@@ -33,11 +33,12 @@ class Large(NamedTuple):
     prefix: bytes  # the method name, then the metadata block if any
     body: BytesLike
     follow: bool = False  # written after its frame is sent, the server following (cxlrpc.heap)
+    header: int = FOLLOW_HEADER  # a followed extent's header (cxlrpc.heap.HeapAccess.header)
 
     @property
     def extent_size(self) -> int:
         """The heap bytes to ALLOC: a followed body's progress word comes first."""
-        return FOLLOW_HEADER + len(self.body) if self.follow else len(self.body)
+        return self.header + len(self.body) if self.follow else len(self.body)
 
 
 def grant(reply: bytes) -> tuple[int, bool]:
@@ -58,7 +59,7 @@ class Bodies:
         self.frees: list[int] = []  # heap extents of replies read, to give back
         self.allocs: set[int] = set()  # call ids of ALLOCs whose reply may still come
         #: unary requests with bodies in [follow_min, follow_max] are followed (cxlrpc.heap):
-        #: on coherent memory with a heap only
+        #: with a heap only (without coherence by the Python paths only)
         self.follow_min, self.follow_max = sys.maxsize, 0
         self.followed: dict[int, bytes] = {}  # call id -> method name, of followed calls out
         self.in_place: set[bytes] = set()  # methods that read their bodies in place: not followed
@@ -67,15 +68,17 @@ class Bodies:
         self.spare: tuple[int, int] | None = None
 
     def open(self, chan: ClientTransport) -> bool:
-        """Use ``chan``'s heap; whether its bodies are followed (coherent memory with a heap)."""
+        """Use ``chan``'s heap; whether the native caller may follow bodies (coherent memory
+        with a heap: it has no write-backs; without coherence the Python paths follow them)."""
         geo, region = chan.geo, chan.region
-        following = geo.heap_size > FOLLOW_HEADER and not region.mem.flushing
+        # (our followed extents hold this seal while they are ours: cxlrpc.heap)
+        self.heap = heap = HeapAccess(region.buf, region.mem, geo.heap, geo.heap_size, seal_word(chan.slot, chan.gen))
+        # (without coherence bodies are followed through the native module's flushed copies only)
+        following = geo.heap_size > heap.header and (not region.mem.flushing or region.mem.lines is not None)
         if following:
             self.follow_min = FOLLOW_MIN
-            self.follow_max = min(geo.heap_size, geo.max_message_size) - FOLLOW_HEADER  # ALLOC's limit
-        # (our followed extents hold this seal while they are ours: cxlrpc.heap)
-        self.heap = HeapAccess(region.buf, region.mem, geo.heap, geo.heap_size, seal_word(chan.slot, chan.gen))
-        return following
+            self.follow_max = min(geo.heap_size, geo.max_message_size) - heap.header  # ALLOC's limit
+        return following and not region.mem.flushing
 
     def reset(self) -> None:
         """The connection is gone, and its server's heap with it."""
@@ -125,7 +128,8 @@ class Bodies:
         """The spare extent, if ``arg`` is a body to follow: the native caller sends it through
         the spare, with no Python before the frame is out (and the server reading)."""
         spare = self.spare
-        if spare is not None and type(arg) is bytes and self.follow_min <= len(arg) <= self.follow_max:
+        if (spare is not None and type(arg) is bytes and self.follow_min <= len(arg) <= self.follow_max
+                and not self._heap().mem.flushing):
             return spare
         return None
 
@@ -200,7 +204,7 @@ class Bodies:
                 body = b""
             elif f.flags & fr.FOLLOW:
                 heap = self._heap()
-                heap.check(offset, FOLLOW_HEADER + length)
+                heap.check(offset, heap.header + length)
                 try:
                     body = heap.follow(offset, length)
                 except SealBroken:

@@ -22,6 +22,20 @@ A followed reply's extent that its client FREEs is *parked* for that connection'
 reply (no allocator work on either side of a big call: 5.5 us a pair here), and freed when a
 bigger one is needed, when the heap has no room for another extent, or when the client leaves.
 
+On memory without coherence (flush mode) each side copies a body through the heap once: one
+written whole is streamed in (nothing left to write back; a store fence before its frame is
+pushed) and copied out a chunk at a time, each chunk invalidated right before it is copied
+(``Lines.write_body`` / ``read_body``); a followed one (from FOLLOW_MIN, both ways, as on coherent
+memory) is streamed in a chunk at a time, the progress word stored and its line written back after
+each, while its reader invalidates the progress word's line before each look and each run of
+bytes right before copying it, the seal's line before each check (``memory.publish_copy`` /
+``follow_copy`` / ``FollowedBody``). The progress word there has a line of its own
+(FLUSH_PROGRESS_AT; the body from FLUSH_FOLLOW_HEADER), apart from the seal's: a request's
+progress word is its client's, its seal the server's, and no line has two writers. The native
+caller and dispatcher follow nothing there (they have no write-backs). Below FOLLOW_MIN bodies stay
+in the rings, whose native paths copy them (1 MiB echo here: 1010 us through the rings, 497
+followed; 64 KiB: 58 us through the rings, 125-175 followed by the Python paths).
+
 A followed extent is *sealed*: the word after its progress word (SEAL_AT) holds its owner's
 ``seal_word`` from when the server hands it out (a followed reply's, an ALLOC asked for a
 followed request) and 0 from when its owner departs. Its client checks the seal before each
@@ -44,6 +58,11 @@ GRANT = struct.Struct("<QQ")   # ALLOC's size and whether a spare is asked; its 
 UNIT = 4096
 FOLLOW_HEADER = 64  # a followed extent: its progress word (u64), its seal (u64), from here its body
 SEAL_AT = 8  # a followed extent's seal word, after its progress word
+#: Without coherence a followed extent's progress word (its writer's: a client's, for a request)
+#: has a line of its own, apart from the seal's (the server's): the seal at SEAL_AT, the progress
+#: word at FLUSH_PROGRESS_AT, the body from FLUSH_FOLLOW_HEADER.
+FLUSH_PROGRESS_AT = 64
+FLUSH_FOLLOW_HEADER = 128
 SEAL_REVOKED = 0  # the seal of an extent whose owner departed (no seal_word is 0)
 #: what a client says when a followed body's seal is not its own (the native caller's words too)
 SEAL_BROKEN = "the extent's seal is not this client's: the server reaped it (the bytes may be another's)"
@@ -72,7 +91,7 @@ FOLLOW_IDLE_MAX_S = 10e-3
 #: 1/SPARE_SHARE of it: 8 MiB to the default 64 MiB), so that a body of max_message_size still
 #: fits. A spare is its client's again once the server has read its body, to write its next
 #: followed request into at once.
-SPARE_MAX = (2 << 20) + FOLLOW_HEADER
+SPARE_MAX = (2 << 20) + FLUSH_FOLLOW_HEADER
 SPARE_SHARE = 8
 
 
@@ -91,6 +110,8 @@ class HeapAccess:
                  seal: int | None = None) -> None:
         self.buf, self.mem, self.start, self.size = buf, mem, start, size
         self.own_seal = seal
+        #: a followed extent's header (its body starts there) and where its progress word is
+        self.header, self.progress_at = (FLUSH_FOLLOW_HEADER, FLUSH_PROGRESS_AT) if mem.flushing else (FOLLOW_HEADER, 0)
 
     def check(self, offset: int, length: int) -> None:
         """Raise ValueError unless ``[offset, offset+length)`` lies inside the heap."""
@@ -98,12 +119,19 @@ class HeapAccess:
             raise ValueError(f"extent ({offset}, {length}) is not inside the {self.size}-byte heap")
 
     def write(self, offset: int, parts: Sequence[BytesLike]) -> int:
-        """Copy ``parts`` to ``offset`` and write them back (memory without coherence); the
-        bytes written. Plain stores on coherent memory, as publish_copy (streaming ones only
-        where lines must reach memory anyway)."""
+        """Copy ``parts`` to ``offset``; the bytes written. Plain stores on coherent memory, as
+        publish_copy; without coherence, streaming stores (``Lines.write_body``: nothing left
+        to write back, one store fence before the frame that publishes them), or where the
+        native module is missing a copy and its write-back."""
         length = sum(len(part) for part in parts)
         self.check(offset, length)
         at = self.start + offset
+        lines = self.mem.lines
+        if lines is not None:
+            for part in parts:
+                lines.write_body(at, part)
+                at += len(part)
+            return length
         for part in parts:
             n = len(part)
             if self.mem.flushing:
@@ -117,33 +145,40 @@ class HeapAccess:
     def begin_publish(self, offset: int) -> None:
         """Zero the progress word of a followed extent, before its frame is sent (a client's
         only while the extent holds its seal: else SealBroken, nothing stored)."""
-        self.check(offset, FOLLOW_HEADER)
-        if self.own_seal is not None and self.mem.load(self.start + offset + SEAL_AT, ACQUIRE) != self.own_seal:
-            raise SealBroken("the extent's seal is not this client's")
-        self.mem.store(self.start + offset, 0, RELEASE)
+        self.check(offset, self.header)
+        at = self.start + offset
+        if self.own_seal is not None:
+            self.mem.invalidate(at + SEAL_AT, 8)
+            if self.mem.load(at + SEAL_AT, ACQUIRE) != self.own_seal:
+                raise SealBroken("the extent's seal is not this client's")
+        self.mem.store(at + self.progress_at, 0, RELEASE)
+        self.mem.writeback(at + self.progress_at, 8)  # (before the frame's push, which fences)
 
     def seal(self, offset: int, word: int) -> None:
         """Set the seal of the followed extent at ``offset`` (the server, handing it out or
-        taking it back). Coherent memory only, as following is (nothing to write back)."""
-        self.check(offset, FOLLOW_HEADER)
+        taking it back; written back: the frame that hands it out is pushed after)."""
+        self.check(offset, self.header)
         self.mem.store(self.start + offset + SEAL_AT, word, RELEASE)
+        self.mem.writeback(self.start + offset + SEAL_AT, 8)
 
     def publish(self, offset: int, body: BytesLike) -> None:
         """Write ``body`` into the followed extent at ``offset``, publishing its progress; if
         the copy fails, a progress word no writer stores tells the reader at once. A client's
         extent must hold its seal before each chunk, else the copy stops there and SealBroken
         is raised, the extent no longer touched: it is not ours."""
-        self.check(offset, FOLLOW_HEADER + len(body))
+        self.check(offset, self.header + len(body))
         at, seal = self.start + offset, self.own_seal
+        progress = at + self.progress_at
         try:
             if seal is None:
-                publish_copy(self.mem, self.buf, at, at + FOLLOW_HEADER, body)
+                publish_copy(self.mem, self.buf, progress, at + self.header, body)
             else:
-                publish_copy(self.mem, self.buf, at, at + FOLLOW_HEADER, body, at + SEAL_AT, seal)
+                publish_copy(self.mem, self.buf, progress, at + self.header, body, at + SEAL_AT, seal)
         except SealBroken:
             raise
         except BaseException:
-            self.mem.store(at, FOLLOW_ABORTED, RELEASE)
+            self.mem.store(progress, FOLLOW_ABORTED, RELEASE)
+            self.mem.writeback(progress, 8)
             raise
 
     def follow(self, offset: int, length: int) -> bytes:
@@ -151,23 +186,32 @@ class HeapAccess:
         for a bad extent or progress word, TimeoutError if the writer stops for FOLLOW_STALL_S
         or is slower than FOLLOW_MIN_RATE; for a client, SealBroken when, once copied, the
         extent's seal is not its own: the copy may hold another's bytes)."""
-        self.check(offset, FOLLOW_HEADER + length)
+        self.check(offset, self.header + length)
         at, seal = self.start + offset, self.own_seal
         stall, limit = FOLLOW_STALL_S, FOLLOW_STALL_S + length / FOLLOW_MIN_RATE
+        progress, body = at + self.progress_at, at + self.header
         if seal is None:
-            return follow_copy(self.mem, self.buf, at, at + FOLLOW_HEADER, length, stall, limit)
-        return follow_copy(self.mem, self.buf, at, at + FOLLOW_HEADER, length, stall, limit, at + SEAL_AT, seal)
+            return follow_copy(self.mem, self.buf, progress, body, length, stall, limit)
+        return follow_copy(self.mem, self.buf, progress, body, length, stall, limit, at + SEAL_AT, seal)
 
     def follower(self, offset: int, length: int, copy: bool) -> FollowedBody:
         """The followed extent's body, to take a step at a time (ValueError for a bad extent)."""
-        self.check(offset, FOLLOW_HEADER + length)
+        self.check(offset, self.header + length)
         at = self.start + offset
-        return FollowedBody(self.mem, self.buf, at, at + FOLLOW_HEADER, length, copy)
+        return FollowedBody(self.mem, self.buf, at + self.progress_at, at + self.header, length, copy)
+
+    def progress(self, offset: int) -> int:
+        """The progress word of the followed extent at ``offset`` (its line invalidated first)."""
+        at = self.start + offset + self.progress_at
+        self.mem.invalidate(at, 8)
+        return int(self.mem.load(at, ACQUIRE))
 
     def followed_view(self, offset: int, length: int) -> memoryview:
-        """A read-only view of a complete followed extent's body, in place (coherent memory)."""
-        self.check(offset, FOLLOW_HEADER + length)
-        at = self.start + offset + FOLLOW_HEADER
+        """A read-only view of a complete followed extent's body, in place (its lines
+        invalidated first: without coherence its follower only waited for it)."""
+        self.check(offset, self.header + length)
+        at = self.start + offset + self.header
+        self.mem.invalidate(at, length)
         return self.buf[at:at + length].toreadonly()
 
     def view(self, offset: int, length: int) -> memoryview:
@@ -178,9 +222,13 @@ class HeapAccess:
         return self.buf[at:at + length].toreadonly()
 
     def read(self, offset: int, length: int) -> bytes:
-        """A copy of the extent (its lines invalidated first: another host wrote them)."""
+        """A copy of the extent (its lines invalidated first: another host wrote them; with
+        the native module, a chunk at a time right before it is copied: ``Lines.read_body``)."""
         self.check(offset, length)
         at = self.start + offset
+        lines = self.mem.lines
+        if lines is not None:
+            return lines.read_body(at, length)
         self.mem.invalidate(at, length)
         view = self.buf[at:at + length]
         return to_bytes(view) if self.mem.flushing else plain_bytes(view)
@@ -228,7 +276,7 @@ class ServerHeap:
         return offset
 
     def _seal(self, offset: int, slot: int, gen: int, length: int) -> None:
-        if length >= FOLLOW_HEADER and not self.access.mem.flushing:  # (no body is followed there)
+        if length >= self.access.header:
             self.access.seal(offset, seal_word(slot, gen))
             self._sealed.add(offset)
 
@@ -317,8 +365,7 @@ class ServerHeap:
     def free_abandoned(self) -> int:
         """Free the abandoned extents whose writers stopped (their progress word at or past
         the length: done, or given up); how many (from housekeeping: O(abandoned))."""
-        done = [offset for offset, length in self.abandoned.items()
-                if self.access.mem.load(self.access.start + offset, ACQUIRE) >= length]
+        done = [offset for offset, length in self.abandoned.items() if self.access.progress(offset) >= length]
         for offset in done:
             self._drop(offset)
         return len(done)

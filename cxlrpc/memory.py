@@ -42,6 +42,10 @@ class _Flush(Protocol):
     def copied(self, src: Buffer, /) -> bytes: ...
     def publish_copy(self, dst: Buffer, src: Buffer, progress: Buffer, chunk: int, seal: Buffer = ...,
                      expected: int = ..., /) -> bool: ...
+    def publish_flushed(self, lines: Lines, at: int, src: Buffer, progress_at: int, chunk: int, seal_at: int = ...,
+                        expected: int = ..., /) -> bool: ...
+    def follow_flushed(self, lines: Lines, at: int, length: int, progress_at: int, stall: float, limit: float,
+                       seal_at: int = ..., expected: int = ..., /) -> bytes | Literal[False] | None: ...
     def follow_copy(self, src: Buffer, progress: Buffer, stall: float, limit: float, seal: Buffer = ...,
                     expected: int = ..., /) -> bytes | Literal[False] | None: ...
     @property
@@ -263,8 +267,17 @@ def publish_copy(mem: AtomicMemory, buf: memoryview, progress_at: int, at: int, 
     three alternating pairs of runs: 4.3-4.9 against 5.2-7.1 ms; 1 MiB: 227-277 against 313).
 
     With ``seal_at`` (>= 0), the u64 there must read ``seal`` before each chunk and each
-    progress store, else the copy stops there, nothing more written: SealBroken."""
+    progress store, else the copy stops there, nothing more written: SealBroken.
+
+    Without coherence (``mem.lines``, over the whole of ``buf``): streaming stores, then a store
+    fence and the progress word's write-back after each chunk; the seal's line invalidated
+    before each check (``cxlrpc._flush.publish_flushed``)."""
     n = len(src)
+    lines = mem.lines
+    if lines is not None and _native is not None:
+        if not _native.publish_flushed(lines, at, src, progress_at, FOLLOW_CHUNK, seal_at, seal):
+            raise SealBroken("the extent's seal changed while its body was written")
+        return
     if _native is not None:
         if seal_at < 0:
             _native.publish_copy(buf[at:at + n], src, buf[progress_at:progress_at + 8], FOLLOW_CHUNK)
@@ -289,7 +302,18 @@ def follow_copy(mem: AtomicMemory, buf: memoryview, progress_at: int, at: int, l
     progress word says its bytes are there. TimeoutError if the writer makes no progress for
     ``stall`` seconds (it died or froze) or is not done within ``limit``; ValueError if the
     word is garbage; with ``seal_at`` (>= 0), SealBroken if once copied the u64 there does not
-    read ``seal`` (re-read after a fence, seqlock-style: the copy may hold another's bytes)."""
+    read ``seal`` (re-read after a fence, seqlock-style: the copy may hold another's bytes).
+    Without coherence (``mem.lines``, over the whole of ``buf``): the progress word's line
+    invalidated before each look, each run of bytes it announces right before it is copied, the
+    seal's line before it is checked (``cxlrpc._flush.follow_flushed``)."""
+    lines = mem.lines
+    if lines is not None and _native is not None:
+        got = _native.follow_flushed(lines, at, length, progress_at, stall, limit, seal_at, seal)
+        if got is None:
+            raise TimeoutError(f"the writer stopped for {stall} s or took over {limit:.3g} s")
+        if got is False:
+            raise SealBroken("the extent's seal changed while its body was read")
+        return got
     if _native is not None:
         if seal_at < 0:
             got = _native.follow_copy(buf[at:at + length], buf[progress_at:progress_at + 8], stall, limit)
@@ -338,8 +362,12 @@ class FollowedBody:
         whether the body is complete. ValueError if the progress word is garbage."""
         at, buf = self._at, self._buf
         if self._native is not None:
-            self.done = self._native.step(buf[at:at + self.length],
-                                          buf[self._progress_at:self._progress_at + 8], spin, budget)
+            lines = self._mem.lines
+            if lines is not None:  # (without coherence: each look and each run invalidated first)
+                self.done = self._native.step_flushed(lines, at, self._progress_at, spin, budget)
+            else:
+                self.done = self._native.step(buf[at:at + self.length],
+                                              buf[self._progress_at:self._progress_at + 8], spin, budget)
             return self.done == self.length
         since = start = time.monotonic()
         while self.done < self.length:

@@ -125,10 +125,10 @@ class Server:
             request_capacity = 4 << 20 if self.coherence == HARDWARE else 1 << 20
         #: Largest request or response body; bodies too big for a ring go through the heap
         #: (``heap_size`` bytes, by default ``max_message_size``: one such body at a time,
-        #: plus, with coherence, an eighth more for clients' spare extents: cxlrpc.heap).
+        #: plus an eighth more for clients' spare extents: cxlrpc.heap).
         self.max_message_size = max_message_size
         if heap_size is None:
-            heap_size = max_message_size + (max_message_size // SPARE_SHARE if self.coherence == HARDWARE else 0)
+            heap_size = max_message_size + max_message_size // SPARE_SHARE
         self.geometry = layout(slots, request_capacity, response_capacity, self.coherence,
                                heap_size, max_message_size)
         self.size = max(size or 0, self.geometry.size)
@@ -266,13 +266,12 @@ class Server:
         try:
             self._chan = chan = _transport(region, geo, self.poll_interval)
             if geo.heap_size:
-                following = not region.mem.flushing
                 # spares take what the heap has beyond one body of max_message_size
                 heap = ServerHeap(HeapAccess(region.buf, region.mem, geo.heap, geo.heap_size),
-                                  max(0, geo.heap_size - self.max_message_size) if following else 0)
+                                  max(0, geo.heap_size - self.max_message_size))
                 body_limit = min(self.max_message_size, geo.heap_size)
-                if following:
-                    follow_min = FOLLOW_MIN
+                if not region.mem.flushing or region.mem.lines is not None:
+                    follow_min = FOLLOW_MIN  # (without coherence through the native module's flushed copies)
         except BaseException:
             self._stop_beating()
             region.mark_closed()

@@ -12,7 +12,7 @@ from typing import Any
 from . import frame as fr
 from .bounds import Limits, PerConnection
 from .errors import StatusCode
-from .heap import (EXTENT, FOLLOW_HEADER, FOLLOW_IDLE_MAX_S, FOLLOW_SPIN_S, FOLLOW_STALL_S,
+from .heap import (EXTENT, FOLLOW_IDLE_MAX_S, FOLLOW_SPIN_S, FOLLOW_STALL_S,
                    FOLLOW_STEP_S, GRANT, ServerHeap)
 from .memory import FollowedBody
 from .server_context import CallKey
@@ -198,7 +198,7 @@ class Bodies:
         if heap is not None and self.follow_min != sys.maxsize and len(f.body) == EXTENT.size:
             offset, length = EXTENT.unpack(f.body)
             key = (f.slot, f.gen, f.call_id)
-            if heap.owned(offset, FOLLOW_HEADER + length, f.slot, f.gen) and key not in self.following:
+            if heap.owned(offset, heap.access.header + length, f.slot, f.gen) and key not in self.following:
                 lends = type(f.body) is memoryview
                 f.body = b""  # (a view of the ring's record, which is reused once we return)
                 heap.lend(offset)

@@ -117,6 +117,9 @@ class Dispatch:
         if _Dispatcher is None:
             return None
         chan = self._chan
+        heap = self._heap
+        # it follows replies without write-backs: without coherence they go to Replies.push
+        follow_min = self._follow_min if heap is None or not heap.access.mem.flushing else sys.maxsize
         rings = chan.native_rings()
         if rings is None:
             return None
@@ -126,7 +129,7 @@ class Dispatch:
             chan.ring_client, fr.encode_body, self._event_loop, _current_task, _enter_task, _leave_task,
             _EagerTask, asyncio.CancelledError, self._replies.reply_limit(), fr.Frame, _current_tasks(),
             rings.parked_at, rings.host, self._heap, self._heap_waiting, *heap_span,
-            self._follow_min, body_limit, FOLLOW_CHUNK, fr.encode_msgpack, rings.gen_mask)
+            follow_min, body_limit, FOLLOW_CHUNK, fr.encode_msgpack, rings.gen_mask)
         fast.enabled = 0 if self._interceptors or self._draining else 1
         self._fast_requests = chan.requests if rings.requests is None else rings.requests
         return fast

@@ -12,7 +12,7 @@ from . import frame as fr
 from .memory import BytesLike
 from .bounds import HELD, SHED, HeldReplies, Limits
 from .errors import RpcError, StatusCode
-from .heap import EXTENT, FOLLOW_HEADER, ServerHeap
+from .heap import EXTENT, ServerHeap
 from .transport import ReplySink, ServerTransport
 
 logger = logging.getLogger("cxlrpc.server")
@@ -36,7 +36,7 @@ class Replies:
         self._chan: ServerTransport
         self._heap: ServerHeap | None = None
         #: replies of this many bytes and more are followed (cxlrpc.heap); never without a heap
-        #: or on memory without coherence, where each chunk would need a write-back
+        #: (nor without coherence where the native module is missing: no flushed copies then)
         self.follow_min = sys.maxsize
         #: the largest body through the heap: max_message_size, or a smaller heap's size
         self.body_limit = max_message_size
@@ -138,7 +138,7 @@ class Replies:
             body = memoryview(body).cast("B")
         except TypeError:
             return None
-        size = FOLLOW_HEADER + len(body)
+        size = heap.access.header + len(body)
         if self._heap_waiting or size > heap.access.size:
             return None
         offset = heap.alloc_reply(slot, gen, size)

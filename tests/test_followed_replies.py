@@ -20,7 +20,7 @@ import cxlrpc.client_bodies
 import cxlrpc.heap
 from cxlrpc import frame as fr
 from cxlrpc import memory
-from cxlrpc.heap import FOLLOW_HEADER, FOLLOW_MIN, UNIT, HeapAccess, ServerHeap
+from cxlrpc.heap import FOLLOW_MIN, UNIT, HeapAccess, ServerHeap
 from cxlrpc.memory import FOLLOW_CHUNK, AtomicMemory, follow_copy, publish_copy
 from procs import echo_server, followed_server, made as _made
 
@@ -39,7 +39,7 @@ def published(monkeypatch) -> list[int]:
     def spy(self, slot, gen, length):
         offset = real(self, slot, gen, length)
         if offset is not None:
-            lengths.append(length - FOLLOW_HEADER)
+            lengths.append(length - self.access.header)
         return offset
 
     monkeypatch.setattr(ServerHeap, "alloc_reply", spy)
@@ -337,7 +337,7 @@ async def test_a_request_claiming_the_follow_flag_is_dropped(name):
             client._replies.pending.pop(4242, None)
 
 
-async def test_no_heap_room_or_no_coherence_sends_big_replies_the_plain_way(name, published):
+async def test_no_heap_room_sends_big_replies_the_plain_way_and_no_coherence_follows_them_too(name, published):
     url = f"shm://{name}"
     # a reply the size of the whole heap leaves no room for a progress word: into the ring
     async with _server(url, heap_size=512 << 10, max_message_size=512 << 10) as server, \
@@ -348,11 +348,11 @@ async def test_no_heap_room_or_no_coherence_sends_big_replies_the_plain_way(name
     sim = f"sim://{name}s"
     async with _server(sim, request_capacity=64 << 10, response_capacity=64 << 10,
                        max_message_size=2 * MiB) as server, cxlrpc.connect(sim) as client:
-        assert server._replies.follow_min == sys.maxsize
+        assert server._replies.follow_min == FOLLOW_MIN  # (flushed: cxlrpc._flush.publish_flushed)
         for size in (FOLLOW_MIN, MiB + 1):
             assert await client.call("make", [size, 4], timeout=30) == _made(size, 4)
         assert await _heap_empty(server)
-    assert published == []
+    assert published == [FOLLOW_MIN, MiB + 1]
 
 
 async def test_replies_leave_the_heap_to_requests_that_wait_for_it(name, published):

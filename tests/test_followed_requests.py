@@ -414,13 +414,15 @@ async def test_garbage_followed_requests_are_refused(name):
         assert await client.call("size", bytes(MiB), timeout=10) == MiB
 
 
-async def test_no_coherence_or_one_way_calls_keep_the_plain_way(name, followed):
+async def test_one_way_calls_keep_the_plain_way_and_no_coherence_follows_too(name, followed):
     sim = f"sim://{name}s"
     async with _server(sim, max_message_size=4 * MiB) as server, cxlrpc.connect(sim) as client:
-        for size in (FOLLOW_MIN, 3 * MiB):
+        for size in (FOLLOW_MIN - 1, FOLLOW_MIN, 3 * MiB):
             payload = os.urandom(size)
             assert await client.call("echo", payload, timeout=30) == payload
-        assert await _settled(server)
+        assert await _settled(server, client)
+    assert followed == [("echo", FOLLOW_MIN), ("echo", 3 * MiB)]  # (flushed: cxlrpc._flush)
+    followed.clear()
     url = f"shm://{name}"
     async with _server(url) as server, cxlrpc.connect(url) as client:
         client.send_nowait("size", bytes(FOLLOW_MIN + 1))  # the ring takes it

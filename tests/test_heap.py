@@ -201,24 +201,42 @@ def _heap_flush_sites() -> list[tuple[str, int]]:
 
 
 HEAP_SITES = _heap_flush_sites()
+#: Sites of followed bodies without coherence the scenario below cannot show (in one process
+#: the progress word's stores write the same lines back, the server never reads stale ones):
+#: mutated in scenarios of their own (tests/test_flush_native_bodies.py, two caches).
+OWN_SCENARIO = ("begin_publish", "seal", "publish", "progress", "followed_view")
 
 
-def test_the_heap_mutation_test_sees_both_sites():
-    assert sorted(m for m, _ in HEAP_SITES) == ["read", "view", "write"], HEAP_SITES
-
-
-@pytest.mark.parametrize("site", HEAP_SITES, ids=[f"{m}:{n}" for m, n in HEAP_SITES])
-async def test_removing_a_heap_flush_or_invalidate_breaks_big_bodies(name, site, monkeypatch):
-    """The simulator catches a forgotten write-back or invalidate of a heap extent."""
+def mutated(site: tuple[str, int]):
+    """HeapAccess's method ``site[0]`` with the call at line ``site[1]`` of cxlrpc/heap.py removed."""
     import inspect
 
     import cxlrpc.heap as heap
     lines = inspect.getsource(heap).splitlines()
     code = lines[site[1] - 1]
     lines[site[1] - 1] = code[:len(code) - len(code.lstrip())] + "pass"
-    mutated: dict = {"__name__": "cxlrpc.heap_mutated", "__package__": "cxlrpc"}
-    exec(compile("\n".join(lines), heap.__file__, "exec"), mutated)
-    monkeypatch.setattr(heap.HeapAccess, site[0], getattr(mutated["HeapAccess"], site[0]))
+    namespace: dict = {"__name__": "cxlrpc.heap_mutated", "__package__": "cxlrpc"}
+    exec(compile("\n".join(lines), heap.__file__, "exec"), namespace)
+    return getattr(namespace["HeapAccess"], site[0])
+
+
+def test_the_heap_mutation_test_sees_both_sites():
+    assert sorted(m for m, _ in HEAP_SITES) == ["begin_publish", "begin_publish", "followed_view", "progress", "publish",
+                                                "read", "seal", "view", "write"], HEAP_SITES
+
+
+@pytest.mark.parametrize("site", [s for s in HEAP_SITES if s[0] not in OWN_SCENARIO],
+                         ids=[f"{m}:{n}" for m, n in HEAP_SITES if m not in OWN_SCENARIO])
+async def test_removing_a_heap_flush_or_invalidate_breaks_big_bodies(name, site, monkeypatch):
+    """The simulator catches a forgotten write-back or invalidate of a heap extent. Copies in
+    and out of the heap take these sites only without the native module (with it they are
+    Lines.write_body / read_body, and big requests are followed, whose sites
+    tests/test_flush_native_bodies.py mutates): the regions are opened without it here."""
+    import cxlrpc.heap as heap
+    import cxlrpc.memory as memory
+    if site[0] in ("read", "write", "view"):
+        monkeypatch.setattr(memory, "_native", None)
+    monkeypatch.setattr(heap.HeapAccess, site[0], mutated(site))
     url = f"sim://{name}"
     async with _server(url), cxlrpc.connect(url) as client:
         payload = os.urandom(300_000)

@@ -25,15 +25,38 @@ FILL = 0xEE
 
 def stop_at_the_payloads_write_back() -> None:
     """From now on, the first write-back of PAYLOAD_MIN bytes or more never happens: say so,
-    then wait to be killed (the copy it follows stays dirty in this process's cache)."""
+    then wait to be killed (the copy it follows stays dirty in this process's cache). Taken
+    where AtomicMemory.writeback is called and where the native paths' Lines call the
+    simulator's hook (a heap body's Lines.write_body): _armed, below."""
     def writeback(self: AtomicMemory, offset: int, length: int) -> None:
         if length < PAYLOAD_MIN:
             return original(self, offset, length)
-        print("ready", flush=True)
-        time.sleep(3600)
+        _stop()
 
     original = AtomicMemory.writeback
     AtomicMemory.writeback = writeback  # type: ignore[method-assign]
+    _armed.append(True)
+
+
+def _stop() -> None:
+    print("ready", flush=True)
+    time.sleep(3600)
+
+
+_armed: list[bool] = []
+
+
+def _arm_the_simulators_hook() -> None:
+    """Before any region is mapped (its Lines binds the hook then): the simulator's write-back
+    stops too, once armed, at PAYLOAD_MIN bytes or more."""
+    original = cxlrpc.simulator.CacheSim.writeback
+
+    def writeback(self: cxlrpc.simulator.CacheSim, offset: int, length: int) -> None:
+        if _armed and length >= PAYLOAD_MIN:
+            _stop()
+        original(self, offset, length)
+
+    cxlrpc.simulator.CacheSim.writeback = writeback  # type: ignore[method-assign]
 
 
 async def rpc(url: str, size: int) -> None:
@@ -55,6 +78,7 @@ async def kv(url: str, size: int) -> None:
 def main(argv: list[str]) -> int:
     role, url, size = argv[0], argv[1], int(argv[2])
     cxlrpc.simulator.EVICTION_RATE = 0.0  # the payload's lines stay dirty until it is killed
+    _arm_the_simulators_hook()
     asyncio.run(kv(url, size) if role == "kv" else rpc(url, size))
     return 1  # (never reached: killed while it waits)
 

@@ -33,8 +33,9 @@ bytes right before copying it, the seal's line before each check (``memory.publi
 (FLUSH_PROGRESS_AT; the body from FLUSH_FOLLOW_HEADER), apart from the seal's: a request's
 progress word is its client's, its seal the server's, and no line has two writers. The native
 caller and dispatcher follow nothing there (they have no write-backs). Below FOLLOW_MIN bodies stay
-in the rings, whose native paths copy them (1 MiB echo here: 1010 us through the rings, 497
-followed; 64 KiB: 58 us through the rings, 125-175 followed by the Python paths).
+in the rings, whose native paths copy them (an echo between processes here, p50, with the native
+flush rings: 1 MiB 951-966 us through the rings, 470-478 followed; 64 KiB 55 us through the
+rings, 125-175 followed by the Python paths).
 
 A followed extent is *sealed*: the word after its progress word (SEAL_AT) holds its owner's
 ``seal_word`` from when the server hands it out (a followed reply's, an ALLOC asked for a

@@ -35,7 +35,8 @@ def block(url: str) -> dict[str, str]:
     still = attempt(lease.check)  # the pool is open: the check still answers
     pool.retire()
     pool.close()
-    return {"native": type(lease).__mro__[1].__module__ == "kvservice._block", "before": before,
+    native = any(cls.__module__ == "kvservice._block" for cls in type(lease).__mro__)  # (flush mode: FlushBlock)
+    return {"native": native, "before": before,
             "released_view": still, "check": attempt(lease.check), "view": attempt(lease.view),
             "array": attempt(lease.array), "tobytes": attempt(lease.tobytes)}
 

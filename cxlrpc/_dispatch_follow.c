@@ -212,7 +212,7 @@ PyObject *follow_reply(Caller *self, uint64_t call_id) {
     double stall = self->follow_stall, limit = stall + (double)length / self->follow_rate;
     char *dst = PyBytes_AS_STRING(out);
     Py_BEGIN_ALLOW_THREADS
-    rc = follow_loop(dst, extent + FOLLOW_HEADER, (uint64_t *)extent, length, &done, stall, limit, &seen);
+    rc = follow_loop(NULL, dst, extent + FOLLOW_HEADER, (uint64_t *)extent, length, &done, stall, limit, &seen);
     /* copied, then the seal re-read: still ours, or what was copied may be another's */
     sealed = follow_sealed((const uint64_t *)(extent + FOLLOW_SEAL_AT), follow_seal(self->slot, self->gen));
     Py_END_ALLOW_THREADS

@@ -227,7 +227,7 @@ static PyObject *follow_copy(PyObject *self, PyObject *args) {
         uint64_t n = (uint64_t)src.len, done = 0, seen = 0;
         int rc, sealed = 1;
         Py_BEGIN_ALLOW_THREADS
-        rc = follow_loop(d, (const char *)src.buf, word, n, &done, stall, limit, &seen);
+        rc = follow_loop(NULL, d, (const char *)src.buf, word, n, &done, stall, limit, &seen);
         if (seal != NULL) /* copied, then the seal re-read (seqlock-style) */
             sealed = follow_sealed(seal, (uint64_t)expected);
         Py_END_ALLOW_THREADS
@@ -249,8 +249,6 @@ static PyObject *follow_copy(PyObject *self, PyObject *args) {
     return out;
 }
 
-static int follow_flushed_loop(cxlrpc_lines *l, char *dst, const char *src, uint64_t *word, uint64_t n,
-                               uint64_t *done, double stall, double limit, uint64_t *seen);
 static cxlrpc_lines *lines_arg(PyObject *o, const Py_ssize_t *ranges, int count);
 
 /* Follower(length, copy): a followed body taken a step at a time, so a reader that serves
@@ -303,7 +301,7 @@ static PyObject *Follower_step(Follower *self, PyObject *args) {
         uint64_t done = self->done, seen = 0;
         int rc;
         Py_BEGIN_ALLOW_THREADS
-        rc = follow_loop(d, (const char *)src.buf, word, self->length, &done, spin, budget, &seen);
+        rc = follow_loop(NULL, d, (const char *)src.buf, word, self->length, &done, spin, budget, &seen);
         Py_END_ALLOW_THREADS
         if (rc < 0)
             garbage_progress(seen, done, self->length);
@@ -341,21 +339,19 @@ static PyObject *Follower_step_flushed(Follower *self, PyObject *args) {
     uint64_t done = self->done, seen = 0;
     int rc;
     if (l->py_writeback != NULL) {
-        rc = follow_flushed_loop(l, d, l->base + at, (uint64_t *)(l->base + progress_at), self->length, &done, spin,
+        rc = follow_loop(l, d, l->base + at, (uint64_t *)(l->base + progress_at), self->length, &done, spin,
                                  budget, &seen);
     } else {
         Py_BEGIN_ALLOW_THREADS
-        rc = follow_flushed_loop(l, d, l->base + at, (uint64_t *)(l->base + progress_at), self->length, &done, spin,
+        rc = follow_loop(l, d, l->base + at, (uint64_t *)(l->base + progress_at), self->length, &done, spin,
                                  budget, &seen);
         Py_END_ALLOW_THREADS
     }
     self->done = done;
+    if (rc == -1)
+        garbage_progress(seen, done, self->length);
     if (rc < 0)
         return NULL;
-    if (rc > 0) {
-        garbage_progress(seen, done, self->length);
-        return NULL;
-    }
     return PyLong_FromUnsignedLongLong(self->done);
 }
 
@@ -576,43 +572,6 @@ static int publish_flushed_loop(cxlrpc_lines *l, char *dst, const char *src, siz
     return 0;
 }
 
-/* follow_loop's, each look and each copy preceded by its invalidate: 0; 1 when the word is
- * garbage (*seen); -1 with an error set. */
-static int follow_flushed_loop(cxlrpc_lines *l, char *dst, const char *src, uint64_t *word, uint64_t n,
-                               uint64_t *done, double stall, double limit, uint64_t *seen) {
-    double end = follow_clock() + limit, since = 0.0;
-    for (unsigned spins = 1; *done < n; spins++) {
-        if (lines_invalidate(l, CXLRPC_SITE_FOLLOW_POLL, word, 8, CXLRPC_FULL_FENCE) < 0)
-            return -1;
-        uint64_t p = __atomic_load_n(word, __ATOMIC_ACQUIRE);
-        if (p > n || p < *done) {
-            *seen = p;
-            return 1;
-        }
-        if (p > *done) {
-            if (dst != NULL) { /* (NULL: only waited for; its reader invalidates it whole) */
-                if (lines_invalidate(l, CXLRPC_SITE_FOLLOW_READ, src + *done, (size_t)(p - *done), CXLRPC_FULL_FENCE) < 0)
-                    return -1;
-                copy_span(dst + *done, src + *done, (size_t)(p - *done));
-            }
-            *done = p;
-            since = 0.0;
-            continue;
-        }
-        if ((spins & 255) == 0) {
-            double now = follow_clock();
-            if (now > end)
-                break;
-            if (since == 0.0)
-                since = now;
-            else if (now - since > stall)
-                break;
-        }
-        __builtin_ia32_pause();
-    }
-    return 0;
-}
-
 /* The Lines object of argument ``o``, its ranges (offset, length) checked: NULL with an error set. */
 static cxlrpc_lines *lines_arg(PyObject *o, const Py_ssize_t *ranges, int count);
 
@@ -673,15 +632,15 @@ static PyObject *follow_flushed(PyObject *self, PyObject *args) {
     const uint64_t *seal = seal_at < 0 ? NULL : (const uint64_t *)(l->base + seal_at);
     int rc = 0, sealed = 1, sim = l->py_writeback != NULL;
     PyThreadState *ts = sim ? NULL : PyEval_SaveThread();
-    rc = follow_flushed_loop(l, PyBytes_AS_STRING(out), l->base + at, word, (uint64_t)length, &done, stall, limit, &seen);
+    rc = follow_loop(l, PyBytes_AS_STRING(out), l->base + at, word, (uint64_t)length, &done, stall, limit, &seen);
     if (rc == 0 && done == (uint64_t)length && seal != NULL && seal_holds(l, seal, (uint64_t)expected, &sealed) < 0)
-        rc = -1;
+        rc = -2;
     if (ts != NULL)
         PyEval_RestoreThread(ts);
-    if (rc < 0) {
-        Py_CLEAR(out);
-    } else if (rc > 0) {
+    if (rc == -1) {
         garbage_progress(seen, done, (uint64_t)length);
+        Py_CLEAR(out);
+    } else if (rc < 0) {
         Py_CLEAR(out);
     } else if (done < (uint64_t)length) {
         Py_SETREF(out, Py_NewRef(Py_None));

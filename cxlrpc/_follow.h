@@ -9,6 +9,7 @@
 #include <time.h>
 
 #include "_copy.h"
+#include "_flush_api.h"
 
 /* A followed extent's seal: the u64 after its progress word (FOLLOW_SEAL_AT), which the server
  * sets to its owner's follow_seal(slot, generation) when it hands the extent out and to 0 when
@@ -53,21 +54,31 @@ static inline double follow_clock(void) {
 }
 
 /* Copy ``src[*done:]`` into ``dst`` as the progress word says its bytes are there, until all
- * ``n`` are, or the word stops moving for ``stall`` seconds, or ``limit`` seconds pass. Called
- * without the GIL. Returns 0, or -1 when the word is garbage (outside [*done, n]: ``*seen``). */
-static inline int follow_loop(char *dst, const char *src, uint64_t *word, uint64_t n, uint64_t *done,
-                              double stall, double limit, uint64_t *seen) {
+ * ``n`` are, or the word stops moving for ``stall`` seconds, or ``limit`` seconds pass. With
+ * ``l`` (memory without coherence; NULL on coherent memory) each look at the word and each copy
+ * is preceded by its invalidate (sites FOLLOW_POLL, FOLLOW_READ; a NULL ``dst`` only waits, its
+ * reader invalidates the body whole). Called without the GIL unless ``l`` calls a simulator's
+ * hooks. Returns 0; -1 when the word is garbage (outside [*done, n]: ``*seen``); -2 with an
+ * error set (a hook raised). */
+static inline int follow_loop(cxlrpc_lines *l, char *dst, const char *src, uint64_t *word, uint64_t n,
+                              uint64_t *done, double stall, double limit, uint64_t *seen) {
     double end = follow_clock() + limit;
     double since = 0.0; /* when progress last moved (0: look at the clock next time) */
     for (unsigned spins = 1; *done < n; spins++) {
+        if (l != NULL && lines_invalidate(l, CXLRPC_SITE_FOLLOW_POLL, word, 8, CXLRPC_FULL_FENCE) < 0)
+            return -2;
         uint64_t p = __atomic_load_n(word, __ATOMIC_ACQUIRE);
         if (p > n || p < *done) { /* a writer only counts up to the length: garbage */
             *seen = p;
             return -1;
         }
         if (p > *done) {
-            if (dst != NULL)
+            if (dst != NULL) {
+                if (l != NULL && lines_invalidate(l, CXLRPC_SITE_FOLLOW_READ, src + *done, (size_t)(p - *done),
+                                                  CXLRPC_FULL_FENCE) < 0)
+                    return -2;
                 copy_span(dst + *done, src + *done, (size_t)(p - *done));
+            }
             *done = p;
             since = 0.0;
             continue;

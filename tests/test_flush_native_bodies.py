@@ -158,6 +158,7 @@ def test_every_body_site_has_its_mutation_test():
     assert ours == {site for site, _ in OWNED} | {"FOLLOW_SEAL"}
 
 
+@pytest.mark.mutations
 @pytest.mark.parametrize("site,side", OWNED, ids=[f"{s}-{p}" for s, p in OWNED])
 async def test_removing_a_body_site_breaks_the_scenario(name, site, side, monkeypatch):
     """Each site left out (Lines.skip) in the process that owns it, no evictions to hide it:

@@ -152,7 +152,7 @@ async def test_native_flush_block_matches_the_reference_across_processes(name, e
     assert [s[1] for s in native] == [s[1] for s in reference]
 
 
-@pytest.mark.parametrize("site", [None, *OWNERS])
+@pytest.mark.parametrize("site", [None, *(pytest.param(s, marks=pytest.mark.mutations) for s in OWNERS)])
 async def test_every_block_site_removed_is_caught(name, site, monkeypatch):
     """Mutations: with each BLOCK_* site skipped in the process that owns it (and no random
     eviction to hide it), some step of the scenario reads wrong bytes or refuses a good read;

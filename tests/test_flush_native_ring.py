@@ -243,6 +243,7 @@ def test_the_mutation_test_sees_every_native_site_of_this_path():
     assert CAPACITY <= 8192  # the echo scenario laps its rings (RING_FULL_HEAD, RING_RELEASE_HEAD)
 
 
+@pytest.mark.mutations
 @pytest.mark.parametrize("site,scenario,where", MUTATIONS, ids=[f"{s}-{w}" for s, _, w in MUTATIONS])
 def test_removing_a_native_flush_site_breaks_its_scenario(name, site, scenario, where):
     """With that one site made a no-op in that process (no random evictions, which would

@@ -73,7 +73,10 @@ class SlotTable:
         self.geo = read_geometry(self.region)
 
     def claimed(self) -> list[int]:
-        return [i for i in range(self.geo.slots) if self.word(i) & 1]
+        """Slots a client holds (flush mode: a grant naming a knock; a slot reaped from a
+        stale heartbeat reads held by nobody, nonce 0, until its holder is fenced)."""
+        words = [self.word(i) for i in range(self.geo.slots)]
+        return [i for i, w in enumerate(words) if w & 1 and (not self.geo.per_client_requests or w >> 32)]
 
     def word(self, slot: int) -> int:
         """A slot's state word (flush mode: the server's grant word, same held bit)."""

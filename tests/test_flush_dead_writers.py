@@ -36,7 +36,7 @@ from cxlrpc.ring import SpscRing
 from cxlrpc.ring.record import HEADER_SIZE
 from kvservice import KVClient, KVServer
 from nc_ring_peer import intact, record, ring_offsets
-from procs import run_python, until
+from procs import run_python, until, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 PEER = str(Path(__file__).with_name("dead_writer_peer.py"))
@@ -348,7 +348,7 @@ def test_limbo_lands_a_killed_or_closed_processes_lines_through_its_host_or_late
         mine.mem.writeback(8192, 8)
         assert seen(other, 8192) == 8  # landed once: never again over a newer value
         assert seen(other, 16384) == 0 and seen(other, 24576) == 0
-        assert until_sync(lambda: seen(other, 16384) == 9 and seen(other, 24576) == 5, 5)
+        assert wait_for(lambda: seen(other, 16384) == 9 and seen(other, 24576) == 5, 5)
         assert len(simulator.side_files(path)) == 3  # the registry, two live caches
         other.close()
     finally:
@@ -356,16 +356,6 @@ def test_limbo_lands_a_killed_or_closed_processes_lines_through_its_host_or_late
         mine.close()
     assert simulator.side_files(path) == []
 
-
-def until_sync(cond, timeout: float) -> bool:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def test_evict_near_reaches_the_lines_around_a_call_in_a_big_region(name, monkeypatch):
